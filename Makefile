@@ -1,0 +1,31 @@
+# Everything runs from a virtual environment inside the repo (.venv), made on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job: generate from the built-in default model (written on first use), all in this process.
+run: $(STAMP)
+	$(BIN)/moemesh generate --prompt "The mesh of experts" --max-tokens 32
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/moemesh make-tiny-model --arch mixtral --preset bench --out models/bench-mixtral
+	$(BIN)/moemesh bench model --model models/bench-mixtral --batch 1,8,32,64 --new 64 --prompt-len 32 --threads 1
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

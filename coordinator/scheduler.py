@@ -1,0 +1,167 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens of each.
+
+Pure policy over `Sequence` objects (no sockets, no tensors):
+- Running sequences go first, oldest first: a decode is one token; a prompt still being prefilled
+  continues with its next chunk.
+- Then waiting sequences are admitted, oldest first, while the step's token budget, the sequence
+  limit and the free KV blocks allow. A prompt longer than the remaining budget is prefilled in
+  chunks across steps (chunked prefill), so prefills and decodes share every step.
+- When a running sequence needs a block and none is free, the newest running sequence is preempted:
+  its blocks are freed and it goes back to the front of the queue, to be recomputed from its
+  prompt and generated tokens later.
+- Sequences in a step that has not come back yet (`in_flight`) are skipped, which lets a pipeline
+  keep several steps of disjoint sequences in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from coordinator.block_manager import BlockManager
+from coordinator.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed in this step
+    context_len: int  # tokens already in the cache before it
+    sample: bool  # the step reaches the sequence's last token: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.context_len:self.context_len + self.num_new]
+
+
+@dataclass
+class Step:
+    items: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_token_ids: tuple[int, ...] = ()):
+        self.config, self.blocks = config, blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.in_flight: set[int] = set()  # seq ids in steps not yet returned
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        need = len(seq.prompt_ids) + seq.params.max_tokens
+        if need > self.config.max_model_len:
+            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) plus max_tokens ({seq.params.max_tokens}) "
+                             f"exceeds the maximum context length of {self.config.max_model_len}")
+        if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
+            raise ValueError(f"prompt plus max_tokens ({need} tokens) does not fit the KV cache "
+                             f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Step:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+
+        for seq in list(self.running):
+            if budget == 0 or len(items) == self.config.max_num_seqs:
+                break
+            if seq.seq_id in self.in_flight or seq.status is not Status.RUNNING:
+                continue  # in flight, or preempted just now to make room for an older one
+            n = min(seq.num_pending, budget)
+            while not self.blocks.can_grow(seq, n):
+                victim = next((s for s in reversed(self.running)
+                               if s.seq_id not in self.in_flight and s.seq_id not in scheduled), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING or not self.blocks.can_grow(seq, n):
+                continue
+            items.append(self._take(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(items) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self.blocks.can_grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            items.append(self._take(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        self.in_flight |= scheduled
+        return Step(items)
+
+    def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
+        self.blocks.grow(seq, n)
+        item = ScheduledSeq(seq, n, seq.num_computed, sample=seq.num_computed + n == seq.num_tokens)
+        seq.num_computed += n  # the cache will hold them once the step has run
+        return item
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def update(self, step: Step, sampled: list[int]) -> list[Sequence]:
+        """Records the tokens sampled for the step's sampling rows (in order); returns the
+        sequences that finished."""
+        finished = []
+        tokens = iter(sampled)
+        for item in step.items:
+            seq = item.seq
+            self.in_flight.discard(seq.seq_id)
+            if not item.sample:
+                continue
+            token = next(tokens)
+            if seq.finished:  # aborted while its step was in flight
+                continue
+            seq.output_ids.append(token)
+            reason = self._stop_reason(seq)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p, token, n = seq.params, seq.output_ids[-1], len(seq.output_ids)
+        if n >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            return "stop"
+        if n >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence (also for aborts and errors) and returns its blocks to the pool."""
+        if seq.finished:
+            return
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,46 @@
+"""A request's sequence as the coordinator tracks it: its tokens, how many are in the KV cache,
+its blocks, and why it ended. The prompt and generated tokens are always kept, so a sequence can be
+recomputed from scratch whenever its cache is lost (preemption, a restarted stage)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from moemesh.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache (the rest of the prompt, or the last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

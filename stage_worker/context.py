@@ -1,0 +1,113 @@
+"""The per-step context: batch metadata that attention reads, set once per forward by the runner.
+
+A step holds any mix of sequences: prompts (whole or a chunk continuing an earlier chunk) and
+decodes (one new token). Tokens of a sequence are contiguous in the flat token batch. For attention,
+sequences are grouped: decodes (one query each) in one batch, prefill chunks padded in another, so
+that each layer runs one attention call per group rather than one per sequence.
+
+Legend: T = tokens in the step, B = sequences in a group, Q = longest query in the group,
+L = longest context (cached + new) in the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    token_index: torch.Tensor  # [B, Q] long: row of each query in the flat batch (padding: any valid row)
+    valid: torch.Tensor  # [B, Q] bool: real query (not padding)
+    kv_slots: torch.Tensor  # [B, L] long: cache slot of each context position (padding: slot 0)
+    mask: torch.Tensor  # [B, 1, Q, L] bool: query may attend to key
+    is_decode: bool
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
+    groups: list[AttentionGroup]
+
+
+_current: ForwardContext | None = None
+
+
+def get_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a forward context")
+    return _current
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward contexts do not nest")
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None
+
+
+def build_context(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
+    """Metadata for one step.
+
+    query_lens[i]: new tokens of sequence i in this step; context_lens[i]: tokens already in its
+    cache (the new ones start at that position); block_tables[i]: its KV block ids, covering
+    context_lens[i] + query_lens[i] tokens.
+    """
+    positions, slots = [], []
+    starts = []
+    t = 0
+    for q, c, blocks in zip(query_lens, context_lens, block_tables):
+        starts.append(t)
+        t += q
+        pos = range(c, c + q)
+        positions.extend(pos)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+    decode = [i for i, q in enumerate(query_lens) if q == 1]
+    prefill = [i for i, q in enumerate(query_lens) if q > 1]
+    groups = [
+        _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode=d)
+        for idx, d in ((decode, True), (prefill, False)) if idx
+    ]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    ctx = ForwardContext(as_long(positions), as_long(slots), groups)
+    if str(device) != "cpu":
+        ctx = _to_device(ctx, device)
+    return ctx
+
+
+def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode):
+    qs = torch.tensor([query_lens[i] for i in idx])
+    cs = torch.tensor([context_lens[i] for i in idx])
+    total = qs + cs
+    Q, L = int(qs.max()), int(total.max())
+    q_off = torch.arange(Q)
+    token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1) + q_off  # [B, Q]
+    valid = q_off < qs.unsqueeze(1)
+    token_index = torch.where(valid, token_index, token_index[:, :1])
+    n_blocks = -(-L // block_size)
+    table = torch.zeros(len(idx), n_blocks, dtype=torch.long)
+    for row, i in enumerate(idx):
+        blocks = block_tables[i][:n_blocks]
+        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    k_pos = torch.arange(L)
+    kv_slots = table[:, k_pos // block_size] * block_size + k_pos % block_size  # [B, L]
+    kv_slots = torch.where(k_pos < total.unsqueeze(1), kv_slots, 0)
+    # query j of sequence b sits at position cs[b] + j and sees keys at positions <= that
+    q_pos = cs.unsqueeze(1) + q_off  # [B, Q]
+    mask = (k_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, L) < total.view(-1, 1, 1))
+    return AttentionGroup(token_index, valid, kv_slots, mask.unsqueeze(1), is_decode)
+
+
+def _to_device(ctx: ForwardContext, device) -> ForwardContext:
+    groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.kv_slots.to(device),
+                             g.mask.to(device), g.is_decode) for g in ctx.groups]
+    return ForwardContext(ctx.positions.to(device), ctx.slot_mapping.to(device), groups)

@@ -1,0 +1,47 @@
+"""Paged attention over the KV cache, for prefill chunks and decodes mixed in one step.
+
+Legend: T = tokens in the step, h = query heads (this rank), kvh = kv heads (this rank),
+G = h / kvh (grouped-query ratio), D = head_dim, B/Q/L as in `stage_worker.context`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stage_worker.context import get_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # [2, num_blocks, block_size, kvh, D], bound by the runner once the cache is allocated
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, h, D], k/v [T, kvh, D] of this step's tokens -> [T, h * D]."""
+        ctx = get_context()
+        h, kvh, D = self.num_heads, self.num_kv_heads, self.head_dim
+        k_cache = self.kv_cache[0].view(-1, kvh, D)  # [slots, kvh, D]
+        v_cache = self.kv_cache[1].view(-1, kvh, D)
+        k_cache.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        for g in ctx.groups:
+            keys = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # [B, kvh, L, D]
+            values = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+            if g.is_decode:
+                # one query per sequence: its G heads sharing a kv head act as G queries of that head
+                rows = g.token_index[:, 0]
+                qg = q[rows].view(-1, kvh, h // kvh, D)  # [B, kvh, G, D]
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask)  # [B, kvh, G, D]
+                out[rows] = o.reshape(-1, h, D)
+            else:
+                qg = q[g.token_index].transpose(1, 2)  # [B, h, Q, D]
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, enable_gqa=True)
+                o = o.transpose(1, 2)  # [B, Q, h, D]
+                out[g.token_index[g.valid]] = o[g.valid]
+        return out.view(-1, h * D)

@@ -1,0 +1,46 @@
+"""Vocabulary-parallel embedding and lm_head: each rank holds ceil(V / tp) rows of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stage_worker.layers.linear import check_shape
+from stage_worker.layers.parallel import TPGroup
+
+
+class VocabParallel(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows_per_rank
+        self.end = min(self.start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, tensor, shard_id=None) -> None:
+        check_shape(param, tensor.shape, (self.vocab_size, param.shape[1]))
+        n = self.end - self.start
+        param.data[:n].copy_(tensor[self.start:self.end])
+        param.data[n:].zero_()  # padding rows of the last rank
+
+
+class VocabParallelEmbedding(VocabParallel):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallel):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> logits [N, V] (gathered from every rank)."""
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]

@@ -1,0 +1,128 @@
+"""Loading one stage's (and one tensor rank's) weights from a Hugging Face safetensors checkpoint.
+
+The model is built first, for its layer range and rank; then every parameter it has asks for the
+checkpoint tensors it is made of (`CausalLM.checkpoint_sources`). So a stage reads only its layers,
+opens only the files that hold them (the index says which; without an index, the files' headers
+do), and a tensor rank reads only its slice of each tensor (safetensors `get_slice`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moemesh.config import ConfigError, ModelConfig
+from stage_worker.layers.linear import load_whole
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.models import CausalLM, model_class
+
+
+class LoadError(ValueError):
+    pass
+
+
+@dataclass
+class LoadStats:
+    files_opened: set[str] = field(default_factory=set)
+    tensors_read: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+
+
+class LazyTensor:
+    """A checkpoint tensor not yet read: `.shape`, and indexing reads just the selected part."""
+
+    def __init__(self, name: str, file: str, handle, stats: LoadStats):
+        self.name, self.file, self._stats = name, file, stats
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        t = self._slice[index]
+        self._stats.tensors_read.add(self.name)
+        self._stats.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+class CheckpointReader:
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        self.stats = LoadStats()
+        self._handles = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise LoadError(f"no *.safetensors files in {self.dir}")
+            self.weight_map = {name: f.name for f in files for name in _header_names(f)}
+
+    def get(self, name: str) -> LazyTensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise LoadError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        if file not in self._handles:
+            path = self.dir / file
+            if not path.is_file():
+                raise LoadError(f"tensor {name!r} is mapped to {file}, which is missing from {self.dir}")
+            self._handles[file] = safe_open(str(path), framework="pt")
+            self.stats.files_opened.add(file)
+        try:
+            return LazyTensor(name, file, self._handles[file], self.stats)
+        except Exception as e:  # the index names a file that does not hold the tensor
+            raise LoadError(f"tensor {name!r} is not in {file} ({e})") from None
+
+
+def _header_names(path: Path) -> list[str]:
+    """Tensor names from a safetensors header (8-byte length + JSON), without mapping the file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__"]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers: range | None = None,
+               tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quant=None, progress: bool | None = None) -> tuple[CausalLM, LoadStats]:
+    """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
+
+    progress: None shows a bar only on a terminal.
+    """
+    config = config or ModelConfig.from_dir(model_dir)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)(config, layers, tp, quant)
+    reader = CheckpointReader(model_dir)
+    params = list(model.named_parameters())
+    desc = f"loading layers {model.layer_range.start}-{model.layer_range.stop - 1}"
+    if tp.size > 1:
+        desc += f" (tp rank {tp.rank}/{tp.size})"
+    for name, param in tqdm(params, desc=desc, unit="tensor", disable=False if progress else None,
+                            leave=False) if progress is not False else params:
+        loader = getattr(param, "weight_loader", load_whole)
+        for ckpt_name, shard in model.checkpoint_sources(name):
+            tensor = reader.get(ckpt_name)
+            try:
+                loader(param, tensor, shard)
+            except ValueError as e:
+                raise LoadError(f"tensor {ckpt_name!r} in {tensor.file}: {e}") from None
+    return model.eval(), reader.stats
+
+
+__all__ = ["CheckpointReader", "ConfigError", "LoadError", "LoadStats", "load_model"]

@@ -1,0 +1,85 @@
+"""What every decoder-only model shares: embedding, a slice of decoder layers, final norm, lm_head.
+
+A model is built for a range of layers (a pipeline stage): it holds the embedding only if the range
+starts at layer 0 and the norm and lm_head only if it ends at the last layer. The stage runner calls
+`embed` (first stage), `forward` (every stage) and `compute_logits` (last stage); the model never
+asks which stage it is.
+
+Parameter names are Hugging Face's (`model.layers.{i}.…` with global layer indices), except for the
+fused weights listed in `packed_modules` and the stacked experts of `FusedMoE`;
+`checkpoint_sources` maps each parameter to the checkpoint tensors it is loaded from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moemesh.config import ModelConfig
+from stage_worker.layers.layernorm import RMSNorm
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+
+class CausalLM(nn.Module):
+    # module name -> the checkpoint modules fused into it, with the shard id each is loaded as
+    packed_modules = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+    # our module name -> the checkpoint's, where they differ (Mixtral calls its MoE block block_sparse_moe)
+    checkpoint_renames: dict[str, str] = {}
+    decoder_layer: type[nn.Module]  # (config, layer_idx, tp, quant) -> layer
+
+    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None):
+        super().__init__()
+        layers = range(config.num_layers) if layers is None else layers
+        if not (0 <= layers.start < layers.stop <= config.num_layers):
+            raise ValueError(f"layer range {layers.start}:{layers.stop} is outside 0:{config.num_layers}")
+        self.config, self.layer_range = config, layers
+        self.has_embedding = layers.start == 0
+        self.has_head = layers.stop == config.num_layers
+        self.model = nn.Module()
+        if self.has_embedding:
+            self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.model.layers = nn.ModuleDict({str(i): self.decoder_layer(config, i, tp, quant) for i in layers})
+        if self.has_head:
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if config.tie_word_embeddings and self.has_embedding:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, H]"""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+        """This stage's layers: (hidden [T, H], residual [T, H] or None) -> (hidden, residual)."""
+        for layer in self.model.layers.values():
+            hidden, residual = layer(hidden, residual)
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""
+        if residual is None:
+            hidden = self.model.norm(hidden)
+        else:
+            hidden, _ = self.model.norm(hidden, residual)
+        return self.lm_head(hidden).float()
+
+    def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
+        """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""
+        rename = lambda name: ".".join(self.checkpoint_renames.get(p, p) for p in name.split("."))  # noqa: E731
+        return [(rename(name), shard) for name, shard in self._sources(param_name)]
+
+    def _sources(self, param_name: str) -> list[tuple[str, object]]:
+        module_name, local = param_name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if param_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return [("model.embed_tokens.weight", None)]
+        if hasattr(module, "checkpoint_sources"):  # FusedMoE: stacked per-expert tensors
+            return [(f"{module_name}.{name}", shard) for name, shard in module.checkpoint_sources(local)]
+        parent, _, leaf = module_name.rpartition(".")
+        if leaf in self.packed_modules:
+            return [(f"{parent}.{src}.{local}", shard) for src, shard in self.packed_modules[leaf]]
+        return [(param_name, None)]

@@ -1,0 +1,73 @@
+"""Runs one pipeline stage's slice of the model on one tensor rank: builds and loads the slice,
+owns its KV cache, turns a step's schedule into a forward pass.
+
+A step (`StepInput`) lists, per sequence, its new tokens, how many tokens its cache already holds,
+its block table, and whether to sample after it. The first stage embeds the tokens; every stage
+runs its layers on (hidden, residual); the last stage returns logits of the rows to sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moemesh.config import ModelConfig
+from stage_worker.context import build_context, forward_context
+from stage_worker.layers.attention import PagedAttention
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.loader import load_model
+
+
+@dataclass
+class StepInput:
+    token_ids: list[list[int]]  # new tokens per sequence
+    context_lens: list[int]  # tokens already cached per sequence
+    block_tables: list[list[int]]
+    sample: list[bool]  # sample after this sequence's last new token
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+class StageRunner:
+    def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
+                 block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", progress: bool | None = None):
+        self.config, self.block_size, self.device = config, block_size, torch.device(device)
+        self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, progress=progress)
+        attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        kvh, D = attn[0].num_kv_heads, attn[0].head_dim
+        # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
+        self.kv_cache = torch.zeros(len(attn), 2, num_blocks, block_size, kvh, D, dtype=dtype, device=device)
+        for i, layer in enumerate(attn):
+            layer.kv_cache = self.kv_cache[i]
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, num_layers: int, block_size: int, tp: TPGroup,
+                           dtype: torch.dtype) -> int:
+        kvh = max(1, config.num_kv_heads // tp.size)
+        return num_layers * 2 * block_size * kvh * config.head_dim * dtype.itemsize
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        """First stage: hidden is None. Returns (hidden, residual), or on the last stage logits
+        [rows to sample, V] float32."""
+        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
+        with forward_context(ctx):
+            if self.model.has_embedding:
+                flat = [t for ids in step.token_ids for t in ids]
+                hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
+            hidden, residual = self.model(hidden, residual)
+        if not self.model.has_head:
+            return hidden, residual
+        ends, t = [], 0
+        for q, s in zip(step.query_lens, step.sample):
+            t += q
+            if s:
+                ends.append(t - 1)
+        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows], residual[rows])
