@@ -69,10 +69,15 @@ def build_hf_model(arch: str, out_dir: Path | None = None, seed: int = 0, max_sh
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """Greedy decoding with transformers' model and KV cache, EOS ignored (as `ignore_eos` does):
+    generate() either stops at EOS or, with min_new_tokens, suppresses it."""
+    tokens = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_new_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 def hf_logits(model, prompt: list[int]) -> torch.Tensor:

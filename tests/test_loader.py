@@ -1,0 +1,119 @@
+"""Loading by stage and by tensor rank, sharded checkpoints, and the errors a user can hit."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import build_hf_model
+from moemesh.config import ConfigError, ModelConfig
+from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.sampling import SamplingParams
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.loader import LoadError, load_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[3, 4, 5, 6], [100, 7]]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded")
+    build_hf_model("qwen2_moe", path, max_shard_size="150KB")
+    return path
+
+
+def test_sharded_checkpoint_loads_and_matches_single_file(sharded, tmp_path):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    build_hf_model("qwen2_moe", tmp_path)  # same seed, one file
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    a = LLMEngine(EngineConfig(model=str(sharded), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
+    b = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_stage_reads_only_its_own_tensors(sharded):
+    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    _, stats = load_model(sharded, layers=range(2, 4), progress=False)
+    mine = {n for n in weight_map if n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head."))}
+    assert stats.tensors_read == mine
+    assert stats.files_opened == {weight_map[n] for n in mine}
+    assert stats.files_opened != set(weight_map.values())
+
+    _, first = load_model(sharded, layers=range(0, 1), progress=False)
+    assert "model.embed_tokens.weight" in first.tensors_read and "lm_head.weight" not in first.tensors_read
+    assert all(not n.startswith("model.layers.") or n.startswith("model.layers.0.") for n in first.tensors_read)
+
+
+def test_tensor_rank_reads_its_slice(sharded):
+    config = ModelConfig.from_dir(sharded)
+    full, full_stats = load_model(sharded, layers=range(0, 1), progress=False)
+    experts = full.model.layers["0"].mlp.experts
+    I = config.moe_intermediate_size
+    gate, up, down = experts.w13_weight[:, :I], experts.w13_weight[:, I:], experts.w2_weight
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters())
+    for rank in range(2):
+        part, stats = load_model(sharded, config, layers=range(0, 1), tp=TPGroup(rank, 2), progress=False)
+        mine = part.model.layers["0"].mlp.experts
+        cols = slice(rank * I // 2, (rank + 1) * I // 2)
+        assert torch.equal(mine.w13_weight, torch.cat([gate[:, cols], up[:, cols]], dim=1))
+        assert torch.equal(mine.w2_weight, down[:, :, cols])
+        assert sum(p.numel() * p.element_size() for p in mine.parameters()) * 2 == expert_bytes
+        assert stats.bytes_read < 0.75 * full_stats.bytes_read  # only slices were read
+
+
+def _copy_without(src, dst, drop=None, reshape=None):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].clone()
+    save_file(tensors, str(dst / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    path = tmp_path_factory.mktemp("single")
+    build_hf_model("mixtral", path)
+    return path
+
+
+def test_missing_tensor_is_named(single, tmp_path):
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    _copy_without(single, tmp_path / "m", drop=name)
+    with pytest.raises(LoadError, match=f"{name}.*missing"):
+        load_model(tmp_path / "m", progress=False)
+
+
+def test_misshapen_tensor_names_tensor_and_file(single, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    _copy_without(single, tmp_path / "m", reshape=name)
+    with pytest.raises(LoadError, match=rf"{name}.*model\.safetensors.*shape \(31, 64\).*expected \(32, 64\)"):
+        load_model(tmp_path / "m", progress=False)
+
+
+def test_unsupported_architecture_lists_the_supported(single, tmp_path):
+    shutil.copytree(single, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM.*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        load_model(tmp_path / "m", progress=False)
+
+
+def test_config_spellings():
+    base = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=8, num_experts_per_tok=1)
+    hub = ModelConfig.from_hf({**base, "num_experts": 4, "rope_theta": 5e5,
+                               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    new = ModelConfig.from_hf({**base, "num_local_experts": 4,
+                               "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert hub == new and hub.num_experts == 4 and hub.rope.theta == 5e5 and hub.rope.rope_type == "llama3"
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        ModelConfig.from_hf({**base, "num_experts": 4, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(ConfigError, match="'num_attention_heads'"):
+        ModelConfig.from_hf({k: v for k, v in base.items() if k != "num_attention_heads"})

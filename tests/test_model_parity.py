@@ -1,0 +1,114 @@
+"""Each architecture against the Hugging Face transformers implementation, on tiny checkpoints
+written both by transformers' save_pretrained and by our make-tiny-model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_models import build_hf_model, hf_greedy, hf_logits
+from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.sampling import SamplingParams
+from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from stage_worker.context import build_context, forward_context
+from stage_worker.runner import StepInput
+
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "llama"]
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 250, 251, 3, 4, 77, 78, 79, 80],
+           list(range(30, 70)), [299, 1, 298, 2]]
+NEW_TOKENS = 32
+
+TINY_SPECS = {
+    "mixtral": TinyModelSpec(arch="mixtral", num_layers=3, hidden_size=64, intermediate_size=96, num_experts=4,
+                             vocab_size=384, tie_word_embeddings=True),
+    "qwen2_moe": TinyModelSpec(arch="qwen2_moe", num_layers=4, hidden_size=64, moe_intermediate_size=48,
+                               shared_expert_intermediate_size=80, num_experts=6, decoder_sparse_step=2,
+                               vocab_size=384),
+    "qwen3_moe": TinyModelSpec(arch="qwen3_moe", num_layers=3, hidden_size=64, head_dim=24, num_experts=8,
+                               top_k=4, mlp_only_layers=(1,), vocab_size=384),
+    "llama": TinyModelSpec(arch="llama", num_layers=3, hidden_size=64, intermediate_size=160, vocab_size=384),
+}
+
+
+class Reference:
+    """A checkpoint directory and the transformers model that reads it, with greedy outputs cached."""
+
+    def __init__(self, path, hf_model):
+        self.path, self.hf = path, hf_model
+        self._greedy = {}
+
+    def greedy(self, prompt):
+        key = tuple(prompt)
+        if key not in self._greedy:
+            self._greedy[key] = hf_greedy(self.hf, prompt, NEW_TOKENS)
+        return self._greedy[key]
+
+
+@pytest.fixture(scope="module", params=[(a, s) for a in ARCHS for s in ("hf", "tiny")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def reference(request, tmp_path_factory):
+    arch, source = request.param
+    path = tmp_path_factory.mktemp(f"{arch}-{source}")
+    if source == "hf":
+        hf = build_hf_model(arch, path)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        write_tiny_model(TINY_SPECS[arch], path)
+        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    return Reference(path, hf)
+
+
+def all_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through every stage of an idle engine."""
+    n_blocks = -(-len(prompt) // engine.cfg.block_size)
+    step = StepInput([prompt], [0], [list(range(n_blocks))], [True])
+    hidden = residual = None
+    for stage in engine.stages:
+        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, engine.cfg.block_size)
+        with torch.inference_mode(), forward_context(ctx):
+            if stage.model.has_embedding:
+                hidden = stage.model.embed(torch.tensor(prompt))
+            hidden, residual = stage.model(hidden, residual)
+    return engine.stages[-1].model.compute_logits(hidden, residual)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_prefill_logits_match(reference):
+    engine = LLMEngine(EngineConfig(model=str(reference.path), num_kv_blocks=64), progress=False)
+    for prompt in PROMPTS:
+        assert rel_err(all_logits(engine, prompt), hf_logits(reference.hf, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks"])
+def test_greedy_matches_transformers(reference, layout):
+    cfg = {
+        "default": dict(block_size=16, num_kv_blocks=64),
+        "chunked": dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=7),  # prompts in chunks
+        "small-blocks": dict(block_size=2, num_kv_blocks=400),
+    }[layout]
+    engine = LLMEngine(EngineConfig(model=str(reference.path), **cfg), progress=False)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stages", [(2, 2), (1, 3), (1, 1, 2)], ids=lambda s: "+".join(map(str, s)))
+def test_stage_split_matches_unsplit(tmp_path, arch, stages):
+    build_hf_model(arch, tmp_path)
+    whole = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64), progress=False)
+    split = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, stage_layers=stages), progress=False)
+    assert [s.model.layer_range for s in split.stages] == [range(a, a + n) for a, n in
+                                                          zip([0, *torch.tensor(stages).cumsum(0).tolist()], stages)]
+    assert split.stages[0].model.has_embedding and not split.stages[0].model.has_head
+    assert split.stages[-1].model.has_head and not split.stages[-1].model.has_embedding
+    for prompt in PROMPTS[:3]:
+        torch.testing.assert_close(all_logits(split, prompt), all_logits(whole, prompt), rtol=0, atol=1e-5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in split.generate(PROMPTS, params)] == \
+        [o.token_ids for o in whole.generate(PROMPTS, params)]
