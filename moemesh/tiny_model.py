@@ -28,16 +28,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "llama")
+from moemesh.config import DTYPES, SUPPORTED_ARCHITECTURES
 
-_ARCHITECTURES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "llama": "LlamaForCausalLM",
-}
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARCHS = tuple(SUPPORTED_ARCHITECTURES)
 
 # Special tokens take ids 0..3, in this order.
 ENDOFTEXT, BOS, IM_START, IM_END = "<|endoftext|>", "<s>", "<|im_start|>", "<|im_end|>"
@@ -82,8 +75,8 @@ class TinyModelSpec:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} is not one of {ARCHS}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPES)}")
         if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {self.vocab_size}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
@@ -139,7 +132,7 @@ BENCH_SPEC = TinyModelSpec(
 )
 DEFAULT_SPEC = TinyModelSpec(
     arch="mixtral", num_layers=4, hidden_size=256, intermediate_size=512,
-    num_heads=8, num_kv_heads=2, num_experts=8, top_k=2, vocab_size=2048,
+    num_heads=8, num_kv_heads=2, num_experts=8, top_k=2, vocab_size=1024,
 )
 
 
@@ -161,7 +154,7 @@ def write_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
 def hf_config(spec: TinyModelSpec) -> dict:
     """config.json contents, with the field names of each transformers config class (hub spelling)."""
     cfg: dict = {
-        "architectures": [_ARCHITECTURES[spec.arch]],
+        "architectures": [SUPPORTED_ARCHITECTURES[spec.arch]],
         "model_type": spec.arch,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -272,7 +265,7 @@ def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     sd["model.norm.weight"] = norm(H)
     if not spec.tie_word_embeddings:
         sd["lm_head.weight"] = linear(V, H)
-    dtype = _DTYPES[spec.dtype]
+    dtype = DTYPES[spec.dtype]
     return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
 

@@ -122,6 +122,7 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
                 loader(param, tensor, shard)
             except ValueError as e:
                 raise LoadError(f"tensor {ckpt_name!r} in {tensor.file}: {e}") from None
+    model.process_weights_after_loading()
     return model.eval(), reader.stats
 
 

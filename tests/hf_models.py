@@ -76,7 +76,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(max_new_tokens):
             tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
     return tokens
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels import moe_torch
-from stage_worker.layers.linear import check_shape
+from stage_worker.layers.linear import check_shape, cpu_gemm_layout
 from stage_worker.layers.parallel import TPGroup
 
 
@@ -30,6 +30,10 @@ class UnquantizedFusedMoEMethod:
         E, H, I_p = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_partition
         layer.w13_weight = nn.Parameter(torch.empty(E, 2 * I_p, H), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(E, H, I_p), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: "FusedMoE") -> None:
+        layer.w13_weight.data = cpu_gemm_layout(layer.w13_weight.data)
+        layer.w2_weight.data = cpu_gemm_layout(layer.w2_weight.data)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -67,6 +71,9 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = moe_torch.select_experts(router_logits, self.top_k, self.renormalize)
         y = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return self.tp.all_reduce(y) if self.reduce_results else y
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
 
     # -- loading -------------------------------------------------------------------------------
 

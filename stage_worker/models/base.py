@@ -17,6 +17,7 @@ from torch import nn
 
 from moemesh.config import ModelConfig
 from stage_worker.layers.layernorm import RMSNorm
+from stage_worker.layers.linear import cpu_gemm_layout
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -66,6 +67,15 @@ class CausalLM(nn.Module):
         else:
             hidden, _ = self.model.norm(hidden, residual)
         return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Every layer's own post-load step (re-layout, quantization), then the lm_head's layout."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+        tied = self.has_embedding and self.has_head and self.lm_head.weight is self.model.embed_tokens.weight
+        if self.has_head and not tied:
+            self.lm_head.weight.data = cpu_gemm_layout(self.lm_head.weight.data)
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""

@@ -1,0 +1,5 @@
+import sys
+
+from moemesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,126 @@
+"""`moemesh generate`: run prompts through the in-process engine and print the results."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from moemesh.cli import CLIError
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.log import get_logger
+from moemesh.sampling import SamplingParams
+
+log = get_logger("generate")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    """--model, --dtype, KV and batching flags -> EngineConfig (the built-in model without --model)."""
+    if args.model is None:
+        from moemesh.default_model import default_model_dir
+
+        model = default_model_dir()
+    else:
+        model = Path(args.model)
+        if not model.is_dir():
+            raise CLIError(f"--model {args.model}: not a directory")
+    model_config = ModelConfig.from_dir(model)
+    device = torch.device("cpu")
+    try:
+        dtype = resolve_dtype(args.dtype, model_config, device)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return EngineConfig(model=str(model), dtype=dtype, device=str(device), block_size=args.block_size,
+                        kv_memory_bytes=args.kv_memory, max_num_batched_tokens=args.max_batched_tokens,
+                        max_num_seqs=args.max_seqs,
+                        stage_layers=tuple(args.layer_partition) if args.layer_partition else None)
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:  # "top_p must be in (0, 1]" -> name the flag
+        flag = "--" + str(e).split()[0].replace("_", "-")
+        raise CLIError(f"{flag}: {e}") from None
+
+
+def read_prompts(args, tokenizer_factory) -> list[list[int]]:
+    """Token-id prompts from --prompt, --prompt-ids or --prompts-file."""
+    if args.prompt_ids is not None:
+        if not args.prompt_ids:
+            raise CLIError("--prompt-ids: no token ids given")
+        return [args.prompt_ids]
+    if args.prompt is not None:
+        return [tokenizer_factory("--prompt").encode(args.prompt)]
+    path = args.prompts_file
+    if not path.is_file():
+        raise CLIError(f"--prompts-file {path}: no such file")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--prompts-file {path}, line {n}: invalid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(tokenizer_factory("--prompts-file").encode(obj["prompt"]))
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and \
+                all(isinstance(t, int) for t in obj["prompt_ids"]):
+            prompts.append(obj["prompt_ids"])
+        else:
+            raise CLIError(f'--prompts-file {path}, line {n}: expected {{"prompt": "..."}} or '
+                           f'{{"prompt_ids": [...]}}')
+    if not prompts:
+        raise CLIError(f"--prompts-file {path}: no prompts")
+    return prompts
+
+
+def run_generate(args) -> int:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cfg = engine_config_from_args(args)
+    params = sampling_params_from_args(args)
+    tokenizer = None
+
+    def get_tokenizer(flag: str):
+        nonlocal tokenizer
+        if tokenizer is None:
+            from moemesh.tokenizer import TextTokenizer
+
+            try:
+                tokenizer = TextTokenizer(cfg.model)
+            except FileNotFoundError:
+                raise CLIError(f"{flag} needs a tokenizer.json in {cfg.model}; give --prompt-ids instead") from None
+        return tokenizer
+
+    prompts = read_prompts(args, get_tokenizer)
+    engine = LLMEngine(cfg)
+    start = time.perf_counter()
+    seqs = []
+    for i, p in enumerate(prompts):
+        try:
+            seqs.append(engine.add_request(p, params))
+        except ValueError as e:
+            raise CLIError(f"prompt {i}: {e}") from None
+    while engine.scheduler.has_work():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(s.output_ids) for s in seqs)
+    log.info("generated", extra={"fields": {"prompts": len(seqs), "tokens": n_out, "seconds": round(elapsed, 3)}})
+    decode = (lambda ids: get_tokenizer("text output").decode(ids)) if _has_tokenizer(cfg.model) else None
+    for i, s in enumerate(seqs):
+        text = decode(s.output_ids) if decode else None
+        if args.json:
+            print(json.dumps({"index": i, "prompt_ids": s.prompt_ids, "token_ids": s.output_ids, "text": text,
+                              "finish_reason": s.finish_reason}), flush=True)
+        else:
+            print(text if text is not None else " ".join(map(str, s.output_ids)), flush=True)
+    return 0
+
+
+def _has_tokenizer(model_dir: str) -> bool:
+    return (Path(model_dir) / "tokenizer.json").is_file()
