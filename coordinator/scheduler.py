@@ -25,7 +25,7 @@ from coordinator.sequence import Sequence, Status
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     max_model_len: int = 4096
 
 

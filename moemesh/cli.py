@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from moemesh.config import DTYPES, ConfigError
+from stage_worker.loader import LoadError
 
 
 class CLIError(Exception):
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.bench.model import run_model_bench
 
             return run_model_bench(args)
-    except (CLIError, ConfigError) as e:
+    except (CLIError, ConfigError, LoadError) as e:
         parser.exit(2, f"moemesh: error: {e}\n")
     except KeyboardInterrupt:
         return 130

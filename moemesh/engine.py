@@ -35,7 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: from kv_memory_bytes
     kv_memory_bytes: int = 1 << 30
     max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     stage_layers: tuple[int, ...] | None = None  # layers per stage, e.g. (3, 5); None: one stage
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 

@@ -10,7 +10,7 @@ import torch
 
 from moemesh.cli import CLIError
 from moemesh.config import ModelConfig, resolve_dtype
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.engine import EngineConfig, LLMEngine, split_layers
 from moemesh.log import get_logger
 from moemesh.sampling import SamplingParams
 
@@ -33,6 +33,11 @@ def engine_config_from_args(args) -> EngineConfig:
         dtype = resolve_dtype(args.dtype, model_config, device)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    if args.layer_partition is not None:
+        try:
+            split_layers(model_config.num_layers, tuple(args.layer_partition))
+        except ValueError as e:
+            raise CLIError(f"--layer-partition: {e}") from None
     return EngineConfig(model=str(model), dtype=dtype, device=str(device), block_size=args.block_size,
                         kv_memory_bytes=args.kv_memory, max_num_batched_tokens=args.max_batched_tokens,
                         max_num_seqs=args.max_seqs,

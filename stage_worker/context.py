@@ -6,7 +6,7 @@ sequences are grouped: decodes (one query each) in one batch, prefill chunks pad
 that each layer runs one attention call per group rather than one per sequence.
 
 Legend: T = tokens in the step, B = sequences in a group, Q = longest query in the group,
-L = longest context (cached + new) in the group.
+L = longest context (cached + new) in the group, rounded up to whole KV blocks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 class AttentionGroup:
     token_index: torch.Tensor  # [B, Q] long: row of each query in the flat batch (padding: any valid row)
     valid: torch.Tensor  # [B, Q] bool: real query (not padding)
-    kv_slots: torch.Tensor  # [B, L] long: cache slot of each context position (padding: slot 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool: query may attend to key
+    block_table: torch.Tensor  # [B, L / block_size] long: KV blocks holding each context (padding: block 0)
+    mask: torch.Tensor  # [B, 1, Q, L] float: 0 where the query may attend to the key, -inf elsewhere
     is_decode: bool
 
 
@@ -98,16 +98,16 @@ def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_d
     for row, i in enumerate(idx):
         blocks = block_tables[i][:n_blocks]
         table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    k_pos = torch.arange(L)
-    kv_slots = table[:, k_pos // block_size] * block_size + k_pos % block_size  # [B, L]
-    kv_slots = torch.where(k_pos < total.unsqueeze(1), kv_slots, 0)
+    # keys are gathered whole blocks at a time: L rounds up to whole blocks
+    k_pos = torch.arange(n_blocks * block_size)
     # query j of sequence b sits at position cs[b] + j and sees keys at positions <= that
     q_pos = cs.unsqueeze(1) + q_off  # [B, Q]
-    mask = (k_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & (k_pos.view(1, 1, L) < total.view(-1, 1, 1))
-    return AttentionGroup(token_index, valid, kv_slots, mask.unsqueeze(1), is_decode)
+    allowed = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, L]
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # additive: SDPA's fast path
+    return AttentionGroup(token_index, valid, table, mask.unsqueeze(1), is_decode)
 
 
 def _to_device(ctx: ForwardContext, device) -> ForwardContext:
-    groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.kv_slots.to(device),
+    groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.block_table.to(device),
                              g.mask.to(device), g.is_decode) for g in ctx.groups]
     return ForwardContext(ctx.positions.to(device), ctx.slot_mapping.to(device), groups)

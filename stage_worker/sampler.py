@@ -23,7 +23,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_lens: list
         if output_lens[i] < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < logits.shape[1]]
             logits[i, banned] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)

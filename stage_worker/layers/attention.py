@@ -24,15 +24,16 @@ class PagedAttention(nn.Module):
         """q [T, h, D], k/v [T, kvh, D] of this step's tokens -> [T, h * D]."""
         ctx = get_context()
         h, kvh, D = self.num_heads, self.num_kv_heads, self.head_dim
-        k_cache = self.kv_cache[0].view(-1, kvh, D)  # [slots, kvh, D]
-        v_cache = self.kv_cache[1].view(-1, kvh, D)
-        k_cache.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]  # [blocks, block_size, kvh, D]
+        k_cache.view(-1, kvh, D).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, D).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         for g in ctx.groups:
-            keys = k_cache[g.kv_slots].transpose(1, 2).to(q.dtype)  # [B, kvh, L, D]
-            values = v_cache[g.kv_slots].transpose(1, 2).to(q.dtype)
+            B = g.block_table.shape[0]
+            # whole blocks at a time (contiguous copies), then [B, L, kvh, D] -> [B, kvh, L, D]
+            keys = k_cache[g.block_table].view(B, -1, kvh, D).transpose(1, 2).to(q.dtype)
+            values = v_cache[g.block_table].view(B, -1, kvh, D).transpose(1, 2).to(q.dtype)
             if g.is_decode:
                 # one query per sequence: its G heads sharing a kv head act as G queries of that head
                 rows = g.token_index[:, 0]
