@@ -24,6 +24,10 @@ class BlockManager:
         """Blocks `seq` must gain to hold `num_new` more tokens in its cache."""
         return max(0, self.blocks_needed(seq.num_computed + num_new) - len(seq.block_ids))
 
+    def room(self, seq: Sequence) -> int:
+        """How many more tokens `seq` could cache with its blocks plus every free one."""
+        return (len(seq.block_ids) + len(self._free)) * self.block_size - seq.num_computed
+
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
         return self.extra_blocks(seq, num_new) <= len(self._free)
 

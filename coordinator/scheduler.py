@@ -6,9 +6,10 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
 - Then waiting sequences are admitted, oldest first, while the step's token budget, the sequence
   limit and the free KV blocks allow. A prompt longer than the remaining budget is prefilled in
   chunks across steps (chunked prefill), so prefills and decodes share every step.
-- When a running sequence needs a block and none is free, the newest running sequence is preempted:
-  its blocks are freed and it goes back to the front of the queue, to be recomputed from its
-  prompt and generated tokens later.
+- A prefill chunk shrinks to fit the free blocks. When a running sequence cannot take even one
+  token, the newest running sequence is preempted: its blocks are freed and it goes back to the
+  front of the queue, to be recomputed from its prompt and generated tokens in a later step (no
+  waiting sequence is admitted in a step that preempted).
 - Sequences in a step that has not come back yet (`in_flight`) are skipped, which lets a pipeline
   keep several steps of disjoint sequences in flight.
 """
@@ -64,7 +65,7 @@ class Scheduler:
         if need > self.config.max_model_len:
             raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) plus max_tokens ({seq.params.max_tokens}) "
                              f"exceeds the maximum context length of {self.config.max_model_len}")
-        if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
+        if self.blocks.blocks_needed(need - 1) > self.blocks.num_blocks:  # the last token is never cached
             raise ValueError(f"prompt plus max_tokens ({need} tokens) does not fit the KV cache "
                              f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
         self.waiting.append(seq)
@@ -77,18 +78,21 @@ class Scheduler:
         items: list[ScheduledSeq] = []
         scheduled: set[int] = set()
 
+        preempted = False
         for seq in list(self.running):
             if budget == 0 or len(items) == self.config.max_num_seqs:
                 break
             if seq.seq_id in self.in_flight or seq.status is not Status.RUNNING:
                 continue  # in flight, or preempted just now to make room for an older one
-            n = min(seq.num_pending, budget)
+            # a prefill chunk shrinks to the room left; only what cannot take one token preempts
+            n = min(seq.num_pending, budget, max(1, self.blocks.room(seq)))
             while not self.blocks.can_grow(seq, n):
                 victim = next((s for s in reversed(self.running)
                                if s.seq_id not in self.in_flight and s.seq_id not in scheduled), None)
                 if victim is None:
                     break
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING or not self.blocks.can_grow(seq, n):
@@ -97,7 +101,8 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
 
-        while self.waiting and budget > 0 and len(items) < self.config.max_num_seqs:
+        # after a preemption the pool is short: admit nobody new (nor the victim) in this step
+        while not preempted and self.waiting and budget > 0 and len(items) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq, n):

@@ -72,7 +72,8 @@ class LLMEngine:
                             min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)),
             self.blocks, mc.eos_token_ids)
         self._ids = itertools.count()
-        self.generator = torch.Generator().manual_seed(0)
+        self.generator = torch.Generator()  # for requests without a seed
+        self.generator.seed()  # non-deterministic, like an unseeded request should be
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         if not prompt_ids:

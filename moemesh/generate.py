@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moemesh.cli import CLIError
-from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.config import ConfigError, ModelConfig, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine, split_layers
 from moemesh.log import get_logger
 from moemesh.sampling import SamplingParams
@@ -27,7 +27,10 @@ def engine_config_from_args(args) -> EngineConfig:
         model = Path(args.model)
         if not model.is_dir():
             raise CLIError(f"--model {args.model}: not a directory")
-    model_config = ModelConfig.from_dir(model)
+    try:
+        model_config = ModelConfig.from_dir(model)
+    except ConfigError as e:
+        raise CLIError(f"--model {model}: {e}") from None
     device = torch.device("cpu")
     try:
         dtype = resolve_dtype(args.dtype, model_config, device)
@@ -53,14 +56,14 @@ def sampling_params_from_args(args) -> SamplingParams:
         raise CLIError(f"{flag}: {e}") from None
 
 
-def read_prompts(args, tokenizer_factory) -> list[list[int]]:
-    """Token-id prompts from --prompt, --prompt-ids or --prompts-file."""
+def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
+    """(token ids, where they came from) for --prompt, --prompt-ids or each line of --prompts-file."""
     if args.prompt_ids is not None:
         if not args.prompt_ids:
             raise CLIError("--prompt-ids: no token ids given")
-        return [args.prompt_ids]
+        return [(args.prompt_ids, "--prompt-ids")]
     if args.prompt is not None:
-        return [tokenizer_factory("--prompt").encode(args.prompt)]
+        return [(tokenizer_factory("--prompt").encode(args.prompt), "--prompt")]
     path = args.prompts_file
     if not path.is_file():
         raise CLIError(f"--prompts-file {path}: no such file")
@@ -72,11 +75,12 @@ def read_prompts(args, tokenizer_factory) -> list[list[int]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise CLIError(f"--prompts-file {path}, line {n}: invalid JSON ({e.msg})") from None
+        origin = f"--prompts-file {path}, line {n}"
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(tokenizer_factory("--prompts-file").encode(obj["prompt"]))
+            prompts.append((tokenizer_factory("--prompts-file").encode(obj["prompt"]), origin))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and \
                 all(isinstance(t, int) for t in obj["prompt_ids"]):
-            prompts.append(obj["prompt_ids"])
+            prompts.append((obj["prompt_ids"], origin))
         else:
             raise CLIError(f'--prompts-file {path}, line {n}: expected {{"prompt": "..."}} or '
                            f'{{"prompt_ids": [...]}}')
@@ -106,11 +110,11 @@ def run_generate(args) -> int:
     engine = LLMEngine(cfg)
     start = time.perf_counter()
     seqs = []
-    for i, p in enumerate(prompts):
+    for ids, origin in prompts:
         try:
-            seqs.append(engine.add_request(p, params))
+            seqs.append(engine.add_request(ids, params))
         except ValueError as e:
-            raise CLIError(f"prompt {i}: {e}") from None
+            raise CLIError(f"{origin}: {e}") from None
     while engine.scheduler.has_work():
         engine.step()
     elapsed = time.perf_counter() - start

@@ -73,6 +73,12 @@ class TinyModelSpec:
     max_shard_bytes: int | None = None  # None -> one model.safetensors
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_heads",
+                     "num_kv_heads", "num_experts", "top_k", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} is not one of {ARCHS}")
         if self.dtype not in DTYPES:

@@ -19,6 +19,8 @@ _MIX = 0x9E3779B97F4A7C15
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int],
            eos_token_ids: tuple[int, ...] = (), generator: torch.Generator | None = None) -> list[int]:
     """logits [N, V] float32; params and output_lens (tokens generated so far) per row -> N tokens."""
+    if any(n < p.min_tokens for n, p in zip(output_lens, params)):
+        logits = logits.clone()
     for i, p in enumerate(params):
         if output_lens[i] < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < logits.shape[1]]
@@ -54,9 +56,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         k = torch.tensor([k if k > 0 else V for k in top_k]).unsqueeze(1)
         drop = rank >= k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        # top-p: keep the smallest prefix whose mass reaches p (always the top token)
+        # top-p: keep the smallest prefix whose mass reaches p (always the top token); rows with
+        # top_p == 1 are left alone (a float32 cumsum can round up to 1 before the tail ends)
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        drop |= (before >= p) & (p < 1)
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)

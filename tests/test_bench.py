@@ -1,0 +1,38 @@
+"""The benchmark commands run and print comparable rows (speed itself is not asserted)."""
+
+import json
+
+from moemesh.bench.model import step_cost
+from moemesh.cli import main
+from moemesh.config import ModelConfig
+from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+
+
+def test_bench_model_json_rows(tmp_path, capsys):
+    model = write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64,
+                                           num_experts=4, vocab_size=384), tmp_path / "m")
+    assert main(["bench", "model", "--model", str(model), "--batch", "1,3", "--new", "4", "--prompt-len", "5",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ours = [r for r in rows if r["impl"] == "moemesh"]
+    theirs = [r for r in rows if r["impl"] == "transformers"]
+    assert [r["batch"] for r in ours] == [1, 3] and [r["batch"] for r in theirs] == [1, 3]
+    assert all(r["tok_per_s"] > 0 and 0 < r["fraction_of_roofline"] for r in ours)
+    assert all(r["moemesh_speedup"] > 0 for r in theirs)
+    machine = rows[-1]
+    assert machine["impl"] == "machine" and machine["matmul_gflops"] > 0 and machine["copy_gb_per_s"] > 0
+
+
+def test_roofline_counts_experts_hit_and_kv_reads(tmp_path):
+    model = write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=64, intermediate_size=32,
+                                           num_heads=4, num_kv_heads=2, num_experts=4, top_k=1, vocab_size=384),
+                             tmp_path / "m")
+    mc = ModelConfig.from_dir(model)
+    b1, f1 = step_cost(mc, 1, [10], 4)
+    expert = 3 * 64 * 32
+    attn = 64 * (64 + 2 * 32) + 64 * 64
+    kv = (10 + 1) * 2 * 32
+    assert b1 == 4 * (attn + 4 * 64 + 1 * expert + 384 * 64 + kv)  # one token picks one expert
+    assert f1 == 2 * (attn + 4 * 64 + expert + 384 * 64) + 4 * 10 * 64
+    b_many, _ = step_cost(mc, 1000, [0] * 1000, 4)
+    assert abs(b_many / 4 - (attn + 4 * 64 + 4 * expert + 384 * 64 + 1000 * 2 * 32)) < 1  # all experts read once

@@ -1,0 +1,266 @@
+"""The `moemesh` command line, in process through `cli.main` and once as a real subprocess.
+
+User errors must end with exit status 2 and one `moemesh: error:` line naming the flag, never a
+traceback: in process, a traceback shows up as an exception other than SystemExit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from moemesh.cli import main
+from moemesh.config import ModelConfig
+from moemesh.tiny_model import ARCHS, DEFAULT_SPEC
+
+REPO = Path(__file__).resolve().parent.parent
+SIZES = ["--layers", "2", "--hidden", "64", "--intermediate", "64", "--heads", "4", "--kv-heads", "2",
+         "--experts", "4", "--top-k", "2", "--vocab", "384"]
+KV = ["--kv-memory", str(4 << 20)]  # the 1 GiB default costs seconds per engine; these prompts need little
+GREEDY = ["--temperature", "0", "--ignore-eos"]
+TEXT = "The quick brown fox"
+
+
+def make_model(out: Path, arch: str = "mixtral", *extra: str) -> Path:
+    assert main(["make-tiny-model", "--arch", arch, "--out", str(out), *SIZES, *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("cli") / "mixtral")
+
+
+def generate(capsys, model: Path | None, *args: str) -> list[dict]:
+    capsys.readouterr()
+    argv = ["generate", *(["--model", str(model)] if model else []), *KV, "--json", *args]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def user_error(capsys, argv: list[str]) -> str:
+    """Runs a command that must fail cleanly; returns its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error:" in err
+    return err
+
+
+# ----------------------------------------------------------------------------------------------
+# make-tiny-model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_make_tiny_model_writes_a_checkpoint_the_engine_runs(arch, tmp_path, capsys):
+    out = make_model(tmp_path / arch, arch)
+    assert capsys.readouterr().out.strip() == str(out)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == arch and config["num_hidden_layers"] == 2 and config["vocab_size"] == 384
+    mc = ModelConfig.from_dir(out)
+    assert (mc.model_type, mc.num_layers, mc.hidden_size, mc.vocab_size) == (arch, 2, 64, 384)
+    assert mc.num_experts == (0 if arch == "llama" else 4)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_tensor("model.embed_tokens.weight").shape) == (384, 64)
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() <= 384
+    (result,) = generate(capsys, out, "--prompt", TEXT, "--max-tokens", "3", *GREEDY)
+    assert len(result["token_ids"]) == 3 and all(0 <= t < 384 for t in result["token_ids"])
+
+
+# ----------------------------------------------------------------------------------------------
+# generate
+
+
+def test_generate_prompt_gives_exactly_max_tokens_with_text(model, capsys):
+    (result,) = generate(capsys, model, "--prompt", TEXT, "--max-tokens", "7", *GREEDY)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    assert result["index"] == 0
+    assert result["prompt_ids"] == tok.encode(TEXT).ids
+    assert len(result["token_ids"]) == 7 and result["finish_reason"] == "length"
+    assert result["text"] == tok.decode(result["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_without_json_prints_the_text(model, capsys):
+    (as_json,) = generate(capsys, model, "--prompt", TEXT, "--max-tokens", "5", *GREEDY)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model), *KV, "--prompt", TEXT, "--max-tokens", "5", *GREEDY]) == 0
+    assert capsys.readouterr().out == as_json["text"] + "\n"
+
+
+def test_greedy_is_repeatable_and_text_equals_its_token_ids(model, capsys):
+    args = ["--max-tokens", "12", *GREEDY]
+    first = generate(capsys, model, "--prompt", TEXT, *args)
+    second = generate(capsys, model, "--prompt", TEXT, *args)
+    ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(TEXT).ids
+    by_ids = generate(capsys, model, "--prompt-ids", ",".join(map(str, ids)), *args)
+    assert first == second
+    assert by_ids[0]["token_ids"] == first[0]["token_ids"] and len(first[0]["token_ids"]) == 12
+    assert by_ids[0]["prompt_ids"] == ids
+
+
+def test_prompts_file_mixes_text_and_ids_in_input_order(model, tmp_path, capsys):
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompts = [{"prompt": TEXT}, {"prompt_ids": [5, 6, 7, 8, 9]}, {"prompt": "Hello"}, {"prompt_ids": [42]}]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in prompts[:2]) + "\n\n" +
+                 "\n".join(json.dumps(p) for p in prompts[2:]) + "\n")
+    results = generate(capsys, model, "--prompts-file", str(f), "--max-tokens", "6", *GREEDY)
+    expected_ids = [p["prompt_ids"] if "prompt_ids" in p else tok.encode(p["prompt"]).ids for p in prompts]
+    assert [r["index"] for r in results] == [0, 1, 2, 3]
+    assert [r["prompt_ids"] for r in results] == expected_ids
+    assert all(len(r["token_ids"]) == 6 and isinstance(r["text"], str) for r in results)
+    # batched together, each prompt gets what it gets alone
+    for ids, r in zip(expected_ids, results):
+        (alone,) = generate(capsys, model, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "6", *GREEDY)
+        assert alone["token_ids"] == r["token_ids"]
+
+
+def test_seed_makes_sampling_reproducible(model, capsys):
+    args = ["--prompt", TEXT, "--max-tokens", "16", "--temperature", "1.5", "--ignore-eos"]
+    a = generate(capsys, model, *args, "--seed", "11")
+    b = generate(capsys, model, *args, "--seed", "11")
+    c = generate(capsys, model, *args, "--seed", "12")
+    greedy = generate(capsys, model, "--prompt", TEXT, "--max-tokens", "16", *GREEDY)
+    assert a == b
+    assert a[0]["token_ids"] != c[0]["token_ids"]
+    assert a[0]["token_ids"] != greedy[0]["token_ids"]  # it really sampled
+
+
+def test_layer_partition_gives_the_same_greedy_tokens(model, capsys):
+    args = ["--prompt", TEXT, "--max-tokens", "10", *GREEDY]
+    whole = generate(capsys, model, *args)
+    split = generate(capsys, model, *args, "--layer-partition", "1,1")
+    assert split[0]["token_ids"] == whole[0]["token_ids"] and len(whole[0]["token_ids"]) == 10
+
+
+def test_without_model_the_default_model_is_written_under_moemesh_home(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOEMESH_HOME", str(tmp_path / "home"))
+    target = tmp_path / "home" / "models" / "default-tiny-mixtral"
+    (first,) = generate(capsys, None, "--prompt-ids", "1000,5,6", "--max-tokens", "4", *GREEDY)
+    assert len(first["token_ids"]) == 4  # id 1000 is inside the default model's 1024-token vocab
+    mc = ModelConfig.from_dir(target)
+    assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (
+        DEFAULT_SPEC.num_layers, DEFAULT_SPEC.hidden_size, DEFAULT_SPEC.vocab_size)
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    (again,) = generate(capsys, None, "--prompt-ids", "1000,5,6", "--max-tokens", "4", *GREEDY)
+    assert again == first
+    assert (target / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == ["default-tiny-mixtral"]
+
+
+def test_python_dash_m_moemesh_runs_as_a_program(model, tmp_path, capsys):
+    args = ["generate", "--model", str(model), *KV, "--json", "--prompt-ids", "5,6,7", "--max-tokens", "5", *GREEDY]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOEMESH_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-m", "moemesh", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    (in_process,) = generate(capsys, model, *args[3 + len(KV):])
+    assert result == in_process and len(result["token_ids"]) == 5
+    bad = subprocess.run([sys.executable, "-m", "moemesh", "generate", "--prompt-ids", "1", "--max-tokens", "0"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--max-tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# User errors
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--top-p", "2"], "--top-p"),
+    (["--top-p", "0"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-k", "-2"], "--top-k"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--block-size", "0"], "--block-size"),
+    (["--layer-partition", "1,x"], "--layer-partition"),
+])
+def test_bad_sampling_and_engine_flags_are_named(model, capsys, flags, flag):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,2", *flags])
+    assert flag in err
+
+
+def test_missing_model_directory_is_named(capsys):
+    err = user_error(capsys, ["generate", "--model", "/nonexistent/model", "--prompt-ids", "1"])
+    assert "--model /nonexistent/model" in err
+
+
+def test_prompt_ids_outside_the_vocabulary_fail_cleanly(model, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,99999"])
+    assert "99999" in err and "vocabulary" in err
+
+
+def test_prompt_ids_outside_the_vocabulary_name_the_flag(model, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,99999"])
+    assert "--prompt-ids" in err
+
+
+def test_empty_prompt_ids_are_named(model, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", ","])
+    assert "--prompt-ids" in err
+
+
+@pytest.mark.parametrize("content,expect", [
+    (None, "no such file"),
+    ('{"prompt_ids": [1, 2]}\n{"prompt": "unterminated\n', "line 2: invalid JSON"),
+    ('{"prompt_ids": [1, 2]}\n[1, 2, 3]\n', "line 2: expected"),
+    ('{"prompt": 5}\n', "line 1: expected"),
+    ('{"prompt_ids": [1, "a"]}\n', "line 1: expected"),
+    ('{"text": "hi"}\n', "line 1: expected"),
+    ("\n\n", "no prompts"),
+], ids=["missing", "bad-json", "list", "prompt-not-str", "ids-not-ints", "wrong-key", "empty"])
+def test_prompts_file_errors_name_the_flag_and_line(model, tmp_path, capsys, content, expect):
+    f = tmp_path / "prompts.jsonl"
+    if content is not None:
+        f.write_text(content)
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompts-file", str(f)])
+    assert "--prompts-file" in err and expect in err
+
+
+def test_prompt_and_prompt_ids_are_mutually_exclusive(model, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), "--prompt", "hi", "--prompt-ids", "1"])
+    assert "--prompt-ids" in err and "not allowed" in err
+
+
+def test_a_request_too_long_for_the_model_fails_cleanly(model, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,2,3", "--max-tokens", "5000"])
+    assert "5000" in err and "2048" in err
+
+
+@pytest.mark.parametrize("partition", ["1,5", "2,0", "1"])
+def test_layer_partition_that_does_not_sum_to_the_layers_is_named(model, capsys, partition):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,2",
+                              "--layer-partition", partition])
+    assert "--layer-partition" in err and partition in err
+
+
+def test_checkpoint_without_weights_fails_cleanly(model, tmp_path, capsys):
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        (broken / name).write_bytes((model / name).read_bytes())
+    err = user_error(capsys, ["generate", "--model", str(broken), *KV, "--prompt-ids", "1,2"])
+    assert str(broken) in err
+
+
+def test_make_tiny_model_small_vocab_is_named(tmp_path, capsys):
+    err = user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path / "m"), "--vocab", "10"])
+    assert "--vocab" in err and "300" in err and "10" in err
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("flags", [["--heads", "0"], ["--kv-heads", "0"]], ids=["heads", "kv-heads"])
+def test_make_tiny_model_zero_heads_are_named(tmp_path, capsys, flags):
+    err = user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path / "m"), *flags])
+    assert flags[0] in err
