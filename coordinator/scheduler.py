@@ -73,14 +73,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Step:
+    def schedule(self, max_seqs: int | None = None) -> Step:
+        """max_seqs: a tighter limit on sequences for this step (to balance microbatches in flight)."""
+        max_seqs = min(max_seqs or self.config.max_num_seqs, self.config.max_num_seqs)
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         scheduled: set[int] = set()
 
         preempted = False
         for seq in list(self.running):
-            if budget == 0 or len(items) == self.config.max_num_seqs:
+            if budget == 0 or len(items) >= max_seqs:
                 break
             if seq.seq_id in self.in_flight or seq.status is not Status.RUNNING:
                 continue  # in flight, or preempted just now to make room for an older one
@@ -102,7 +104,7 @@ class Scheduler:
             budget -= n
 
         # after a preemption the pool is short: admit nobody new (nor the victim) in this step
-        while not preempted and self.waiting and budget > 0 and len(items) < self.config.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(items) < max_seqs:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             if not self.blocks.can_grow(seq, n):

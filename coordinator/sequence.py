@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 
@@ -27,6 +28,10 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0
+    request_id: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of output tokens, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt position, when asked
+    num_streamed: int = 0  # output tokens already sent to the client
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,29 +1,28 @@
-"""The in-process engine: the coordinator's scheduler driving every stage of the model in one
-process, one step at a time. It is `moemesh generate`'s engine until the mesh runs the stages in
-separate processes, and the baseline the mesh is measured against.
+"""The in-process engine: the coordinator's core driving every stage of the model in one process,
+one step at a time. `moemesh generate` without `--pp` runs on it, and it is the baseline the
+mesh is measured against (the mesh runs the very same core and stage executors, over sockets).
 
-    step = scheduler.schedule()          which sequences, how many tokens each
-    for stage in stages: forward          hidden/residual handed from stage to stage
-    tokens = sample(logits)               last stage
-    scheduler.update(step, tokens)        append, stop conditions, free blocks
+    sched = core.next_schedule()           which sequences, how many tokens each, which blocks
+    for stage in stages: stage.run(sched)  hidden/residual handed from stage to stage
+    outputs = core.process_result(result)  last stage sampled; append, stop, free blocks
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from coordinator.block_manager import BlockManager
-from coordinator.scheduler import Scheduler, SchedulerConfig, Step
+from coordinator.core import EngineCore
+from coordinator.scheduler import SchedulerConfig
 from coordinator.sequence import Sequence
 from moemesh.config import ModelConfig
+from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
+from stage_worker.executor import StageExecutor
 from stage_worker.layers.parallel import TPGroup
-from stage_worker.runner import StageRunner, StepInput
-from stage_worker.sampler import sample
+from stage_worker.runner import StageRunner
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     stage_layers: tuple[int, ...] | None = None  # layers per stage, e.g. (3, 5); None: one stage
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        limit = model.max_position_embeddings
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                               min(self.max_model_len or limit, limit))
 
 
 def split_layers(num_layers: int, counts: tuple[int, ...] | None) -> list[range]:
@@ -59,57 +63,47 @@ class Output:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, progress: bool | None = None):
         self.cfg = cfg
-        self.model_config = ModelConfig.from_dir(cfg.model)
-        mc = self.model_config
+        self.model_config = mc = ModelConfig.from_dir(cfg.model)
         stages = split_layers(mc.num_layers, cfg.stage_layers)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_memory_bytes // StageRunner.kv_bytes_per_block(
-            mc, mc.num_layers, cfg.block_size, tp=TPGroup(), dtype=cfg.dtype))
-        self.stages = [StageRunner(cfg.model, mc, layers, num_blocks, cfg.block_size, dtype=cfg.dtype,
-                                   device=cfg.device, progress=progress) for layers in stages]
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                            min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)),
-            self.blocks, mc.eos_token_ids)
-        self._ids = itertools.count()
+            mc, mc.num_layers, cfg.block_size, TPGroup(), cfg.dtype))
         self.generator = torch.Generator()  # for requests without a seed
-        self.generator.seed()  # non-deterministic, like an unseeded request should be
+        self.generator.seed()  # non-deterministic, as an unseeded request should be
+        self.stages = [
+            StageExecutor(StageRunner(cfg.model, mc, layers, num_blocks, cfg.block_size, dtype=cfg.dtype,
+                                      device=cfg.device, progress=progress), mc.eos_token_ids, self.generator)
+            for layers in stages
+        ]
+        self.core = EngineCore(cfg.scheduler_config(mc), num_blocks, cfg.block_size, mc.eos_token_ids,
+                               mc.vocab_size)
+        self._ids = itertools.count()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-        seq = Sequence(next(self._ids), list(prompt_ids), params)
-        self.scheduler.add(seq)
-        return seq
+    @property
+    def scheduler(self):
+        return self.core.scheduler
 
-    def step(self) -> list[Sequence]:
-        """Runs one scheduled step through every stage; returns the sequences that finished."""
-        step = self.scheduler.schedule()
-        if not step.items:
-            if self.scheduler.has_work():
+    @property
+    def blocks(self):
+        return self.core.blocks
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        return self.core.add(request_id or str(next(self._ids)), prompt_ids, params)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step through every stage; returns the requests' new outputs."""
+        sched = self.core.next_schedule()
+        if sched is None:
+            if self.core.has_work():
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
             return []
-        out = self._forward(step)
-        rows = [item for item in step.items if item.sample]
-        tokens = sample(out, [i.seq.params for i in rows], [len(i.seq.output_ids) for i in rows],
-                        self.model_config.eos_token_ids, self.generator) if rows else []
-        return self.scheduler.update(step, tokens)
-
-    def _forward(self, step: Step) -> torch.Tensor:
-        inputs = StepInput([i.token_ids for i in step.items], [i.context_len for i in step.items],
-                           [list(i.seq.block_ids) for i in step.items], [i.sample for i in step.items])
         hidden = residual = None
         for stage in self.stages[:-1]:
-            hidden, residual = stage.execute(inputs, hidden, residual)
-        return self.stages[-1].execute(inputs, hidden, residual)
+            hidden, residual = stage.run(sched, hidden, residual)
+        return self.core.process_result(self.stages[-1].run(sched, hidden, residual))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         params = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while self.scheduler.has_work():
+        while self.core.has_work():
             self.step()
         return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
-

@@ -5,6 +5,9 @@ from __future__ import annotations
 import msgspec
 
 
+MAX_LOGPROBS = 20
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -15,6 +18,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    logprobs: int | None = None  # logprob of each sampled token, with this many top alternatives
+    prompt_logprobs: int | None = None  # logprob of each prompt token, with this many alternatives
 
     def __post_init__(self):
         checks = [
@@ -24,6 +32,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (self.top_k >= 0, "top_k must be >= 0 (0 turns it off)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -32,3 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

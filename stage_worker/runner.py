@@ -31,6 +31,15 @@ class StepInput:
     def query_lens(self) -> list[int]:
         return [len(t) for t in self.token_ids]
 
+    def sample_rows(self) -> list[int]:
+        """Row (in the flat token batch) of each sampling sequence's last new token."""
+        rows, end = [], 0
+        for ids, sample in zip(self.token_ids, self.sample):
+            end += len(ids)
+            if sample:
+                rows.append(end - 1)
+        return rows
+
 
 class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
@@ -53,9 +62,9 @@ class StageRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None):
+                residual: torch.Tensor | None = None, logit_rows: list[int] | None = None):
         """First stage: hidden is None. Returns (hidden, residual), or on the last stage logits
-        [rows to sample, V] float32."""
+        [len(logit_rows), V] float32 (default rows: each sampling sequence's last token)."""
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
         with forward_context(ctx):
             if self.model.has_embedding:
@@ -64,10 +73,7 @@ class StageRunner:
             hidden, residual = self.model(hidden, residual)
         if not self.model.has_head:
             return hidden, residual
-        ends, t = [], 0
-        for q, s in zip(step.query_lens, step.sample):
-            t += q
-            if s:
-                ends.append(t - 1)
-        rows = torch.tensor(ends, dtype=torch.long, device=self.device)
+        if logit_rows is None:
+            logit_rows = step.sample_rows()
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows], residual[rows])

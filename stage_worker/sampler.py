@@ -1,46 +1,98 @@
 """Turning the last stage's logits into tokens.
 
-Greedy rows take the argmax. Other rows: temperature, top-k, top-p and min-p filters, then one draw
-by the exponential race (argmax of p / Exp(1) noise), which equals sampling from p. A seeded
-request draws its noise from a generator seeded by (seed, index of the token being sampled), so its
-tokens do not depend on what else is in the batch, on the pipeline layout, or on a recomputation
-after preemption.
+Per row, in order: min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
+penalty (prompt and output tokens), presence and frequency penalties (output tokens), then greedy
+rows take the argmax; the others apply temperature, top-k, top-p and min-p and draw once by the
+exponential race (argmax of p / Exp(1) noise, which samples from p). A seeded request draws its
+noise from a generator seeded by (seed, index of the token being sampled), so its tokens do not
+depend on what else is in the batch, on the pipeline layout, or on a recomputation after preemption.
+
+Logprobs are of the model's own distribution (log-softmax of the raw logits, before penalties and
+temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int],
-           eos_token_ids: tuple[int, ...] = (), generator: torch.Generator | None = None) -> list[int]:
-    """logits [N, V] float32; params and output_lens (tokens generated so far) per row -> N tokens."""
-    if any(n < p.min_tokens for n, p in zip(output_lens, params)):
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated so far
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
+           generator: torch.Generator | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [N, V] float32, one row per SampleRow -> (N tokens, N logprobs or None)."""
+    raw = logits
+    if any(_needs_edit(r) for r in rows):
         logits = logits.clone()
-    for i, p in enumerate(params):
-        if output_lens[i] < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
-            banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < logits.shape[1]]
+    V = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
+            banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < V]
             logits[i, banned] = float("-inf")
+        if p.has_penalties:
+            _apply_penalties(logits[i], r, V)
     tokens = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows)
-        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        idx = torch.tensor(random_rows)
+        probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            p = params[i]
+            p = rows[i].params
             if p.seed is not None:
                 g = torch.Generator(device=probs.device)
-                g.manual_seed((p.seed * _MIX + output_lens[i] + 1) % (1 << 63))
+                g.manual_seed((p.seed * _MIX + len(rows[i].output_ids) + 1) % (1 << 63))
                 noise[j].exponential_(generator=g)
             else:
                 noise[j].exponential_(generator=generator)
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if want:
+        lp = torch.log_softmax(raw[torch.tensor(want)], dim=-1)
+        for j, i in enumerate(want):
+            logprobs[i] = token_logprobs(lp[j], token_list[i], rows[i].params.logprobs)
+    return token_list, logprobs
+
+
+def token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    """One position's logprob of `token` and its top-N alternatives, from a [V] log-softmax row."""
+    top = []
+    if top_n:
+        values, ids = logprobs_row.topk(top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(logprobs_row[token]), top)
+
+
+def _needs_edit(r: SampleRow) -> bool:
+    return len(r.output_ids) < r.params.min_tokens or r.params.has_penalties
+
+
+def _apply_penalties(row: torch.Tensor, r: SampleRow, V: int) -> None:
+    """In place on one [V] row of logits."""
+    p = r.params
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted({t for t in (*r.prompt_ids, *r.output_ids) if t < V}), dtype=torch.long)
+        if len(seen):
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+        counts = torch.bincount(torch.tensor([t for t in r.output_ids if t < V], dtype=torch.long), minlength=V)
+        row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -67,10 +67,10 @@ def all_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     for stage in engine.stages:
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, engine.cfg.block_size)
         with torch.inference_mode(), forward_context(ctx):
-            if stage.model.has_embedding:
-                hidden = stage.model.embed(torch.tensor(prompt))
-            hidden, residual = stage.model(hidden, residual)
-    return engine.stages[-1].model.compute_logits(hidden, residual)
+            if stage.runner.model.has_embedding:
+                hidden = stage.runner.model.embed(torch.tensor(prompt))
+            hidden, residual = stage.runner.model(hidden, residual)
+    return engine.stages[-1].runner.model.compute_logits(hidden, residual)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,10 +103,10 @@ def test_stage_split_matches_unsplit(tmp_path, arch, stages):
     build_hf_model(arch, tmp_path)
     whole = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64), progress=False)
     split = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, stage_layers=stages), progress=False)
-    assert [s.model.layer_range for s in split.stages] == [range(a, a + n) for a, n in
+    assert [s.runner.model.layer_range for s in split.stages] == [range(a, a + n) for a, n in
                                                           zip([0, *torch.tensor(stages).cumsum(0).tolist()], stages)]
-    assert split.stages[0].model.has_embedding and not split.stages[0].model.has_head
-    assert split.stages[-1].model.has_head and not split.stages[-1].model.has_embedding
+    assert split.stages[0].runner.model.has_embedding and not split.stages[0].runner.model.has_head
+    assert split.stages[-1].runner.model.has_head and not split.stages[-1].runner.model.has_embedding
     for prompt in PROMPTS[:3]:
         torch.testing.assert_close(all_logits(split, prompt), all_logits(whole, prompt), rtol=0, atol=1e-5)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

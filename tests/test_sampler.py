@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from moemesh.sampling import SamplingParams
-from stage_worker.sampler import _filtered_probs, sample
+from stage_worker import sampler
+from stage_worker.sampler import SampleRow, _filtered_probs
+
+
+def sample(logits, params, output_lens, eos_token_ids=(), generator=None):
+    """Tokens only, for rows that are described by their parameters and output length alone."""
+    rows = [SampleRow(p, [], [0] * n) for p, n in zip(params, output_lens)]
+    return sampler.sample(logits, rows, eos_token_ids, generator)[0]
 
 EOS = 0
 

@@ -1,0 +1,125 @@
+"""The coordinator's logic without sockets: requests in, schedules out, step results in,
+per-request outputs out. The mesh coordinator and the in-process engine both drive it.
+
+    core.add(request_id, prompt_ids, params)
+    sched = core.next_schedule()          a Schedule for every stage (None: nothing to run now)
+    ... the stages run it; the last returns a StepResult ...
+    outputs = core.process_result(result) new tokens per request, and their ends
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from coordinator.block_manager import BlockManager
+from coordinator.scheduler import Scheduler, SchedulerConfig, Step
+from coordinator.sequence import Sequence
+from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult
+from moemesh.sampling import SamplingParams
+
+
+class EngineCore:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 eos_token_ids: tuple[int, ...], vocab_size: int):
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config, self.blocks, eos_token_ids)
+        self.vocab_size = vocab_size
+        self.requests: dict[str, Sequence] = {}
+        self.in_flight: dict[int, Step] = {}
+        self._step_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._forget: list[int] = []
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Raises ValueError with a message for the client when the request cannot be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        seq = Sequence(next(self._seq_ids), list(prompt_ids), params, request_id=request_id)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(prompt_ids)
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        """Ends a request now (its blocks go back to the pool); None if it is unknown or over."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        self._forget.append(seq.seq_id)
+        return RequestOutput(request_id, [], finish_reason=reason, error=error,
+                             num_prompt_tokens=len(seq.prompt_ids))
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        return [out for rid in list(self.requests) if (out := self.abort(rid, "error", error))]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def next_schedule(self, max_seqs: int | None = None) -> Schedule | None:
+        step = self.scheduler.schedule(max_seqs)
+        if not step.items:
+            return None
+        step_id = next(self._step_ids)
+        self.in_flight[step_id] = step
+        seqs = []
+        for item in step.items:
+            seq = item.seq
+            first = item.context_len == 0  # a new or recomputed sequence: the last stage needs its params
+            seqs.append(SeqWork(
+                seq.seq_id, item.token_ids, item.context_len, list(seq.block_ids), item.sample,
+                params=seq.params if first else None, prompt_len=len(seq.prompt_ids) if first else 0,
+                prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None))
+        forget, self._forget = self._forget, []
+        return Schedule(step_id, seqs, forget)
+
+    def process_result(self, result: StepResult) -> list[RequestOutput]:
+        step = self.in_flight.pop(result.step_id, None)
+        if step is None:
+            raise ValueError(f"result for step {result.step_id}, which is not in flight")
+        by_seq = {s.seq_id: s for s in result.sampled}
+        sampled = [by_seq[item.seq.seq_id] for item in step.items if item.sample]
+        for item, s in zip((i for i in step.items if i.sample), sampled):
+            if s.logprobs is not None and not item.seq.finished:
+                item.seq.logprobs.append(s.logprobs)
+        for p in result.prompt_logprobs:
+            seq = next((i.seq for i in step.items if i.seq.seq_id == p.seq_id), None)
+            if seq is not None and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[p.start:p.start + len(p.logprobs)] = p.logprobs
+        finished = self.scheduler.update(step, [s.token_id for s in sampled])
+        outputs = []
+        for item in step.items:
+            seq = item.seq
+            if seq.request_id not in self.requests or (not item.sample and seq not in finished):
+                continue
+            outputs.append(self._output(seq))
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+            self._forget.append(seq.seq_id)
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new = seq.output_ids[seq.num_streamed:]
+        logprobs = seq.logprobs[seq.num_streamed:] if seq.params.logprobs is not None else None
+        prompt_logprobs = seq.prompt_logprobs if seq.num_streamed == 0 else None
+        seq.num_streamed = len(seq.output_ids)
+        return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
+                             finish_reason=seq.finish_reason if seq.finished else None,
+                             num_prompt_tokens=len(seq.prompt_ids))
+
+    def fail_in_flight(self) -> None:
+        """Forgets every step in flight (their stage died); the sequences stay as they were."""
+        for step in self.in_flight.values():
+            for item in step.items:
+                self.scheduler.in_flight.discard(item.seq.seq_id)
+        self.in_flight.clear()

@@ -1,0 +1,245 @@
+"""The wire protocol: typed messages per link, one codec, tensors as raw frames beside a header.
+
+Links (socket pattern, direction):
+- client link (DEALER -> coordinator ROUTER): `ClientMessage` in, `CoordinatorReply` out. Clients
+  are gateways and the local `generate` driver.
+- worker link (stage worker DEALER -> coordinator ROUTER): `WorkerMessage` up, `CoordinatorMessage`
+  down (assignment, schedules, shutdown).
+- activation link (stage s PUSH -> stage s+1 PULL, same tensor rank): `Activations` + tensor frames.
+
+A multipart message is [msgpack header, tensor frame, tensor frame, ...]; the header names each
+tensor's dtype and shape. Decoding takes the frames as they arrived (no copy for tensors). Nothing
+here can execute code on decode: msgspec builds only the Structs below (no pickle anywhere).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Union
+
+import msgspec
+import torch
+
+from moemesh.sampling import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode to what the link expects."""
+
+
+# -- tensors ------------------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "int32": torch.int32}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str
+    shape: list[int]
+
+
+# -- client link --------------------------------------------------------------------------------
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class StatusRequest(msgspec.Struct, tag="status", frozen=True):
+    pass
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """Logprob of one token, and the top-N alternatives at its position (N may be 0)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class RequestOutput(msgspec.Struct, tag="output", frozen=True):
+    """New tokens of one request since its last output; `finish_reason` set on the last one."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first prompt token has none
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
+    serving: bool
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    stage_busy_seconds: list[float]
+    uptime_seconds: float
+    malformed_messages: int
+
+
+ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
+CoordinatorReply = Union[RequestOutput, StatusReply]
+
+
+# -- worker link --------------------------------------------------------------------------------
+
+class Register(msgspec.Struct, tag="register", frozen=True):
+    pp_rank: int
+    tp_rank: int
+    data_address: str  # where this worker's activation PULL socket can be reached
+    device: str
+    pid: int
+
+
+class Assignment(msgspec.Struct, tag="assignment", frozen=True):
+    model: str
+    layer_start: int
+    layer_end: int
+    pp_size: int
+    tp_size: int
+    next_address: str | None  # the next stage's worker of the same tensor rank; None on the last stage
+    dtype: str
+    block_size: int
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    pp_rank: int
+    tp_rank: int
+    num_blocks: int
+
+
+class Start(msgspec.Struct, tag="start", frozen=True):
+    num_blocks: int  # the smallest pool of any worker: block ids are shared across stages
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    pp_rank: int
+    tp_rank: int
+    busy_seconds: float
+
+
+class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):
+    pp_rank: int
+    tp_rank: int
+    error: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+class SeqWork(msgspec.Struct, array_like=True, frozen=True):
+    """One sequence's share of a step. `params` and `prompt_len` come with a chunk that starts at
+    position 0 (a new or recomputed sequence); `prompt_ids` too when prompt logprobs are wanted."""
+    seq_id: int
+    token_ids: list[int]  # new tokens, at positions context_len ..
+    context_len: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams | None = None
+    prompt_len: int = 0
+    prompt_ids: list[int] | None = None
+
+
+class Schedule(msgspec.Struct, tag="schedule", frozen=True):
+    step_id: int
+    seqs: list[SeqWork]
+    forget: list[int] = []  # sequences that ended: drop their sampling state
+
+
+class SampledToken(msgspec.Struct, array_like=True, frozen=True):
+    seq_id: int
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    seq_id: int
+    start: int  # position of the first prompt token these cover
+    logprobs: list[TokenLogprobs]
+
+
+class StepResult(msgspec.Struct, tag="result", frozen=True):
+    step_id: int
+    sampled: list[SampledToken]
+    prompt_logprobs: list[PromptLogprobs] = []
+    busy_seconds: float = 0.0
+
+
+class Activations(msgspec.Struct, tag="activations", frozen=True):
+    step_id: int
+    tensors: list[TensorMeta]
+
+
+WorkerMessage = Union[Register, Ready, Heartbeat, StepResult, WorkerFailed]
+CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown]
+
+
+# -- codec --------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Codec:
+    """Encodes any message above; decodes only the union a link expects."""
+
+    def __init__(self, expected):
+        self._decoder = msgspec.msgpack.Decoder(expected)
+
+    @staticmethod
+    def encode(msg, tensors: list[torch.Tensor] = ()) -> list:
+        """-> [header, *tensor buffers]; tensor buffers are zero-copy views (keep tensors alive
+        until sent: pyzmq's copy=False holds the buffer for us)."""
+        return [_encoder.encode(msg), *(_tensor_buffer(t) for t in tensors)]
+
+    def decode(self, frames: list) -> tuple[object, list[torch.Tensor]]:
+        if not frames:
+            raise ProtocolError("empty message")
+        try:
+            msg = self._decoder.decode(_buffer(frames[0]))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            raise ProtocolError(f"undecodable message: {e}") from None
+        metas = getattr(msg, "tensors", [])
+        if len(frames) - 1 != len(metas):
+            raise ProtocolError(f"message declares {len(metas)} tensors but carries {len(frames) - 1} frames")
+        return msg, [_tensor(m, _buffer(f)) for m, f in zip(metas, frames[1:])]
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(_NAMES[t.dtype], list(t.shape))
+
+
+def _tensor_buffer(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _buffer(frame):
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _tensor(meta: TensorMeta, buf) -> torch.Tensor:
+    dtype = _DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise ProtocolError(f"unknown tensor dtype {meta.dtype!r}")
+    numel = 1
+    for d in meta.shape:
+        if d < 0:
+            raise ProtocolError(f"negative dimension in tensor shape {meta.shape}")
+        numel *= d
+    if len(buf) != numel * dtype.itemsize:
+        raise ProtocolError(f"tensor frame holds {len(buf)} bytes, shape {meta.shape} of {meta.dtype} "
+                            f"needs {numel * dtype.itemsize}")
+    if numel == 0:
+        return torch.empty(meta.shape, dtype=dtype)
+    with warnings.catch_warnings():  # received frames are read-only; these tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(meta.shape)

@@ -1,0 +1,95 @@
+"""Runs the coordinator's schedules on one stage. The last stage also keeps what sampling needs
+of each sequence (its parameters and the tokens fed so far) and turns logits into a StepResult.
+
+This is the one code path for a stage, whether it runs in a worker process on the mesh or in the
+in-process engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moemesh.protocol import PromptLogprobs, SampledToken, Schedule, StepResult
+from moemesh.sampling import SamplingParams
+from stage_worker.runner import StageRunner, StepInput
+from stage_worker.sampler import SampleRow, sample, token_logprobs
+
+
+@dataclass
+class SeqState:
+    params: SamplingParams
+    prompt_len: int
+    tokens: list[int]  # every token fed so far, from position 0
+    prompt_ids: list[int] | None  # the whole prompt, when prompt logprobs are wanted
+
+
+class StageExecutor:
+    def __init__(self, runner: StageRunner, eos_token_ids: tuple[int, ...] = (),
+                 generator: torch.Generator | None = None):
+        self.runner = runner
+        self.is_last = runner.model.has_head
+        self.eos_token_ids = eos_token_ids
+        self.generator = generator
+        self.seqs: dict[int, SeqState] = {}
+        self.busy_seconds = 0.0
+
+    def run(self, sched: Schedule, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        """-> (hidden, residual) for the next stage, or a StepResult on the last stage."""
+        start = time.perf_counter()
+        try:
+            step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
+                             [w.block_table for w in sched.seqs], [w.sample for w in sched.seqs])
+            if not self.is_last:
+                return self.runner.execute(step, hidden, residual)
+            return self._sample(sched, step, hidden, residual)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _sample(self, sched: Schedule, step: StepInput, hidden, residual) -> StepResult:
+        for seq_id in sched.forget:
+            self.seqs.pop(seq_id, None)
+        sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
+        row = 0
+        for w in sched.seqs:
+            if w.params is not None:
+                self.seqs[w.seq_id] = SeqState(w.params, w.prompt_len, [], w.prompt_ids)
+            st = self.seqs.get(w.seq_id)
+            if st is None:
+                raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no sampling state "
+                                 f"(its first chunk did not carry params)")
+            del st.tokens[w.context_len:]
+            st.tokens.extend(w.token_ids)
+            if st.prompt_ids is not None:  # row at position q predicts prompt token q + 1
+                for q in range(w.context_len, min(w.context_len + len(w.token_ids), st.prompt_len - 1)):
+                    prompt_rows.append((row + q - w.context_len, w.seq_id, q + 1))
+            row += len(w.token_ids)
+            if w.sample:
+                sample_rows.append((row - 1, w.seq_id))
+        logits = self.runner.execute(step, hidden, residual,
+                                     logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
+        rows = [self._row(seq_id) for _, seq_id in sample_rows]
+        tokens, logprobs = sample(logits[:len(sample_rows)], rows, self.eos_token_ids, self.generator)
+        sampled = [SampledToken(seq_id, t, lp) for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
+        return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[len(sample_rows):], prompt_rows),
+                          busy_seconds=self.busy_seconds)
+
+    def _row(self, seq_id: int) -> SampleRow:
+        st = self.seqs[seq_id]
+        prompt = st.tokens[:st.prompt_len]
+        return SampleRow(st.params, prompt, st.tokens[st.prompt_len:])
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
+        if not prompt_rows:
+            return []
+        lp = torch.log_softmax(logits, dim=-1)
+        out: dict[int, PromptLogprobs] = {}
+        for i, (_, seq_id, pos) in enumerate(prompt_rows):
+            st = self.seqs[seq_id]
+            entry = token_logprobs(lp[i], st.prompt_ids[pos], st.params.prompt_logprobs)
+            if seq_id not in out:
+                out[seq_id] = PromptLogprobs(seq_id, pos, [])
+            out[seq_id].logprobs.append(entry)
+        return list(out.values())
