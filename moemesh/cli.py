@@ -94,6 +94,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
 
+    g.add_argument("--pp", type=positive_int, default=None,
+                   help="run on a local mesh: a coordinator and this many pipeline stages as processes")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage (with --pp)")
+    g.add_argument("--max-in-flight", type=positive_int, default=None,
+                   help="microbatches in the pipeline at once (with --pp; default: pp)")
+
+    c = sub.add_parser("coordinator", help="run the coordinator of a mesh")
+    c.add_argument("--model", required=True, help="checkpoint directory (workers read it at the same path)")
+    c.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    c.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage")
+    c.add_argument("--layer-partition", type=int_list, default=None, help="layers per stage, e.g. 3,5")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    c.add_argument("--port", type=int, default=5555, help="port for stage workers (0: any free port)")
+    c.add_argument("--client-port", type=int, default=5556, help="port for gateways and clients (0: any)")
+    c.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    c.add_argument("--block-size", type=positive_int, default=16)
+    c.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget of one microbatch")
+    c.add_argument("--max-seqs", type=positive_int, default=256)
+    c.add_argument("--max-in-flight", type=positive_int, default=None, help="microbatches in flight (default: pp)")
+    c.add_argument("--worker-timeout", type=float, default=5.0, help="seconds without a heartbeat before a "
+                                                                        "worker counts as dead")
+
+    w = sub.add_parser("stage-worker", help="run one stage worker of a mesh")
+    w.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
+    w.add_argument("--pp-rank", type=int, required=True)
+    w.add_argument("--tp-rank", type=int, default=0)
+    w.add_argument("--host", default="127.0.0.1", help="address the activation socket listens on")
+    w.add_argument("--advertise-host", default=None, help="address other workers use to reach this one")
+    w.add_argument("--port", type=int, default=0, help="activation port (0: any free port)")
+    w.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache")
+    w.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    w.add_argument("--device", default="cpu")
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     m = bsub.add_parser("model", help="decode throughput of the in-process engine vs transformers and the roofline")
@@ -121,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.generate import run_generate
 
             return run_generate(args)
+        if args.command == "coordinator":
+            return cmd_coordinator(args)
+        if args.command == "stage-worker":
+            return cmd_stage_worker(args)
         if args.command == "bench" and args.bench == "model":
             from moemesh.bench.model import run_model_bench
 
@@ -130,6 +167,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def cmd_coordinator(args) -> int:
+    from coordinator.server import Coordinator, CoordinatorConfig
+    from moemesh.netutil import run
+
+    if args.tp != 1:
+        raise CLIError("--tp above 1 is not built yet: tensor parallelism across worker processes comes next")
+    try:
+        coord = Coordinator(CoordinatorConfig(
+            model=args.model, pp=args.pp, tp=args.tp,
+            layer_partition=tuple(args.layer_partition) if args.layer_partition else None,
+            host=args.host, port=args.port, client_port=args.client_port, dtype=args.dtype,
+            block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
+            max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    run(coord.run())
+    return 0
+
+
+def cmd_stage_worker(args) -> int:
+    from moemesh.netutil import run
+    from stage_worker.worker import StageWorker, WorkerConfig
+
+    return run(StageWorker(WorkerConfig(
+        coordinator=args.coordinator, pp_rank=args.pp_rank, tp_rank=args.tp_rank, bind_host=args.host,
+        advertise_host=args.advertise_host, port=args.port, kv_memory_bytes=args.kv_memory, device=args.device,
+        threads=args.threads)).run())
 
 
 def cmd_make_tiny_model(args) -> int:

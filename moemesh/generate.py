@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -10,7 +11,8 @@ import torch
 
 from moemesh.cli import CLIError
 from moemesh.config import ConfigError, ModelConfig, resolve_dtype
-from moemesh.engine import EngineConfig, LLMEngine, split_layers
+from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
+from moemesh.netutil import run
 from moemesh.log import get_logger
 from moemesh.sampling import SamplingParams
 
@@ -107,28 +109,92 @@ def run_generate(args) -> int:
         return tokenizer
 
     prompts = read_prompts(args, get_tokenizer)
-    engine = LLMEngine(cfg)
     start = time.perf_counter()
+    if args.pp is None:
+        results = _run_in_process(cfg, prompts, params)
+    else:
+        results = _run_on_mesh(args, cfg, prompts, params)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(r.token_ids) for r in results)
+    log.info("generated", extra={"fields": {"prompts": len(results), "tokens": n_out, "seconds": round(elapsed, 3)}})
+    decode = (lambda ids: get_tokenizer("text output").decode(ids)) if _has_tokenizer(cfg.model) else None
+    for i, r in enumerate(results):
+        text = decode(r.token_ids) if decode else None
+        if args.json:
+            print(json.dumps({"index": i, "prompt_ids": r.prompt_ids, "token_ids": r.token_ids, "text": text,
+                              "finish_reason": r.finish_reason}), flush=True)
+        else:
+            print(text if text is not None else " ".join(map(str, r.token_ids)), flush=True)
+    return 0
+
+
+def _run_in_process(cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
+    engine = LLMEngine(cfg)
     seqs = []
     for ids, origin in prompts:
         try:
             seqs.append(engine.add_request(ids, params))
         except ValueError as e:
             raise CLIError(f"{origin}: {e}") from None
-    while engine.scheduler.has_work():
+    while engine.core.has_work():
         engine.step()
-    elapsed = time.perf_counter() - start
-    n_out = sum(len(s.output_ids) for s in seqs)
-    log.info("generated", extra={"fields": {"prompts": len(seqs), "tokens": n_out, "seconds": round(elapsed, 3)}})
-    decode = (lambda ids: get_tokenizer("text output").decode(ids)) if _has_tokenizer(cfg.model) else None
-    for i, s in enumerate(seqs):
-        text = decode(s.output_ids) if decode else None
-        if args.json:
-            print(json.dumps({"index": i, "prompt_ids": s.prompt_ids, "token_ids": s.output_ids, "text": text,
-                              "finish_reason": s.finish_reason}), flush=True)
-        else:
-            print(text if text is not None else " ".join(map(str, s.output_ids)), flush=True)
-    return 0
+    return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
+
+
+def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
+    """All prompts at once through a local mesh of processes, which is shut down afterwards."""
+    from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+
+    spec = MeshSpec(model=cfg.model, pp=args.pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
+                    block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                    max_in_flight=args.max_in_flight)
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != args.pp:
+        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {args.pp}")
+    try:
+        with LocalMesh(spec) as mesh:
+            return run(drive_mesh(mesh, prompts, params))
+    except LaunchError as e:
+        raise CLIError(str(e)) from None
+
+
+async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
+    from moemesh.client import CoordinatorClient
+    from moemesh.launcher import LaunchError
+
+    client = CoordinatorClient(mesh.client_address)
+
+    async def watch():
+        while mesh.died is None:
+            await asyncio.sleep(0.2)
+        raise LaunchError(f"the mesh failed: {mesh.died}")
+
+    async def one(ids, origin) -> Output:
+        tokens, reason = [], None
+        async for out in client.generate(ids, params):
+            if out.error:
+                raise CLIError(f"{origin}: {out.error}")
+            tokens += out.token_ids
+            reason = out.finish_reason
+        return Output(list(ids), tokens, reason)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        work = asyncio.gather(client.wait_serving(timeout=600), return_exceptions=False)
+        done, _ = await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            work.cancel()
+            watcher.result()
+        work.result()
+        jobs = asyncio.gather(*(one(ids, origin) for ids, origin in prompts))
+        done, _ = await asyncio.wait([jobs, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            jobs.cancel()
+            watcher.result()
+        return jobs.result()
+    finally:
+        watcher.cancel()
+        await client.close()
 
 
 def _has_tokenizer(model_dir: str) -> bool:

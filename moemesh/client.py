@@ -1,0 +1,100 @@
+"""An asyncio client of the coordinator's client socket: what the gateway and the local
+`generate` driver use to submit requests and stream their outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from moemesh.log import get_logger
+from moemesh.netutil import BadMessages, set_heartbeats
+from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, ProtocolError,
+                              RequestOutput, StatusReply, StatusRequest)
+from moemesh.sampling import SamplingParams
+
+log = get_logger("client")
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{id(self):x}".encode())
+        set_heartbeats(self.sock)
+        self.sock.connect(address)
+        self.codec = Codec(CoordinatorReply)
+        self.bad = BadMessages(log, "coordinator")
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.status_waiters: list[asyncio.Future] = []
+        self._ids = itertools.count()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        self.sock.close(linger=0)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg, _ = self.codec.decode(frames)
+            except ProtocolError as e:
+                self.bad(e)
+                continue
+            if isinstance(msg, StatusReply):
+                if self.status_waiters:
+                    self.status_waiters.pop(0).set_result(msg)
+            elif (q := self.streams.get(msg.request_id)) is not None:
+                q.put_nowait(msg)
+
+    async def status(self, timeout: float = 5.0) -> StatusReply:
+        fut = asyncio.get_running_loop().create_future()
+        self.status_waiters.append(fut)
+        await self.sock.send_multipart(Codec.encode(StatusRequest()))
+        return await asyncio.wait_for(fut, timeout)
+
+    async def wait_serving(self, timeout: float) -> StatusReply:
+        """Polls the coordinator until its pipeline serves; raises TimeoutError otherwise."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                st = await self.status(timeout=1.0)
+                if st.serving:
+                    return st
+            except asyncio.TimeoutError:
+                self.status_waiters.clear()
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the pipeline was not serving after {timeout:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs until the one with a finish_reason. Leaving the loop early
+        (or being cancelled) aborts the request in the coordinator."""
+        rid = request_id or f"r{next(self._ids)}"
+        q = self.streams[rid] = asyncio.Queue()
+        finished = False
+        try:
+            await self.sock.send_multipart(Codec.encode(GenerateRequest(rid, list(prompt_ids), params)))
+            while True:
+                out = await q.get()
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            del self.streams[rid]
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Asks the coordinator to end a request (no wait: safe from a closing generator)."""
+        try:
+            self.sock.send_multipart(Codec.encode(AbortRequest(request_id)), flags=zmq.NOBLOCK)
+        except zmq.Again:  # pragma: no cover - the coordinator's queue is full: it is gone anyway
+            log.warning("could not send abort", extra={"fields": {"request_id": request_id}})

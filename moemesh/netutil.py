@@ -1,0 +1,60 @@
+"""Small helpers shared by the mesh processes: sockets, event loops, counters of bad messages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from moemesh.protocol import ProtocolError
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when it is installed (it is a dependency), the default loop otherwise."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+
+
+def run(coro) -> object:
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def bind(sock: zmq.Socket, host: str, port: int) -> int:
+    """Binds tcp://host:port (port 0: a free one); returns the port."""
+    if port == 0:
+        return sock.bind_to_random_port(f"tcp://{host}")
+    sock.bind(f"tcp://{host}:{port}")
+    return port
+
+
+def set_heartbeats(sock: zmq.Socket, interval_ms: int = 1000) -> None:
+    """ZMTP heartbeats: a dead peer's connection is noticed (and reconnected) in seconds."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * interval_ms)
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+class BadMessages:
+    """Counts (and logs, rate-limited) messages that did not decode; never raises."""
+
+    def __init__(self, log: logging.Logger, link: str):
+        self.log, self.link, self.count = log, link, 0
+
+    def __call__(self, error: Exception, peer: str = "") -> None:
+        self.count += 1
+        if self.count <= 10 or self.count % 1000 == 0:
+            self.log.warning("malformed message", extra={"fields": {
+                "link": self.link, "peer": peer, "error": str(error)[:200], "count": self.count}})
+
+
+__all__ = ["BadMessages", "ProtocolError", "bind", "new_event_loop", "run", "set_heartbeats"]

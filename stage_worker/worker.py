@@ -1,0 +1,201 @@
+"""A stage worker process: one (pipeline rank, tensor rank) of the mesh.
+
+    register with the coordinator -> assignment (model, layers, next stage's address)
+    load only those layers, allocate the KV cache -> ready (block count) -> start
+    for each schedule, in order: [receive the previous stage's activations] -> forward ->
+        send activations to the next stage, or (last stage, tensor rank 0) the sampled tokens
+
+All sockets live on one asyncio event loop; the forward pass runs on a dedicated compute thread.
+So while step k computes, the loop keeps receiving schedules and activations and heartbeating,
+and the moment step k's activations are handed to ZeroMQ (zero-copy; its I/O thread sends them)
+the compute thread starts step k + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import zmq
+import zmq.asyncio
+
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.log import get_logger
+from moemesh.netutil import BadMessages, bind, set_heartbeats
+from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
+                              Ready, Register, Schedule, Shutdown, Start, WorkerFailed, tensor_meta)
+from stage_worker.executor import StageExecutor
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.runner import StageRunner
+
+log = get_logger("stage_worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator: str  # tcp://host:port of the coordinator's worker socket
+    pp_rank: int
+    tp_rank: int = 0
+    bind_host: str = "127.0.0.1"  # where the activation socket listens
+    advertise_host: str | None = None  # how other workers reach it (default: bind_host)
+    port: int = 0  # 0: any free port
+    kv_memory_bytes: int = 1 << 30
+    device: str = "cpu"
+    threads: int = 1
+    heartbeat_interval: float = 0.5
+
+
+class StageWorker:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.IDENTITY, f"w{cfg.pp_rank}.{cfg.tp_rank}".encode())
+        set_heartbeats(self.ctrl)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.push: zmq.asyncio.Socket | None = None
+        self.codec = Codec(CoordinatorMessage)
+        self.act_codec = Codec(Activations)
+        self.bad = BadMessages(log, "worker")
+        self.schedules: asyncio.Queue = asyncio.Queue()
+        self.activations: asyncio.Queue = asyncio.Queue()
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.executor: StageExecutor | None = None
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> int:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        port = bind(self.pull, cfg.bind_host, cfg.port)
+        address = f"tcp://{cfg.advertise_host or cfg.bind_host}:{port}"
+        self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
+        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid()))
+        log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
+        assignment = await self._expect(Assignment)
+        heartbeat = asyncio.ensure_future(self._heartbeat())
+        try:
+            num_blocks = await self._load(assignment)
+            await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
+            start = await self._expect(Start)
+            log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
+            tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations(), self._steps())]
+            stop = asyncio.ensure_future(self.stopping.wait())
+            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+            for t in done:
+                if t is not stop and t.exception():
+                    raise t.exception()
+            return 0
+        except Exception as e:
+            log.error("stage worker failed", exc_info=True)
+            await self._send(WorkerFailed(cfg.pp_rank, cfg.tp_rank, f"{type(e).__name__}: {e}"))
+            await asyncio.sleep(0.1)  # let the message leave
+            return 1
+        finally:
+            heartbeat.cancel()
+            self.compute.shutdown(wait=False, cancel_futures=True)
+            self.ctx.destroy(linger=0)
+
+    async def _load(self, a: Assignment) -> int:
+        cfg = self.cfg
+        mc = ModelConfig.from_dir(a.model)
+        dtype = resolve_dtype(a.dtype, mc, torch.device(cfg.device))
+        layers = range(a.layer_start, a.layer_end)
+        tp = TPGroup(cfg.tp_rank, a.tp_size)
+        per_block = StageRunner.kv_bytes_per_block(mc, len(layers), a.block_size, tp, dtype)
+        num_blocks = max(1, cfg.kv_memory_bytes // per_block)
+
+        def build():
+            runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
+                                 device=cfg.device, progress=False)
+            return StageExecutor(runner, mc.eos_token_ids)
+
+        started = time.perf_counter()
+        self.executor = await asyncio.get_running_loop().run_in_executor(self.compute, build)
+        log.info("loaded", extra={"fields": {"layers": f"{a.layer_start}:{a.layer_end}", "blocks": num_blocks,
+                                             "bytes": self.executor.runner.load_stats.bytes_read,
+                                             "seconds": round(time.perf_counter() - started, 2)}})
+        if a.next_address is not None:
+            self.push = self.ctx.socket(zmq.PUSH)
+            self.push.setsockopt(zmq.LINGER, 0)
+            set_heartbeats(self.push)
+            self.push.connect(a.next_address)
+        return num_blocks
+
+    async def _send(self, msg, tensors=()) -> None:
+        await self.ctrl.send_multipart(Codec.encode(msg, tensors), copy=False)
+
+    async def _expect(self, kind):
+        """Waits for a control message of one kind (others before it are malformed here)."""
+        while True:
+            msg = await self._recv_one()
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, Shutdown):
+                raise SystemExit(0)
+            self.bad(ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}"), "coordinator")
+
+    async def _recv_one(self):
+        while True:
+            frames = await self.ctrl.recv_multipart(copy=False)
+            try:
+                return self.codec.decode(frames)[0]
+            except ProtocolError as e:
+                self.bad(e, "coordinator")
+
+    async def _recv_ctrl(self) -> None:
+        while True:
+            msg = await self._recv_one()
+            if isinstance(msg, Schedule):
+                self.schedules.put_nowait(msg)
+            elif isinstance(msg, Shutdown):
+                self.stopping.set()
+                return
+            else:
+                self.bad(ProtocolError(f"unexpected {type(msg).__name__} while serving"), "coordinator")
+
+    async def _recv_activations(self) -> None:
+        while True:
+            frames = await self.pull.recv_multipart(copy=False)
+            try:
+                msg, tensors = self.act_codec.decode(frames)
+                if len(tensors) != 2:
+                    raise ProtocolError(f"activations carry {len(tensors)} tensors, expected 2")
+            except ProtocolError as e:
+                self.bad(e, "previous stage")
+                continue
+            self.activations.put_nowait((msg.step_id, tensors))
+
+    async def _steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        first = self.cfg.pp_rank == 0
+        while True:
+            sched: Schedule = await self.schedules.get()
+            hidden = residual = None
+            if not first:
+                while True:  # stages run steps in issue order; older activations are stale
+                    step_id, (hidden, residual) = await self.activations.get()
+                    if step_id == sched.step_id:
+                        break
+                    if step_id > sched.step_id:
+                        raise RuntimeError(f"activations of step {step_id} arrived before step {sched.step_id}")
+                    self.bad(ProtocolError(f"stale activations of step {step_id}"), "previous stage")
+            out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
+            if self.push is not None:
+                h, r = out
+                msg = Activations(sched.step_id, [tensor_meta(h), tensor_meta(r)])
+                await self.push.send_multipart(Codec.encode(msg, [h, r]), copy=False)
+            elif self.cfg.tp_rank == 0:
+                await self._send(out)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            busy = self.executor.busy_seconds if self.executor else 0.0
+            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy))
+            await asyncio.sleep(self.cfg.heartbeat_interval)

@@ -1,0 +1,205 @@
+"""The whole mesh end to end: a coordinator and stage workers as real processes on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from hf_models import build_hf_model, hf_greedy
+from moemesh.client import CoordinatorClient
+from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+
+PROMPTS = [[(7 * i + 3 * j) % 300 + 4 for j in range(1 + (5 * i) % 23)] for i in range(16)]
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+KV = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mesh-model")
+    hf = build_hf_model("mixtral", path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    path, hf = model
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=256), progress=False)
+    in_process = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    transformers = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert in_process == transformers
+    return in_process
+
+
+_meshes: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_meshes():
+    yield
+    for mesh in _meshes.values():
+        mesh.stop()
+    _meshes.clear()
+
+
+def mesh_for(model_dir, **kw) -> LocalMesh:
+    """One running mesh per layout, shared by the tests of this module."""
+    key = tuple(sorted(kw.items()))
+    if key not in _meshes:
+        mesh = LocalMesh(MeshSpec(model=str(model_dir), kv_memory_bytes=kw.pop("kv_memory_bytes", KV), **kw))
+        mesh.start()
+        _meshes[key] = mesh
+    return _meshes[key]
+
+
+async def collect(client: CoordinatorClient, prompt, params):
+    tokens, last = [], None
+    async for out in client.generate(prompt, params):
+        tokens += out.token_ids
+        last = out
+    return tokens, last
+
+
+async def generate_all(mesh: LocalMesh, prompts, params):
+    client = CoordinatorClient(mesh.client_address)
+    try:
+        await client.wait_serving(timeout=120)
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        results = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
+        status = await client.status()
+        return results, status
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=2), dict(pp=4), dict(pp=2, layer_partition=(1, 3))],
+                         ids=["pp1", "pp2", "pp4", "pp2-uneven"])
+def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, reference, layout):
+    results, status = run(generate_all(mesh_for(model[0], **layout), PROMPTS, GREEDY))
+    assert [tokens for tokens, _ in results] == reference
+    assert all(last.finish_reason == "length" for _, last in results)
+    assert status.num_free_blocks == status.num_blocks and status.num_running == 0
+
+
+def test_seeded_sampling_is_the_same_in_any_layout_and_batch(model):
+    seeded = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+              for i in range(6)]
+    prompts = PROMPTS[:6]
+    alone = [run(generate_all(mesh_for(model[0], pp=1), [p], [sp]))[0][0][0] for p, sp in zip(prompts[:2], seeded)]
+    together_pp1 = [t for t, _ in run(generate_all(mesh_for(model[0], pp=1), prompts, seeded))[0]]
+    # a different batch mix: greedy companions, reversed order, on two stages
+    mixed = list(reversed(prompts)) + PROMPTS[6:10]
+    mixed_params = list(reversed(seeded)) + [GREEDY] * 4
+    together_pp2 = [t for t, _ in run(generate_all(mesh_for(model[0], pp=2), mixed, mixed_params))[0]][:6][::-1]
+    assert together_pp1 == together_pp2
+    assert together_pp1[:2] == alone
+    assert len({tuple(t) for t in together_pp1}) > 1  # really sampled
+
+
+def test_preemption_with_a_small_kv_pool(model, reference):
+    # 64 requests; the pool holds far fewer at once: sequences are preempted and recomputed
+    prompts = [PROMPTS[i % 16] for i in range(64)]
+    mesh = mesh_for(model[0], pp=2, kv_memory_bytes=160 * 1024, block_size=4)
+    results, status = run(generate_all(mesh, prompts, GREEDY))
+    assert [t for t, _ in results] == [reference[i % 16] for i in range(64)]
+    assert status.num_preemptions > 0
+    assert status.num_free_blocks == status.num_blocks  # every block came back
+
+
+def test_abort_frees_blocks_and_spares_the_others(model, reference):
+    async def scenario():
+        mesh = mesh_for(model[0], pp=2)
+        client = CoordinatorClient(mesh.client_address)
+        try:
+            await client.wait_serving(timeout=120)
+            long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+            victim = client.generate(PROMPTS[3], long)
+            first = await victim.__anext__()  # it is running
+            others = asyncio.gather(*(collect(client, p, GREEDY) for p in PROMPTS[:4]))
+            await victim.aclose()  # leaving the stream aborts the request
+            results = await others
+            for _ in range(50):
+                st = await client.status()
+                if st.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return first, results, st
+        finally:
+            await client.close()
+
+    first, results, status = run(scenario())
+    assert first.token_ids and first.finish_reason is None
+    assert [t for t, _ in results] == reference[:4]
+    assert status.num_free_blocks == status.num_blocks and status.num_running == 0
+
+
+def test_malformed_messages_do_not_crash_any_process(model, reference):
+    mesh = mesh_for(model[0], pp=2)
+    ctx = zmq.Context()
+    try:
+        run(generate_all(mesh, PROMPTS[:1], GREEDY))  # serving
+        client_addr = mesh.client_address
+        junk = [[b"\x00garbage"], [b"\x92\x01\x02"], [b""], [b"\x81\xa4type\xa8generate"], [b"\xc1"] * 3,
+                [__import__("msgspec").msgpack.encode({"type": "generate", "request_id": "x", "prompt_ids": [1],
+                                                        "params": {"top_p": 7.0}})]]
+        for frames in junk:
+            s = ctx.socket(zmq.DEALER)
+            s.connect(client_addr)
+            s.send_multipart(frames)
+            s.close(linger=1000)
+        worker_addr = mesh.worker_address
+        for frames in junk + [[__import__("msgspec").msgpack.encode({"type": "result", "step_id": 99999,
+                                                                       "sampled": []})]]:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, b"intruder")
+            s.connect(worker_addr)
+            s.send_multipart(frames)
+            s.close(linger=1000)
+        time.sleep(0.5)
+        results, status = run(generate_all(mesh, PROMPTS, GREEDY))
+        assert [t for t, _ in results] == reference
+        assert status.malformed_messages >= len(junk)
+        assert mesh.died is None
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_killed_stage_worker_ends_every_request_with_an_error(model):
+    async def scenario():
+        mesh = LocalMesh(MeshSpec(model=str(model[0]), pp=2, kv_memory_bytes=KV, worker_timeout=2.0))
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address)
+        try:
+            await client.wait_serving(timeout=120)
+            long = SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
+            streams = [client.generate(p, long) for p in PROMPTS[:4]]
+            for s in streams:
+                first = await s.__anext__()
+                assert first.token_ids and first.finish_reason is None  # all running
+            mesh.kill("stage-worker pp=1 tp=0")
+            killed = time.monotonic()
+
+            async def drain(s):
+                last = None
+                async for out in s:
+                    last = out
+                return last
+
+            lasts = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout=20)
+            return lasts, time.monotonic() - killed, await collect(client, PROMPTS[0], GREEDY)
+        finally:
+            await client.close()
+            mesh.stop()
+
+    lasts, seconds, after = run(scenario())
+    assert all(o.finish_reason == "error" and "pp=1" in o.error for o in lasts), lasts
+    assert seconds < 10
+    tokens, last = after  # a new request is refused at once, with the reason
+    assert tokens == [] and last.finish_reason == "error" and "pipeline is down" in last.error
