@@ -138,6 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
+    tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")
+    tb.add_argument("--model", required=True)
+    tb.add_argument("--pp", type=int_list, default=[1, 2], help="layouts to run, e.g. 1,2")
+    tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
+    tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
+    tb.add_argument("--prompt-len", type=positive_int, default=32)
+    tb.add_argument("--new", type=positive_int, default=64, help="tokens generated per request")
+    tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
+    tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
+    tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
+    tb.add_argument("--json", action="store_true", help="one JSON line per layout")
     return parser
 
 
@@ -158,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_coordinator(args)
         if args.command == "stage-worker":
             return cmd_stage_worker(args)
+        if args.command == "bench" and args.bench == "throughput":
+            from moemesh.bench.throughput import run_throughput_bench
+
+            return run_throughput_bench(args)
         if args.command == "bench" and args.bench == "model":
             from moemesh.bench.model import run_model_bench
 

@@ -75,7 +75,8 @@ class LocalMesh:
         self.stop()
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_worker), **self.spec.extra_env}
+        threads = str(self.spec.threads_per_worker)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.spec.extra_env}
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)

@@ -64,7 +64,9 @@ class StageWorker:
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
         self.activations: asyncio.Queue = asyncio.Queue()
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        # torch's thread count is per calling thread under OpenMP: set it where the compute runs
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute",
+                                          initializer=torch.set_num_threads, initargs=(cfg.threads,))
         self.executor: StageExecutor | None = None
         self.stopping = asyncio.Event()
 

@@ -1,0 +1,111 @@
+"""`moemesh bench throughput`: offline throughput of the mesh, like vLLM's throughput benchmark.
+
+For each layout: start a local mesh (one torch thread per worker), send `--num-prompts` random
+prompts with at most `--concurrency` in flight, and time from the first request to the last token.
+`tok_per_s` counts generated tokens, `total_tok_per_s` prompt and generated tokens.
+The in-process engine runs the same prompts in this process first, as the baseline.
+Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from moemesh.cli import CLIError
+from moemesh.client import CoordinatorClient
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+
+
+def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab_size, (n, length), generator=g).tolist()
+
+
+def bench_in_process(model: str, dtype: torch.dtype, prompts, params, args) -> dict:
+    torch.set_num_threads(1)
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_memory_bytes=args.kv_memory,
+                                    max_num_batched_tokens=args.max_batched_tokens), progress=None)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return {"tokens": sum(len(o.token_ids) for o in outs), "seconds": elapsed}
+
+
+async def _drive(mesh: LocalMesh, prompts, params, concurrency: int) -> dict:
+    client = CoordinatorClient(mesh.client_address)
+    try:
+        await client.wait_serving(timeout=600)
+        before = await client.status()
+        gate = asyncio.Semaphore(concurrency)
+        bar = tqdm(total=len(prompts) * params.max_tokens, desc=f"pp={mesh.spec.pp}", unit="tok", leave=False)
+
+        async def one(p):
+            n = 0
+            async with gate:
+                async for out in client.generate(p, params):
+                    if out.error:
+                        raise RuntimeError(out.error)
+                    n += len(out.token_ids)
+                    bar.update(len(out.token_ids))
+            return n
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - start
+        bar.close()
+        after = await client.status()
+        busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
+        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy}
+    finally:
+        await client.close()
+
+
+def run_throughput_bench(args) -> int:
+    mc = ModelConfig.from_dir(args.model)
+    dtype = resolve_dtype(args.dtype, mc, torch.device("cpu"))
+    n = args.num_prompts or args.concurrency
+    prompts = make_prompts(mc.vocab_size, n, args.prompt_len)
+    params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    rows = []
+    base = None
+    if not args.no_baseline:
+        r = bench_in_process(args.model, dtype, prompts, params, args)
+        base = r["tokens"] / r["seconds"]
+        rows.append({"impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
+                     "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
+                     "seconds": round(r["seconds"], 2)})
+        _emit(rows[-1], args.json)
+    for pp in args.pp:
+        spec = MeshSpec(model=args.model, pp=pp, dtype=args.dtype, kv_memory_bytes=args.kv_memory,
+                        max_num_batched_tokens=args.max_batched_tokens, threads_per_worker=1)
+        try:
+            with LocalMesh(spec) as mesh:
+                r = run(_drive(mesh, prompts, params, args.concurrency))
+        except (LaunchError, RuntimeError) as e:
+            raise CLIError(f"pp={pp}: {e}") from None
+        tps = r["tokens"] / r["seconds"]
+        row = {"impl": "mesh", "pp": pp, "tp": 1, "tok_per_s": round(tps, 1),
+               "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
+               "seconds": round(r["seconds"], 2),
+               "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
+        if base:
+            row["vs_in_process"] = round(tps / base, 2)
+        pp1 = next((x for x in rows if x["impl"] == "mesh" and x["pp"] == 1), None)
+        if pp1 and pp != 1:
+            row["vs_pp1"] = round(tps / pp1["tok_per_s"], 2)
+        rows.append(row)
+        _emit(row, args.json)
+    return 0
+
+
+def _emit(row: dict, as_json: bool) -> None:
+    print(json.dumps(row) if as_json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
