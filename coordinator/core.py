@@ -119,7 +119,5 @@ class EngineCore:
 
     def fail_in_flight(self) -> None:
         """Forgets every step in flight (their stage died); the sequences stay as they were."""
-        for step in self.in_flight.values():
-            for item in step.items:
-                self.scheduler.in_flight.discard(item.seq.seq_id)
+        self.scheduler.in_flight.clear()
         self.in_flight.clear()

@@ -10,13 +10,15 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   token, the newest running sequence is preempted: its blocks are freed and it goes back to the
   front of the queue, to be recomputed from its prompt and generated tokens in a later step (no
   waiting sequence is admitted in a step that preempted).
-- Sequences in a step that has not come back yet (`in_flight`) are skipped, which lets a pipeline
-  keep several steps of disjoint sequences in flight.
+- A pipeline keeps several steps in flight. A sequence waiting for the token its step will sample
+  has nothing to schedule until that step returns; but a long prompt's next chunk can go out right
+  behind the previous one (every stage runs steps in order, so the earlier chunk's K/V is in place
+  by the time the next one reads it). Sequences with a step in flight are never preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from coordinator.block_manager import BlockManager
@@ -57,7 +59,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.in_flight: set[int] = set()  # seq ids in steps not yet returned
+        self.in_flight: Counter[int] = Counter()  # seq id -> its steps not yet returned
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -84,8 +86,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
                 break
-            if seq.seq_id in self.in_flight or seq.status is not Status.RUNNING:
-                continue  # in flight, or preempted just now to make room for an older one
+            if seq.num_pending == 0 or seq.status is not Status.RUNNING:
+                continue  # awaiting its sampled token, or preempted just now to make room for an older one
             # a prefill chunk shrinks to the room left; only what cannot take one token preempts
             n = min(seq.num_pending, budget, max(1, self.blocks.room(seq)))
             while not self.blocks.can_grow(seq, n):
@@ -115,7 +117,7 @@ class Scheduler:
             items.append(self._take(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        self.in_flight |= scheduled
+        self.in_flight.update(scheduled)
         return Step(items)
 
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
@@ -140,7 +142,9 @@ class Scheduler:
         tokens = iter(sampled)
         for item in step.items:
             seq = item.seq
-            self.in_flight.discard(seq.seq_id)
+            self.in_flight[seq.seq_id] -= 1
+            if self.in_flight[seq.seq_id] <= 0:
+                del self.in_flight[seq.seq_id]
             if not item.sample:
                 continue
             token = next(tokens)
