@@ -36,6 +36,7 @@ class CoordinatorClient:
 
     async def close(self) -> None:
         self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
         self.sock.close(linger=0)
 
     async def _read(self) -> None:

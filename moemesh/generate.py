@@ -178,22 +178,20 @@ async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
             reason = out.finish_reason
         return Output(list(ids), tokens, reason)
 
-    watcher = asyncio.ensure_future(watch())
+    async def everything() -> list[Output]:
+        await client.wait_serving(timeout=600)
+        return await asyncio.gather(*(one(ids, origin) for ids, origin in prompts))
+
+    main, watcher = asyncio.ensure_future(everything()), asyncio.ensure_future(watch())
     try:
-        work = asyncio.gather(client.wait_serving(timeout=600), return_exceptions=False)
-        done, _ = await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:
-            work.cancel()
-            watcher.result()
-        work.result()
-        jobs = asyncio.gather(*(one(ids, origin) for ids, origin in prompts))
-        done, _ = await asyncio.wait([jobs, watcher], return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:
-            jobs.cancel()
-            watcher.result()
-        return jobs.result()
+        await asyncio.wait([main, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if main.done():
+            return main.result()
+        return watcher.result()  # raises the launcher's error
     finally:
-        watcher.cancel()
+        for task in (main, watcher):
+            task.cancel()
+        await asyncio.gather(main, watcher, return_exceptions=True)
         await client.close()
 
 

@@ -45,6 +45,8 @@ class MeshSpec:
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
+    # Ctrl-C reaches the whole process group; the launcher alone decides when children stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:

@@ -22,11 +22,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(coro) -> object:
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
+    """asyncio.run on uvloop: on Ctrl-C the main task is cancelled and every task cleaned up."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:

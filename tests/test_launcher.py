@@ -1,0 +1,100 @@
+"""The local launcher leaves no orphan process and no hung parent: on Ctrl-C, on the parent's
+own death, and on a child's death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64,
+                                          num_experts=4, vocab_size=384, max_position_embeddings=4096),
+                            tmp_path_factory.mktemp("launch") / "m")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_generate(model, max_tokens=3000) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moemesh", "generate", "--model", str(model), "--pp", "2", "--prompt-ids", "1,2,3",
+         "--max-tokens", str(max_tokens), "--ignore-eos", "--temperature", "0", "--kv-memory", str(8 << 20)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for_children(proc, n=3, timeout=60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = children(proc.pid)
+        if len(kids) >= n:
+            time.sleep(3)  # let the mesh start generating
+            return children(proc.pid)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError("the mesh did not start")
+
+
+def wait_gone(pids, timeout=10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def test_ctrl_c_stops_everything(model):
+    proc = start_generate(model)
+    kids = wait_for_children(proc)
+    assert len(kids) == 3  # coordinator and two stage workers
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err
+    assert wait_gone(kids) == []
+
+
+def test_the_parent_killed_outright_takes_its_children_along(model):
+    proc = start_generate(model)
+    kids = wait_for_children(proc)
+    proc.kill()  # no chance to clean up: the kernel's parent-death signal must do it
+    proc.wait()
+    assert wait_gone(kids) == []
+
+
+def test_a_dead_child_ends_the_parent_with_a_clear_error(model):
+    proc = start_generate(model)
+    kids = wait_for_children(proc)
+    os.kill(max(kids), signal.SIGKILL)  # the last started: a stage worker
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert b"moemesh: error:" in err and b"Traceback" not in err
+    assert wait_gone(kids) == []
