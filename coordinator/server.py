@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
-from moemesh.config import ModelConfig
+from moemesh.config import ModelConfig, check_layout
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
@@ -56,6 +56,7 @@ class CoordinatorConfig:
     max_model_len: int | None = None
     worker_timeout: float = 5.0
     register_timeout: float = 600.0
+    expert_parallel: bool = False
 
     @property
     def in_flight_limit(self) -> int:
@@ -68,6 +69,7 @@ class WorkerInfo:
     pp_rank: int
     tp_rank: int
     data_address: str
+    rendezvous_address: str
     last_seen: float
     busy_seconds: float = 0.0
     num_blocks: int = 0
@@ -83,6 +85,7 @@ class Coordinator:
             self.model_config.num_layers, cfg.pp))
         if len(self.stages) != cfg.pp:
             raise ValueError(f"--layer-partition has {len(self.stages)} stages but --pp is {cfg.pp}")
+        check_layout(self.model_config, cfg.tp, cfg.expert_parallel)
         self.ctx = zmq.asyncio.Context()
         self.workers_sock = self.ctx.socket(zmq.ROUTER)
         self.clients_sock = self.ctx.socket(zmq.ROUTER)
@@ -136,7 +139,9 @@ class Coordinator:
             nxt = self.workers.get((p + 1, t))
             await self._send_worker(w.identity, Assignment(
                 self.cfg.model, layers.start, layers.stop, self.cfg.pp, self.cfg.tp,
-                nxt.data_address if nxt else None, self.cfg.dtype, self.cfg.block_size))
+                nxt.data_address if nxt else None, self.cfg.dtype, self.cfg.block_size,
+                tp_rendezvous=self.workers[(p, 0)].rendezvous_address if self.cfg.tp > 1 else None,
+                expert_parallel=self.cfg.expert_parallel))
         while not self.failure and any(w.num_blocks == 0 for w in self.workers.values()):
             await asyncio.sleep(0.05)
         if self.failure:
@@ -212,7 +217,8 @@ class Coordinator:
         if key in self.workers and self.serving:
             self.bad_worker(ProtocolError(f"rank {key} registered again while serving"), repr(identity))
             return
-        self.workers[key] = WorkerInfo(identity, msg.pp_rank, msg.tp_rank, msg.data_address, time.monotonic())
+        self.workers[key] = WorkerInfo(identity, msg.pp_rank, msg.tp_rank, msg.data_address,
+                                       msg.rendezvous_address, time.monotonic())
         log.info("worker registered", extra={"fields": {"pp_rank": msg.pp_rank, "tp_rank": msg.tp_rank,
                                                          "address": msg.data_address, "pid": msg.pid}})
 

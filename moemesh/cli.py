@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--pp", type=positive_int, default=None,
                    help="run on a local mesh: a coordinator and this many pipeline stages as processes")
-    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage (with --pp)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage (runs on a mesh)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="with --tp: divide each MoE layer's experts among the ranks instead of slicing each")
     g.add_argument("--max-in-flight", type=positive_int, default=None,
                    help="microbatches in the pipeline at once (with --pp; default: pp)")
 
@@ -115,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-in-flight", type=positive_int, default=None, help="microbatches in flight (default: pp)")
     c.add_argument("--worker-timeout", type=float, default=5.0, help="seconds without a heartbeat before a "
                                                                         "worker counts as dead")
+    c.add_argument("--expert-parallel", action="store_true",
+                   help="divide each MoE layer's experts among a stage's ranks instead of slicing each")
 
     w = sub.add_parser("stage-worker", help="run one stage worker of a mesh")
     w.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
@@ -140,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")
     tb.add_argument("--model", required=True)
-    tb.add_argument("--pp", type=int_list, default=[1, 2], help="layouts to run, e.g. 1,2")
+    tb.add_argument("--pp", type=int_list, default=[1, 2], help="pipeline stages of each layout, e.g. 1,2")
+    tb.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel ranks of each layout, e.g. 1,2")
+    tb.add_argument("--expert-parallel", action="store_true")
     tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
     tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
     tb.add_argument("--prompt-len", type=positive_int, default=32)
@@ -189,15 +195,14 @@ def cmd_coordinator(args) -> int:
     from coordinator.server import Coordinator, CoordinatorConfig
     from moemesh.netutil import run
 
-    if args.tp != 1:
-        raise CLIError("--tp above 1 is not built yet: tensor parallelism across worker processes comes next")
     try:
         coord = Coordinator(CoordinatorConfig(
             model=args.model, pp=args.pp, tp=args.tp,
             layer_partition=tuple(args.layer_partition) if args.layer_partition else None,
             host=args.host, port=args.port, client_port=args.client_port, dtype=args.dtype,
             block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
-            max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout))
+            max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout,
+            expert_parallel=args.expert_parallel))
     except ValueError as e:
         raise CLIError(str(e)) from None
     run(coord.run())

@@ -203,6 +203,29 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
+def check_layout(model: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Refuses a tensor-parallel layout the model cannot take, before anything loads weights."""
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"{model.num_heads} attention heads")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        problems.append(f"{model.num_kv_heads} key/value heads (neither divides the other)")
+    dense = [i for i in range(model.num_layers) if not model.is_sparse_layer(i)]
+    if dense and model.intermediate_size % tp:
+        problems.append(f"intermediate_size {model.intermediate_size}")
+    if model.num_experts:
+        if expert_parallel and model.num_experts % tp:
+            problems.append(f"{model.num_experts} experts (with --expert-parallel)")
+        if not expert_parallel and model.moe_intermediate_size % tp:
+            problems.append(f"expert intermediate size {model.moe_intermediate_size}")
+        if model.shared_expert_intermediate_size % tp:
+            problems.append(f"shared expert intermediate size {model.shared_expert_intermediate_size}")
+    elif expert_parallel:
+        raise ConfigError(f"--expert-parallel needs a mixture-of-experts model; {model.architecture} is dense")
+    if problems:
+        raise ConfigError(f"--tp {tp} does not divide the model's " + ", ".join(problems))
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from moemesh.cli import CLIError
-from moemesh.config import ConfigError, ModelConfig, resolve_dtype
+from moemesh.config import ConfigError, ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
 from moemesh.netutil import run
 from moemesh.log import get_logger
@@ -110,7 +110,9 @@ def run_generate(args) -> int:
 
     prompts = read_prompts(args, get_tokenizer)
     start = time.perf_counter()
-    if args.pp is None:
+    if args.pp is None and args.tp == 1:
+        if args.expert_parallel:
+            raise CLIError("--expert-parallel needs --tp above 1")
         results = _run_in_process(cfg, prompts, params)
     else:
         results = _run_on_mesh(args, cfg, prompts, params)
@@ -145,12 +147,19 @@ def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> li
     """All prompts at once through a local mesh of processes, which is shut down afterwards."""
     from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
 
-    spec = MeshSpec(model=cfg.model, pp=args.pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
+    pp = args.pp or 1
+    spec = MeshSpec(model=cfg.model, pp=pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
                     block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                    max_in_flight=args.max_in_flight)
-    if cfg.stage_layers is not None and len(cfg.stage_layers) != args.pp:
-        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {args.pp}")
+                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel)
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != pp:
+        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {pp}")
+    if pp > ModelConfig.from_dir(cfg.model).num_layers:
+        raise CLIError(f"--pp {pp} is more stages than the model has layers")
+    try:  # refuse a layout the model cannot take before any process starts
+        check_layout(ModelConfig.from_dir(cfg.model), args.tp, args.expert_parallel)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
     try:
         with LocalMesh(spec) as mesh:
             return run(drive_mesh(mesh, prompts, params))

@@ -41,6 +41,7 @@ class MeshSpec:
     max_in_flight: int | None = None
     threads_per_worker: int = 1
     worker_timeout: float = 5.0
+    expert_parallel: bool = False
     extra_env: dict = field(default_factory=dict)
 
 
@@ -95,6 +96,8 @@ class LocalMesh:
             args += ["--layer-partition", ",".join(map(str, s.layer_partition))]
         if s.max_in_flight:
             args += ["--max-in-flight", str(s.max_in_flight)]
+        if s.expert_parallel:
+            args += ["--expert-parallel"]
         coord = self._spawn("coordinator", args)
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]

@@ -97,6 +97,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     data_address: str  # where this worker's activation PULL socket can be reached
     device: str
     pid: int
+    rendezvous_address: str = ""  # a free tcp://host:port for its stage's process group (used from tp rank 0)
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):
@@ -108,6 +109,8 @@ class Assignment(msgspec.Struct, tag="assignment", frozen=True):
     next_address: str | None  # the next stage's worker of the same tensor rank; None on the last stage
     dtype: str
     block_size: int
+    tp_rendezvous: str | None = None  # init_method of the stage's torch.distributed group (tp > 1)
+    expert_parallel: bool = False
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):

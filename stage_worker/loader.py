@@ -33,6 +33,7 @@ class LoadStats:
     files_opened: set[str] = field(default_factory=set)
     tensors_read: set[str] = field(default_factory=set)
     bytes_read: int = 0
+    bytes_by_tensor: dict[str, int] = field(default_factory=dict)
 
 
 class LazyTensor:
@@ -45,8 +46,10 @@ class LazyTensor:
 
     def __getitem__(self, index) -> torch.Tensor:
         t = self._slice[index]
+        n = t.numel() * t.element_size()
         self._stats.tensors_read.add(self.name)
-        self._stats.bytes_read += t.numel() * t.element_size()
+        self._stats.bytes_read += n
+        self._stats.bytes_by_tensor[self.name] = self._stats.bytes_by_tensor.get(self.name, 0) + n
         return t
 
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
@@ -74,9 +77,11 @@ class StageWorker:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
         port = bind(self.pull, cfg.bind_host, cfg.port)
-        address = f"tcp://{cfg.advertise_host or cfg.bind_host}:{port}"
+        host = cfg.advertise_host or cfg.bind_host
+        address = f"tcp://{host}:{port}"
+        rendezvous = f"tcp://{host}:{_free_port(cfg.bind_host)}"
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
-        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid()))
+        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         assignment = await self._expect(Assignment)
         heartbeat = asyncio.ensure_future(self._heartbeat())
@@ -103,17 +108,26 @@ class StageWorker:
             heartbeat.cancel()
             self.compute.shutdown(wait=False, cancel_futures=True)
             self.ctx.destroy(linger=0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg
         mc = ModelConfig.from_dir(a.model)
         dtype = resolve_dtype(a.dtype, mc, torch.device(cfg.device))
         layers = range(a.layer_start, a.layer_end)
-        tp = TPGroup(cfg.tp_rank, a.tp_size)
-        per_block = StageRunner.kv_bytes_per_block(mc, len(layers), a.block_size, tp, dtype)
+        per_block = StageRunner.kv_bytes_per_block(mc, len(layers), a.block_size, TPGroup(cfg.tp_rank, a.tp_size),
+                                                   dtype)
         num_blocks = max(1, cfg.kv_memory_bytes // per_block)
 
         def build():
+            group = None
+            if a.tp_size > 1:  # the stage's ranks meet at tp rank 0's rendezvous (gloo on CPU, NCCL on CUDA)
+                backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+                dist.init_process_group(backend, init_method=a.tp_rendezvous, world_size=a.tp_size,
+                                        rank=cfg.tp_rank, timeout=timedelta(seconds=600))
+                group = dist.group.WORLD
+            tp = TPGroup(cfg.tp_rank, a.tp_size, group, a.expert_parallel)
             runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
                                  device=cfg.device, progress=False)
             return StageExecutor(runner, mc.eos_token_ids)
@@ -201,3 +215,10 @@ class StageWorker:
             busy = self.executor.busy_seconds if self.executor else 0.0
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy))
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+
+def _free_port(host: str) -> int:
+    """A port free right now (for the stage's process-group rendezvous, which rank 0 listens on)."""
+    with socket.socket() as s:
+        s.bind((host if host != "*" else "0.0.0.0", 0))
+        return s.getsockname()[1]

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from moemesh.cli import CLIError
 from moemesh.client import CoordinatorClient
-from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.config import ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine
 from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
 from moemesh.netutil import run
@@ -46,7 +46,8 @@ async def _drive(mesh: LocalMesh, prompts, params, concurrency: int) -> dict:
         await client.wait_serving(timeout=600)
         before = await client.status()
         gate = asyncio.Semaphore(concurrency)
-        bar = tqdm(total=len(prompts) * params.max_tokens, desc=f"pp={mesh.spec.pp}", unit="tok", leave=False)
+        bar = tqdm(total=len(prompts) * params.max_tokens, desc=f"pp={mesh.spec.pp} tp={mesh.spec.tp}", unit="tok",
+                   leave=False)
 
         async def one(p):
             n = 0
@@ -84,24 +85,26 @@ def run_throughput_bench(args) -> int:
                      "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
-    for pp in args.pp:
-        spec = MeshSpec(model=args.model, pp=pp, dtype=args.dtype, kv_memory_bytes=args.kv_memory,
-                        max_num_batched_tokens=args.max_batched_tokens, threads_per_worker=1)
+    for pp, tp in [(pp, tp) for tp in args.tp for pp in args.pp]:
+        spec = MeshSpec(model=args.model, pp=pp, tp=tp, dtype=args.dtype, kv_memory_bytes=args.kv_memory,
+                        max_num_batched_tokens=args.max_batched_tokens, threads_per_worker=1,
+                        expert_parallel=args.expert_parallel)
         try:
+            check_layout(mc, tp, args.expert_parallel)
             with LocalMesh(spec) as mesh:
                 r = run(_drive(mesh, prompts, params, args.concurrency))
-        except (LaunchError, RuntimeError) as e:
-            raise CLIError(f"pp={pp}: {e}") from None
+        except (LaunchError, RuntimeError, ValueError) as e:
+            raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
-        row = {"impl": "mesh", "pp": pp, "tp": 1, "tok_per_s": round(tps, 1),
+        row = {"impl": "mesh", "pp": pp, "tp": tp, "tok_per_s": round(tps, 1),
                "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
         if base:
             row["vs_in_process"] = round(tps / base, 2)
-        pp1 = next((x for x in rows if x["impl"] == "mesh" and x["pp"] == 1), None)
-        if pp1 and pp != 1:
-            row["vs_pp1"] = round(tps / pp1["tok_per_s"], 2)
+        single = next((x for x in rows if x["impl"] == "mesh" and x["pp"] == 1 and x["tp"] == 1), None)
+        if single and (pp, tp) != (1, 1):
+            row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
         rows.append(row)
         _emit(row, args.json)
     return 0

@@ -1,0 +1,76 @@
+"""Tensor and expert parallelism inside a stage: real worker processes, gloo process groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_models import build_hf_model, hf_greedy
+from moemesh.config import ConfigError, ModelConfig, check_layout
+from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.loader import load_model
+from test_mesh import generate_all
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7], list(range(30, 52)), [299, 1, 298, 2]]
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+# llama with a single kv head: two ranks each hold a copy of it
+OVERRIDES = {"llama": dict(num_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "llama"])
+def checkpoint(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(f"tp-{arch}")
+    hf = build_hf_model(arch, path, **OVERRIDES.get(arch, {}))
+    return arch, path, [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2), dict(tp=2, expert_parallel=True)],
+                         ids=["tp2", "tp2-pp2", "ep2"])
+def test_greedy_parity_with_transformers(checkpoint, layout):
+    arch, path, reference = checkpoint
+    if layout.get("expert_parallel") and arch == "llama":
+        pytest.skip("expert parallelism needs experts")
+    with LocalMesh(MeshSpec(model=str(path), kv_memory_bytes=8 << 20, **layout)) as mesh:
+        results, status = run(generate_all(mesh, PROMPTS, GREEDY))
+    assert [t for t, _ in results] == reference
+    assert status.num_free_blocks == status.num_blocks
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])
+def test_each_rank_loads_about_a_tp_th_of_the_expert_weights(tmp_path, expert_parallel):
+    build_hf_model("qwen3_moe", tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    layers = range(1, 2)  # a sparse layer (decoder_sparse_step 2)
+    _, whole = load_model(tmp_path, config, layers, progress=False)
+    expert_bytes = sum(n for name, n in whole.bytes_by_tensor.items() if ".experts." in name)
+    for tp in (2, 4):
+        for rank in range(tp):
+            _, stats = load_model(tmp_path, config, layers, TPGroup(rank, tp, expert_parallel=expert_parallel),
+                                  progress=False)
+            mine = sum(n for name, n in stats.bytes_by_tensor.items() if ".experts." in name)
+            assert mine == expert_bytes // tp
+
+
+def test_layouts_the_model_cannot_take_are_refused():
+    cfg = ModelConfig.from_hf(dict(model_type="qwen2_moe", vocab_size=10, hidden_size=48, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, intermediate_size=40,
+                                   moe_intermediate_size=20, shared_expert_intermediate_size=30, num_experts=6,
+                                   num_experts_per_tok=2, mlp_only_layers=[0]))
+    check_layout(cfg, 2)
+    with pytest.raises(ConfigError, match=r"--tp 4 does not divide the model's 6 attention heads, shared expert "
+                                          r"intermediate size 30$"):
+        check_layout(cfg, 4)
+    with pytest.raises(ConfigError, match="--tp 3 does not divide .*2 key/value heads.*intermediate_size 40.*"
+                                          "expert intermediate size 20"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match="--tp 4 .*6 experts \\(with --expert-parallel\\)"):
+        check_layout(cfg, 4, expert_parallel=True)
+    check_layout(cfg, 2, expert_parallel=True)
+    dense = ModelConfig.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=8))
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        check_layout(dense, 2, expert_parallel=True)
