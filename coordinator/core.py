@@ -84,10 +84,14 @@ class EngineCore:
         return Schedule(step_id, seqs, forget)
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
-        step = self.in_flight.pop(result.step_id, None)
+        step = self.in_flight.get(result.step_id)
         if step is None:
             raise ValueError(f"result for step {result.step_id}, which is not in flight")
         by_seq = {s.seq_id: s for s in result.sampled}
+        missing = [item.seq.seq_id for item in step.items if item.sample and item.seq.seq_id not in by_seq]
+        if missing:  # refuse before touching any state
+            raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
+        del self.in_flight[result.step_id]
         sampled = [by_seq[item.seq.seq_id] for item in step.items if item.sample]
         for item, s in zip((i for i in step.items if i.sample), sampled):
             if s.logprobs is not None and not item.seq.finished:

@@ -72,6 +72,7 @@ class WorkerInfo:
     rendezvous_address: str
     last_seen: float
     busy_seconds: float = 0.0
+    comm_seconds: float = 0.0
     num_blocks: int = 0
 
 
@@ -200,7 +201,7 @@ class Coordinator:
                 continue
             w.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
-                w.busy_seconds = msg.busy_seconds
+                w.busy_seconds, w.comm_seconds = msg.busy_seconds, msg.comm_seconds
             elif isinstance(msg, Ready):
                 w.num_blocks = msg.num_blocks
             elif isinstance(msg, StepResult):
@@ -226,7 +227,12 @@ class Coordinator:
         if self.core is None or result.step_id not in self.core.in_flight:
             self.bad_worker(ProtocolError(f"result for step {result.step_id}, which is not in flight"), "last stage")
             return
-        await self._deliver(self.core.process_result(result))
+        try:
+            outputs = self.core.process_result(result)
+        except ValueError as e:
+            self.bad_worker(ProtocolError(str(e)), "last stage")
+            return
+        await self._deliver(outputs)
         self.wake.set()
 
     async def _watchdog(self) -> None:
@@ -324,16 +330,17 @@ class Coordinator:
 
     def status(self) -> StatusReply:
         core = self.core
-        busy = [0.0] * self.cfg.pp
+        busy, comm = [0.0] * self.cfg.pp, [0.0] * self.cfg.pp
         for (p, t), w in self.workers.items():
             if t == 0:
-                busy[p] = w.busy_seconds
+                busy[p], comm[p] = w.busy_seconds, w.comm_seconds
         return StatusReply(
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,
             num_free_blocks=core.blocks.num_free if core else 0,
             num_running=len(core.scheduler.running) if core else 0,
             num_waiting=(len(core.scheduler.waiting) if core else 0) + len(self.pending),
             num_preemptions=core.scheduler.num_preemptions if core else 0, stage_busy_seconds=busy,
+            stage_comm_seconds=comm,
             uptime_seconds=time.monotonic() - self.started,
             malformed_messages=self.bad_worker.count + self.bad_client.count)
 

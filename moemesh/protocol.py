@@ -80,7 +80,8 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     num_running: int
     num_waiting: int
     num_preemptions: int
-    stage_busy_seconds: list[float]
+    stage_busy_seconds: list[float]  # per stage (its tensor rank 0)
+    stage_comm_seconds: list[float]
     uptime_seconds: float
     malformed_messages: int
 
@@ -126,7 +127,8 @@ class Start(msgspec.Struct, tag="start", frozen=True):
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     pp_rank: int
     tp_rank: int
-    busy_seconds: float
+    busy_seconds: float  # in forward passes, since start
+    comm_seconds: float = 0.0  # of which in tensor-parallel collectives
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):
@@ -222,7 +224,7 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 def _tensor_buffer(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _buffer(frame):
@@ -235,14 +237,17 @@ def _tensor(meta: TensorMeta, buf) -> torch.Tensor:
         raise ProtocolError(f"unknown tensor dtype {meta.dtype!r}")
     numel = 1
     for d in meta.shape:
-        if d < 0:
-            raise ProtocolError(f"negative dimension in tensor shape {meta.shape}")
+        if not 0 <= d < 1 << 40:
+            raise ProtocolError(f"tensor shape {meta.shape} has a dimension outside [0, 2^40)")
         numel *= d
     if len(buf) != numel * dtype.itemsize:
         raise ProtocolError(f"tensor frame holds {len(buf)} bytes, shape {meta.shape} of {meta.dtype} "
                             f"needs {numel * dtype.itemsize}")
     if numel == 0:
-        return torch.empty(meta.shape, dtype=dtype)
+        try:
+            return torch.empty(meta.shape, dtype=dtype)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ProtocolError(f"tensor shape {meta.shape}: {e}") from None
     with warnings.catch_warnings():  # received frames are read-only; these tensors are only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=dtype).view(meta.shape)

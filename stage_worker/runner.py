@@ -45,7 +45,7 @@ class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
                  block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
                  device: str = "cpu", progress: bool | None = None):
-        self.config, self.block_size, self.device = config, block_size, torch.device(device)
+        self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, progress=progress)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim

@@ -212,8 +212,10 @@ class StageWorker:
 
     async def _heartbeat(self) -> None:
         while True:
-            busy = self.executor.busy_seconds if self.executor else 0.0
-            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy))
+            ex = self.executor
+            busy = ex.busy_seconds if ex else 0.0
+            comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
+            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

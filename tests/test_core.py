@@ -324,10 +324,6 @@ def test_a_result_for_a_step_not_in_flight_raises():
         core.process_result(result)  # the same result twice
 
 
-@pytest.mark.xfail(strict=True, reason="core.process_result indexes result.sampled by seq id (by_seq[...]) and "
-                                       "raises KeyError, after popping the step from in_flight, when the last "
-                                       "stage omits a sampling row; the mesh coordinator only catches "
-                                       "ProtocolError there")
 def test_a_result_missing_a_sampled_token_raises_value_error():
     core = make_core()
     core.add("a", prompt(3), SamplingParams(max_tokens=4))

@@ -4,7 +4,8 @@ For each layout: start a local mesh (one torch thread per worker), send `--num-p
 prompts with at most `--concurrency` in flight, and time from the first request to the last token.
 `tok_per_s` counts generated tokens, `total_tok_per_s` prompt and generated tokens.
 The in-process engine runs the same prompts in this process first, as the baseline.
-Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble.
+Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble; with
+tensor parallelism, the share of that busy time spent in collectives is reported too.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ async def _drive(mesh: LocalMesh, prompts, params, concurrency: int) -> dict:
         counts = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - start
         bar.close()
+        await asyncio.sleep(0.6)  # one more heartbeat from every worker: busy times up to date
         after = await client.status()
         busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
-        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy}
+        comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
+        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm}
     finally:
         await client.close()
 
@@ -100,6 +103,8 @@ def run_throughput_bench(args) -> int:
                "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
+        if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
+            row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
         if base:
             row["vs_in_process"] = round(tps / base, 2)
         single = next((x for x in rows if x["impl"] == "mesh" and x["pp"] == 1 and x["tp"] == 1), None)
