@@ -74,3 +74,16 @@ def test_layouts_the_model_cannot_take_are_refused():
                                      num_attention_heads=2, intermediate_size=8))
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         check_layout(dense, 2, expert_parallel=True)
+
+
+def test_the_coordinator_refuses_a_bad_layout_before_any_worker_starts(tmp_path, capsys):
+    from moemesh.cli import main
+
+    build_hf_model("mixtral", tmp_path)  # 4 heads, 2 kv heads, 4 experts
+    with pytest.raises(SystemExit) as exit_info:
+        main(["coordinator", "--model", str(tmp_path), "--tp", "3", "--port", "0", "--client-port", "0"])
+    assert exit_info.value.code == 2
+    assert "--tp 3 does not divide the model's 4 attention heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--tp", "8", "--expert-parallel"])
+    assert "4 experts (with --expert-parallel)" in capsys.readouterr().err
