@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: generate from the built-in default model (written on first use), all in this process.
+# The main job: serve the built-in default model (written on first use) at http://127.0.0.1:8000,
+# coordinator, two pipeline stages and the gateway all on this machine. Ctrl-C stops everything.
 run: $(STAMP)
-	$(BIN)/moemesh generate --prompt "The mesh of experts" --max-tokens 32
+	$(BIN)/moemesh serve --pp 2
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest

@@ -10,6 +10,7 @@ per-request outputs out. The mesh coordinator and the in-process engine both dri
 from __future__ import annotations
 
 import itertools
+import time
 
 from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
@@ -41,7 +42,8 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
-        seq = Sequence(next(self._seq_ids), list(prompt_ids), params, request_id=request_id)
+        seq = Sequence(next(self._seq_ids), list(prompt_ids), params, request_id=request_id,
+                       arrival=time.monotonic())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(seq)
@@ -55,10 +57,11 @@ class EngineCore:
             return None
         self.scheduler.finish(seq, reason)
         self._forget.append(seq.seq_id)
-        return RequestOutput(request_id, [], finish_reason=reason, error=error,
+        return RequestOutput(request_id, [], finish_reason=reason, error=error, error_status=503 if error else 0,
                              num_prompt_tokens=len(seq.prompt_ids))
 
     def abort_all(self, error: str) -> list[RequestOutput]:
+        """Ends every request with an error the client sees as 'service unavailable'."""
         return [out for rid in list(self.requests) if (out := self.abort(rid, "error", error))]
 
     def has_work(self) -> bool:
@@ -73,8 +76,11 @@ class EngineCore:
         step_id = next(self._step_ids)
         self.in_flight[step_id] = step
         seqs = []
+        now = time.monotonic()
         for item in step.items:
             seq = item.seq
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
             first = item.context_len == 0  # a new or recomputed sequence: the last stage needs its params
             seqs.append(SeqWork(
                 seq.seq_id, item.token_ids, item.context_len, list(seq.block_ids), item.sample,
@@ -115,11 +121,13 @@ class EngineCore:
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_ids[seq.num_streamed:]
         logprobs = seq.logprobs[seq.num_streamed:] if seq.params.logprobs is not None else None
-        prompt_logprobs = seq.prompt_logprobs if seq.num_streamed == 0 else None
+        first = seq.num_streamed == 0
+        prompt_logprobs = seq.prompt_logprobs if first else None
         seq.num_streamed = len(seq.output_ids)
+        queue = seq.first_scheduled - seq.arrival if first and seq.first_scheduled is not None else None
         return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
                              finish_reason=seq.finish_reason if seq.finished else None,
-                             num_prompt_tokens=len(seq.prompt_ids))
+                             num_prompt_tokens=len(seq.prompt_ids), queue_seconds=queue)
 
     def fail_in_flight(self) -> None:
         """Forgets every step in flight (their stage died); the sequences stay as they were."""

@@ -32,6 +32,8 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of output tokens, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt position, when asked
     num_streamed: int = 0  # output tokens already sent to the client
+    arrival: float = 0.0  # time.monotonic() when added
+    first_scheduled: float | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -179,7 +179,8 @@ class Coordinator:
     async def _tell_failed(self, outputs: list[RequestOutput], pending, reason: str) -> None:
         await self._deliver(outputs)
         for identity, r in pending:
-            await self._reply(identity, RequestOutput(r.request_id, [], finish_reason="error", error=reason))
+            await self._reply(identity, RequestOutput(r.request_id, [], finish_reason="error", error=reason,
+                                                      error_status=503))
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -287,7 +288,8 @@ class Coordinator:
             if isinstance(msg, GenerateRequest):
                 if self.failure:
                     await self._reply(identity, RequestOutput(msg.request_id, [], finish_reason="error",
-                                                              error=f"pipeline is down: {self.failure}"))
+                                                              error=f"pipeline is down: {self.failure}",
+                                                              error_status=503))
                 elif not self.serving:
                     self.pending.append((identity, msg))
                 else:
@@ -303,7 +305,7 @@ class Coordinator:
             self.core.add(key, req.prompt_ids, req.params)
         except ValueError as e:
             await self._reply(identity, RequestOutput(req.request_id, [], finish_reason="error", error=str(e),
-                                                      num_prompt_tokens=len(req.prompt_ids)))
+                                                      error_status=400, num_prompt_tokens=len(req.prompt_ids)))
             return
         self.owners[key] = (identity, req.request_id)
         self.wake.set()
@@ -342,7 +344,8 @@ class Coordinator:
             num_preemptions=core.scheduler.num_preemptions if core else 0, stage_busy_seconds=busy,
             stage_comm_seconds=comm,
             uptime_seconds=time.monotonic() - self.started,
-            malformed_messages=self.bad_worker.count + self.bad_client.count)
+            malformed_messages=self.bad_worker.count + self.bad_client.count, model=self.cfg.model,
+            max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure)
 
 
 def _with_id(out: RequestOutput, request_id: str) -> RequestOutput:

@@ -57,6 +57,16 @@ SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
     "decoder-sparse-step": "decoder_sparse_step", "seed": "seed", "max-shard-bytes": "max_shard_bytes"}
 
 
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the "
+                                                             "checkpoint directory's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+                                                   "(or set MOEMESH_API_KEY)")
+    p.add_argument("--max-pending", type=positive_int, default=1024, help="requests in flight before 429")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moemesh", description="Serve Mixture-of-Experts models across hosts.")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -131,6 +141,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     w.add_argument("--device", default="cpu")
 
+    gw = sub.add_parser("gateway", help="run an OpenAI-compatible HTTP gateway in front of a coordinator")
+    gw.add_argument("--coordinator", required=True, help="the coordinator's client address, tcp://HOST:PORT")
+    add_http_args(gw)
+    gw.add_argument("--model", default=None, help="checkpoint directory for the tokenizer (default: the "
+                                                  "coordinator's, at the same path)")
+
+    sv = sub.add_parser("serve", help="start coordinator, stage workers and gateway on this machine")
+    add_engine_args(sv)
+    add_http_args(sv)
+    sv.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    sv.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage")
+    sv.add_argument("--expert-parallel", action="store_true")
+    sv.add_argument("--max-in-flight", type=positive_int, default=None)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     m = bsub.add_parser("model", help="decode throughput of the in-process engine vs transformers and the roofline")
@@ -172,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.generate import run_generate
 
             return run_generate(args)
+        if args.command == "gateway":
+            return cmd_gateway(args)
+        if args.command == "serve":
+            from moemesh.serve import run_serve
+
+            return run_serve(args)
         if args.command == "coordinator":
             return cmd_coordinator(args)
         if args.command == "stage-worker":
@@ -206,6 +236,16 @@ def cmd_coordinator(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     run(coord.run())
+    return 0
+
+
+def cmd_gateway(args) -> int:
+    from gateway.server import GatewayConfig, run_gateway
+    from moemesh.netutil import run
+
+    run(run_gateway(GatewayConfig(coordinator=args.coordinator, host=args.host, port=args.port, model=args.model,
+                                  served_model_name=args.served_model_name, api_key=args.api_key,
+                                  max_pending=args.max_pending)))
     return 0
 
 

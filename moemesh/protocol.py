@@ -70,7 +70,9 @@ class RequestOutput(msgspec.Struct, tag="output", frozen=True):
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first prompt token has none
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
+    error_status: int = 0  # with an error: 400 the request was invalid, 503 the pipeline is down
     num_prompt_tokens: int = 0
+    queue_seconds: float | None = None  # on the first output: from arrival to first scheduled
 
 
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
@@ -84,6 +86,9 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     stage_comm_seconds: list[float]
     uptime_seconds: float
     malformed_messages: int
+    model: str = ""  # the checkpoint directory the workers load
+    max_model_len: int = 0
+    failure: str | None = None  # why the pipeline is down, when it is
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]

@@ -1,8 +1,9 @@
 """Text <-> token ids with the checkpoint's own tokenizer.json (the `tokenizers` library; no
-transformers at run time)."""
+transformers at run time), plus what tokenizer_config.json says about special tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -10,18 +11,30 @@ from tokenizers import Tokenizer
 
 class TextTokenizer:
     def __init__(self, model_dir: str | Path):
-        path = Path(model_dir) / "tokenizer.json"
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self._tok = Tokenizer.from_file(str(path))
+        config_path = d / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        """The tokenizer's own special-token handling (e.g. a BOS its post-processor adds)."""
-        return self._tok.encode(text).ids
+    def special_token(self, name: str) -> str | None:
+        """bos_token / eos_token / pad_token / unk_token as text, from tokenizer_config.json."""
+        token = self.config.get(name)
+        return token.get("content") if isinstance(token, dict) else token
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """With add_special_tokens, whatever the tokenizer's post-processor adds (e.g. a BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (its bytes decoded; a partial character shows as U+FFFD)."""
+        return self.decode([token_id], skip_special_tokens=False)

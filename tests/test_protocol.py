@@ -33,8 +33,8 @@ LP = TokenLogprobs(17, -0.125, [(17, -0.125), (4, -2.5), (9, -3.75)])
 LP_NO_TOP = TokenLogprobs(8, -7.0, [])
 
 def _filled(cls) -> dict:
-    """A distinct non-default value for every field of a flat struct of bools, ints, floats and lists
-    of floats (so that a field lost or swapped on the way shows)."""
+    """A distinct non-default value for every field of a flat struct of bools, ints, floats, strings
+    and lists of floats (so that a field lost or swapped on the way shows)."""
     values = {}
     for i, f in enumerate(msgspec.structs.fields(cls)):
         if f.type is bool:
@@ -45,6 +45,8 @@ def _filled(cls) -> dict:
             values[f.name] = i + 0.25
         elif f.type == list[float]:
             values[f.name] = [i + 0.5, i + 1.75]
+        elif f.type in (str, str | None):
+            values[f.name] = f"text {i}"
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: add a value for {f.type}")
     return values

@@ -1,0 +1,65 @@
+"""Streaming text from streaming tokens: never a broken UTF-8 character, stop strings found across
+token boundaries and left out, and the pieces add up to the full decode."""
+
+from __future__ import annotations
+
+from moemesh.tokenizer import TextTokenizer
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list window by window: text is released once the window's decode no
+    longer ends in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str] = ()):
+        self.tok = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # decoded so far (stop string and what follows cut off)
+        self.emitted = 0  # characters of self.text already returned
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the new text that is safe to show (may be empty)."""
+        if self.stopped:
+            return ""
+        self.tokens.extend(token_ids)
+        prefix = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self.tok.decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self._check_stop(start)
+        return self._release()
+
+    def finish(self) -> str:
+        """At the end of the request: whatever is still held back (a partial stop-string match)."""
+        if not self.stopped:
+            rest = self.tok.decode(self.tokens[self.prefix_offset:])
+            prefix = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
+            if len(rest) > len(prefix):
+                start = len(self.text)
+                self.text += rest[len(prefix):]
+                self._check_stop(start)
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+    def _check_stop(self, start: int) -> None:
+        longest = max((len(s) for s in self.stop), default=0)
+        search_from = max(0, start - longest + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _release(self) -> str:
+        end = len(self.text)
+        if not self.stopped:  # hold back a tail that may be the start of a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        return out

@@ -1,0 +1,45 @@
+"""Prometheus metrics, with vLLM's names where vLLM has one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels, registry=r,
+                              buckets=_LATENCY)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a request", labels,
+                             registry=r, buckets=_LATENCY)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels, registry=r,
+                             buckets=_LATENCY)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time a request waited to be scheduled", labels,
+                               registry=r, buckets=_LATENCY)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=r)
+        self.requests = Counter("vllm:request_success", "Requests finished", labels + ["finished_reason"], registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the pipeline", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", labels, registry=r)
+        self.preemptions = Gauge("vllm:num_preemptions", "Preemptions since start", labels, registry=r)
+        self.stage_busy = Gauge("moemesh:stage_busy_fraction", "Share of the last interval each pipeline stage "
+                                "spent computing", labels + ["stage"], registry=r)
+        self._last_busy: tuple[float, list[float]] | None = None
+
+    def update_from_status(self, status, now: float) -> None:
+        m = self.model
+        self.running.labels(m).set(status.num_running)
+        self.waiting.labels(m).set(status.num_waiting)
+        self.kv_usage.labels(m).set(1 - status.num_free_blocks / status.num_blocks if status.num_blocks else 0)
+        self.preemptions.labels(m).set(status.num_preemptions)
+        if self._last_busy is not None:
+            then, busy = self._last_busy
+            dt = max(now - then, 1e-9)
+            for stage, (a, b) in enumerate(zip(busy, status.stage_busy_seconds)):
+                self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
+        self._last_busy = (now, list(status.stage_busy_seconds))

@@ -1,0 +1,68 @@
+"""The OpenAI request bodies the gateway accepts (unknown fields are ignored, as OpenAI's SDKs send
+some), validated by msgspec: a wrong type or range is a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+# a string, a list of strings, token ids, or a list of token-id lists (checked by the gateway:
+# msgspec unions cannot hold several list types)
+Prompt = Union[str, list[Any]]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token (0..20)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    model: str | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP gateway (aiohttp on uvloop).
+
+    POST /v1/completions, /v1/chat/completions   (streaming as server-sent events, or not)
+    GET  /v1/models, /health, /version, /metrics
+    POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
+
+The gateway owns the tokenizer and the chat template; the coordinator sees only token ids. Every
+error is OpenAI's JSON shape with the right status. A client that goes away aborts its requests in
+the coordinator, so their KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.chat import ChatTemplate, TemplateError
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.metrics import Metrics
+from gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                             TokenizeRequest, stop_list)
+from moemesh import __version__
+from moemesh.client import CoordinatorClient
+from moemesh.log import get_logger
+from moemesh.protocol import RequestOutput, TokenLogprobs
+from moemesh.sampling import MAX_LOGPROBS, SamplingParams
+from moemesh.tokenizer import TextTokenizer
+
+log = get_logger("gateway")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    coordinator: str  # the coordinator's client address, tcp://HOST:PORT
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None  # checkpoint directory for the tokenizer (default: what the coordinator serves)
+    served_model_name: str | None = None  # the name clients use (default: the directory's name)
+    api_key: str | None = None  # guards /v1/*; also from MOEMESH_API_KEY
+    max_pending: int = 1024  # requests in this gateway at once; more get 429
+    max_body_bytes: int = 8 << 20
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+    def response(self) -> web.Response:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            self.status, "server_error")
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+@dataclass
+class Choice:
+    """One generated sequence of a request, as it streams."""
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.client: CoordinatorClient | None = None
+        self.status = None
+        self.pending = 0
+        self.api_key = cfg.api_key or os.environ.get("MOEMESH_API_KEY") or None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        self.client = CoordinatorClient(self.cfg.coordinator)
+        self.status = await self.client.wait_serving(timeout=600)
+        model_dir = self.cfg.model or self.status.model
+        self.tokenizer = TextTokenizer(model_dir)
+        self.chat_template = ChatTemplate.from_dir(model_dir)
+        self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.max_model_len = self.status.max_model_len
+        self.metrics = Metrics(self.model_name)
+        self.created = int(time.time())
+        self._poller = asyncio.ensure_future(self._poll_status())
+
+    async def stop(self, app: web.Application) -> None:
+        self._poller.cancel()
+        await asyncio.gather(self._poller, return_exceptions=True)
+        await self.client.close()
+
+    async def _poll_status(self) -> None:
+        while True:
+            try:
+                self.status = await self.client.status(timeout=2.0)
+                self.metrics.update_from_status(self.status, time.monotonic())
+            except asyncio.TimeoutError:
+                self.client.status_waiters.clear()
+                self.status = msgspec.structs.replace(self.status, serving=False,
+                                                      failure="the coordinator does not answer")
+            await asyncio.sleep(0.5)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/") and self.api_key:
+                if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                    raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)")
+            return await handler(request)
+        except HTTPError as e:
+            return e.response()
+        except web.HTTPRequestEntityTooLarge:
+            return HTTPError(413, f"request body larger than {self.cfg.max_body_bytes} bytes").response()
+        except web.HTTPNotFound:
+            return HTTPError(404, f"no route {request.method} {request.path}").response()
+        except web.HTTPMethodNotAllowed:
+            return HTTPError(405, f"{request.method} is not allowed on {request.path}").response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # a bug: say so in OpenAI's shape, and log it
+            log.error("request failed", exc_info=True, extra={"fields": {"path": request.path}})
+            return HTTPError(500, f"internal error: {type(e).__name__}").response()
+
+    # -- plain endpoints -----------------------------------------------------------------------
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moemesh",
+             "max_model_len": self.max_model_len}]})
+
+    async def health(self, request):
+        if not self.status.serving:
+            raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
+        return web.json_response({"status": "ok"})
+
+    async def version(self, request):
+        return web.json_response({"version": __version__})
+
+    async def metrics_endpoint(self, request):
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request):
+        body = await self._parse(request, TokenizeRequest)
+        if body.messages is not None:
+            ids = self._chat_prompt(body.messages, True, {})
+        elif body.prompt is not None:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise HTTPError(400, "give `prompt` or `messages`", "prompt")
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request):
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_ids(body.tokens, "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def tokenizer_info(self, request):
+        tok = self.tokenizer
+        return web.json_response({
+            "tokenizer_class": tok.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+            "eos_token": tok.special_token("eos_token"), "bos_token": tok.special_token("bos_token"),
+            "pad_token": tok.special_token("pad_token"), "unk_token": tok.special_token("unk_token"),
+            "model_max_length": self.max_model_len, "vocab_size": tok.vocab_size,
+            "chat_template": self.chat_template.source if self.chat_template else None})
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request):
+        body = await self._parse(request, CompletionRequest)
+        self._check_model(body.model)
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        prompts = self._prompts(body.prompt)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = [self._params(body, len(p), max_tokens, body.logprobs, body.logprobs if body.echo else None)
+                  for p in prompts]
+        return await self._serve(request, body, "cmpl", prompts, params, chat=False)
+
+    async def chat_completions(self, request):
+        body = await self._parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = [self._params(body, len(ids), max_tokens, logprobs, None)]
+        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
+
+    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs):
+        if max_tokens < 1:
+            raise HTTPError(400, "max_tokens must be at least 1", "max_tokens")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
+                                 f"prompt has {prompt_len} tokens and max_tokens asks for {max_tokens}, "
+                                 f"{prompt_len + max_tokens} in all", "max_tokens")
+        if not 1 <= body.n <= 16:
+            raise HTTPError(400, "n must be in [1, 16]", "n")
+        fields = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                "frequency_penalty", "repetition_penalty")
+                  if getattr(body, k) is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
+                                  min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, **fields)
+        except ValueError as e:
+            raise HTTPError(400, str(e), str(e).split()[0]) from None
+
+    async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
+                     chat: bool):
+        if not self.status.serving:
+            raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
+        n_seqs = len(prompts) * body.n
+        if self.pending + n_seqs > self.cfg.max_pending:
+            raise HTTPError(429, f"too many requests in flight ({self.pending}); retry shortly",
+                            headers={"Retry-After": "1"})
+        self.pending += n_seqs
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        try:
+            jobs = [(i * body.n + j, p, _seeded(sp, j)) for i, (p, sp) in enumerate(zip(prompts, params))
+                    for j in range(body.n)]
+            stop = stop_list(body.stop)
+            if body.stream:
+                return await self._stream(request, body, rid, jobs, stop, chat)
+            return await self._complete(body, rid, jobs, stop, chat)
+        finally:
+            self.pending -= n_seqs
+
+    async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, stop: list[str],
+                   queue: asyncio.Queue) -> None:
+        """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload)."""
+        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop))
+        start = last = time.monotonic()
+        stream = self.client.generate(prompt, params, request_id=f"{rid}-{index}")
+        try:
+            async for out in stream:
+                if out.error:
+                    raise HTTPError(out.error_status or 500, out.error)
+                now = time.monotonic()
+                if out.token_ids:
+                    (self.metrics.ttft if not choice.token_ids else self.metrics.itl).labels(self.model_name).observe(
+                        now - (start if not choice.token_ids else last))
+                    last = now
+                if out.queue_seconds is not None:
+                    self.metrics.queue.labels(self.model_name).observe(out.queue_seconds)
+                choice.token_ids += out.token_ids
+                if out.logprobs:
+                    choice.logprobs += out.logprobs
+                text = choice.detok.add(out.token_ids)
+                if out.finish_reason is not None:
+                    text += choice.detok.finish()
+                    choice.finish_reason = out.finish_reason
+                if choice.detok.stopped:  # a stop string: cut here and end the request
+                    choice.finish_reason = "stop"
+                await queue.put((index, "delta", (text, out, choice)))
+                if choice.finish_reason is not None:
+                    break
+        finally:
+            await stream.aclose()  # an unfinished stream aborts its request in the coordinator
+        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
+        self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
+        self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
+        self.metrics.requests.labels(self.model_name, choice.finish_reason).inc()
+        await queue.put((index, "done", choice))
+
+    async def _gather(self, rid, jobs, stop):
+        """Yields (index, kind, payload) from every job until all are done; errors propagate."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, stop, queue)) for i, p, sp in jobs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, *[t for t in tasks if t.done() and t.exception()]],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+                if failed is not None:
+                    getter.cancel()
+                    raise failed.exception()
+                item = getter.result()
+                if item[1] == "done":
+                    remaining -= 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _complete(self, body, rid, jobs, stop, chat):
+        choices: dict[int, Choice] = {}
+        prompt_lps: dict[int, list] = {}
+        async for index, kind, payload in self._gather(rid, jobs, stop):
+            if kind == "done":
+                choices[index] = payload
+            elif payload[1].prompt_logprobs is not None:
+                prompt_lps[index] = payload[1].prompt_logprobs
+        out = []
+        for index in sorted(choices):
+            c = choices[index]
+            prompt = jobs[index][1]
+            if chat:
+                lp = {"content": [self._chat_logprob(x) for x in c.logprobs]} if body.logprobs else None
+                out.append({"index": index, "message": {"role": "assistant", "content": c.detok.text},
+                            "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
+            else:
+                text = c.detok.text
+                lp = None
+                if body.logprobs is not None:
+                    lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None, prompt_lps.get(index))
+                if body.echo:
+                    text = self.tokenizer.decode(prompt) + text
+                out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
+        usage = _usage(jobs, choices)
+        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": self.model_name, "choices": out,
+                                  "usage": usage})
+
+    async def _stream(self, request, body, rid, jobs, stop, chat):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        async def send(payload) -> None:
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        def chunk(choices, usage=None):
+            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                c["usage"] = usage
+            return c
+
+        choices: dict[int, Choice] = {}
+        started = set()
+        await resp.prepare(request)
+        try:
+            if chat:
+                for i, _, _ in jobs:
+                    await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+            async for index, kind, payload in self._gather(rid, jobs, stop):
+                if kind == "done":
+                    choices[index] = payload
+                    continue
+                text, out, choice = payload
+                new_lps = choice.logprobs[len(choice.logprobs) - len(out.logprobs or []):] if out.logprobs else []
+                if chat:
+                    if text or choice.finish_reason or new_lps:
+                        lp = {"content": [self._chat_logprob(x) for x in new_lps]} if body.logprobs else None
+                        await send(chunk([{"index": index, "delta": {"content": text} if text else {},
+                                           "logprobs": lp, "finish_reason": _reason(choice.finish_reason)}]))
+                else:
+                    prefix = ""
+                    if body.echo and index not in started:
+                        prefix = self.tokenizer.decode(jobs[index][1])
+                    started.add(index)
+                    if text or prefix or choice.finish_reason:
+                        lp = self._completion_logprobs(new_lps, None, None) if body.logprobs is not None else None
+                        await send(chunk([{"index": index, "text": prefix + text, "logprobs": lp,
+                                           "finish_reason": _reason(choice.finish_reason)}]))
+            if body.stream_options and body.stream_options.include_usage:
+                await send(chunk([], usage=_usage(jobs, choices)))
+        except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
+            await send({"error": {"message": e.message, "type": "server_error", "code": e.status}})
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client left: _gather's cleanup aborted every sequence
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _parse(self, request: web.Request, kind):
+        raw = await request.read()
+        try:
+            return msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError as e:
+            param = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else None
+            raise HTTPError(400, f"invalid request: {e}", param) from None
+        except msgspec.DecodeError as e:
+            raise HTTPError(400, f"invalid JSON body: {e}") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                            "model")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
+                            param)
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [self.tokenizer.encode(p) for p in prompt]
+        elif prompt and all(_is_int(p) for p in prompt):
+            prompts = [list(prompt)]
+        elif prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise HTTPError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
+                            "prompt")
+        for p in prompts:
+            if not p:
+                raise HTTPError(400, "a prompt is empty", "prompt")
+            self._check_ids(p, "prompt")
+        return prompts
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+        if self.chat_template is None:
+            raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        messages = [dict(m, content=_text_content(m.get("content"))) for m in messages]
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
+        except TemplateError as e:
+            raise HTTPError(400, str(e), "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_logprob(self, lp: TokenLogprobs) -> dict:
+        def entry(token_id, logprob):
+            text = self.tokenizer.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        entries = []
+        if echo_prompt is not None:
+            entries = [(t, prompt_lps[i] if prompt_lps else None) for i, t in enumerate(echo_prompt)]
+        entries += [(lp.token_id, lp) for lp in lps]
+        for token_id, lp in entries:
+            text = self.tokenizer.token_text(token_id)
+            tokens.append(text)
+            token_lps.append(lp.logprob if lp is not None else None)
+            tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _seeded(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n choices: its own seed, so the choices differ but stay reproducible."""
+    if j == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + j)
+
+
+def _reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _usage(jobs, choices: dict[int, Choice]) -> dict:
+    prompt = sum(len(p) for _, p, _ in jobs)
+    completion = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _text_content(content) -> str:
+    """OpenAI content: a string, or a list of parts of which the text parts are joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
+
+
+async def run_gateway(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
+    """Serves until cancelled."""
+    gw = Gateway(cfg)
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    log.info("gateway listening", extra={"fields": {"url": f"http://{cfg.host}:{cfg.port}"}})
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,68 @@
+"""`moemesh serve`: the whole system on this machine. A coordinator and pp x tp stage workers as
+child processes (the local launcher), and the HTTP gateway in this process; the URL is printed
+when the pipeline serves, and Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.server import GatewayConfig, run_gateway
+from moemesh.cli import CLIError
+from moemesh.config import ConfigError, ModelConfig, check_layout
+from moemesh.generate import engine_config_from_args
+from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.log import get_logger
+from moemesh.netutil import run
+
+log = get_logger("serve")
+
+
+def run_serve(args) -> int:
+    cfg = engine_config_from_args(args)
+    try:
+        check_layout(ModelConfig.from_dir(cfg.model), args.tp, args.expert_parallel)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    spec = MeshSpec(model=cfg.model, pp=args.pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
+                    block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel)
+    try:
+        with LocalMesh(spec) as mesh:
+            gw = GatewayConfig(coordinator=mesh.client_address, host=args.host, port=args.port, model=cfg.model,
+                               served_model_name=args.served_model_name, api_key=args.api_key,
+                               max_pending=args.max_pending)
+            run(_serve(mesh, gw))
+    except LaunchError as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:  # e.g. the port is taken
+        raise CLIError(f"--host {args.host} --port {args.port}: {e.strerror or e}") from None
+    return 0
+
+
+async def _serve(mesh: LocalMesh, cfg: GatewayConfig) -> None:
+    ready = asyncio.Event()
+    server = asyncio.ensure_future(run_gateway(cfg, ready))
+
+    async def watch():
+        # a dead child takes the pipeline down; the gateway stays up and answers 503 with the reason
+        # (so health checks see it) until Ctrl-C
+        while mesh.died is None:
+            await asyncio.sleep(0.2)
+        log.error("a mesh process died; serving 503 until stopped", extra={"fields": {"reason": mesh.died}})
+        await asyncio.Event().wait()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([waiter, server, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            print(f"moemesh is serving {cfg.model} at http://{cfg.host}:{cfg.port}  (Ctrl-C to stop)", flush=True)
+            await asyncio.wait([server, watcher], return_when=asyncio.FIRST_COMPLETED)
+        for t in (server, watcher):
+            if t.done():
+                t.result()
+    finally:
+        for t in (server, watcher):
+            t.cancel()
+        await asyncio.gather(server, watcher, return_exceptions=True)

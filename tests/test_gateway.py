@@ -1,0 +1,274 @@
+"""The OpenAI-compatible gateway through `moemesh serve`: the official openai client, raw HTTP for
+the error cases, disconnects, tokenizer endpoints and metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+
+openai = pytest.importorskip("openai")
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64, num_experts=4,
+                     vocab_size=600, max_position_embeddings=256)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moemesh", "serve", "--model", str(model), "--port", str(self.port),
+             "--kv-memory", str(4 << 20), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.communicate()
+            try:
+                if http("GET", f"{self.url}/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("server did not come up")
+
+    def stop(self):
+        os.killpg(self.proc.pid, signal.SIGINT)
+        self.proc.communicate(timeout=30)
+
+
+def http(method: str, url: str, body=None, headers=None, raw: bytes | None = None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(SPEC, tmp_path_factory.mktemp("gw") / "tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, "--pp", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def engine_greedy(model, prompt_ids, n):
+    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64), progress=False)
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+
+
+def test_completion_matches_the_engine_streaming_or_not(model, client):
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    prompt = "The quick brown fox"
+    want = tok.decode(engine_greedy(model, tok.encode(prompt), 12))
+    r = client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tok.encode(prompt)) and r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+
+
+def test_chat_greedy_equals_transformers_through_the_same_template(model, client):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    hf_tok = AutoTokenizer.from_pretrained(model)
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    status, body, _ = http("POST", client.base_url.__str__().replace("/v1/", "/tokenize"), {"messages": messages})
+    assert status == 200 and json.loads(body)["tokens"] == ids
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    want = hf_tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    r = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+
+
+def test_stop_strings_n_seed_and_logprobs(model, client):
+    base = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:8]
+    assert stop and stop in base
+    cut = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == base[:base.index(stop)] and cut.finish_reason == "stop"
+    streamed = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=16, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+    kw = dict(model="tiny-mixtral", prompt="Once upon", max_tokens=8, temperature=1.0, n=2, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text and [c.index for c in a.choices] == [0, 1]
+
+    lp = client.completions.create(model="tiny-mixtral", prompt=[[5, 6, 7, 8]], max_tokens=1, temperature=0,
+                                   echo=True, logprobs=1).choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and lp.token_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and len(lp.top_logprobs[1]) == 1
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_errors_in_openai_shape(server):
+    url = f"{server.url}/v1/completions"
+    cases = [
+        (http("POST", url, raw=b"{not json"), 400, None),
+        (http("POST", url, {"prompt": "x", "max_tokens": "many"}), 400, "max_tokens"),
+        (http("POST", url, {"prompt": "x", "temperature": -1}), 400, "temperature"),
+        (http("POST", url, {"prompt": "x", "max_tokens": 300}), 400, "max_tokens"),
+        (http("POST", url, {"prompt": [1, 99999]}), 400, "prompt"),
+        (http("POST", url, {"prompt": "x", "model": "gpt-9"}), 404, "model"),
+        (http("POST", url, raw=b'{"prompt": "' + b"a" * (9 << 20) + b'"}'), 413, None),
+        (http("POST", f"{server.url}/v1/chat/completions", {"messages": "hi"}), 400, "messages"),
+    ]
+    for (status, body, _), want_status, want_param in cases:
+        assert status == want_status, body
+        err = json.loads(body)["error"]
+        assert err["message"] and err["code"] == want_status and err["param"] == want_param, err
+    status, body, _ = http("POST", url, {"prompt": "x", "max_tokens": 300})
+    assert "256" in json.loads(body)["error"]["message"] and "301" in json.loads(body)["error"]["message"]
+
+
+def test_tokenizer_endpoints_round_trip(server):
+    status, body, _ = http("GET", f"{server.url}/tokenizer_info")
+    info = json.loads(body)
+    assert status == 200 and info["eos_token"] == "<|endoftext|>"
+    text = "Héllo, wörld! 🙂"
+    ids = json.loads(http("POST", f"{server.url}/tokenize", {"prompt": text, "add_special_tokens": False})[1])["tokens"]
+    assert json.loads(http("POST", f"{server.url}/detokenize", {"tokens": ids})[1])["prompt"] == text
+    for path in ("/v1/models", "/version", "/health"):
+        assert http("GET", server.url + path)[0] == 200
+
+
+def metric(server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http("GET", f"{server.url}/metrics")[1].decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                total += s.value
+    return total
+
+
+def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
+    before = metric(server, "vllm:generation_tokens_total")
+    client.completions.create(model="tiny-mixtral", prompt="count", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric(server, "vllm:generation_tokens_total") == before + 5
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    # a streaming client that goes away: its request is aborted and its blocks come back
+    conn = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"prompt": "a long one", "max_tokens": 240, "stream": True, "ignore_eos": True}).encode()
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while b"data:" not in received:
+        chunk = conn.recv(4096)
+        assert chunk, "the server closed the stream"
+        received += chunk
+    time.sleep(0.6)
+    assert metric(server, "vllm:num_requests_running") == 1
+    conn.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (metric(server, "vllm:num_requests_running") or
+                                           metric(server, "vllm:kv_cache_usage_perc")):
+        time.sleep(0.2)
+    assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_api_key_429_and_503(model):
+    server = Server(model, "--api-key", "sesame", "--max-pending", "2")
+    try:
+        url = f"{server.url}/v1/completions"
+        status, body, _ = http("POST", url, {"prompt": "x"})
+        assert status == 401 and json.loads(body)["error"]["code"] == 401
+        auth = {"Authorization": "Bearer sesame"}
+        assert http("POST", url, {"prompt": "x", "max_tokens": 2}, auth)[0] == 200
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(http(
+            "POST", url, {"prompt": "x", "max_tokens": 200, "ignore_eos": True}, auth))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        limited = [r for r in results if r[0] == 429]
+        assert limited and all(r[2].get("Retry-After") == "1" for r in limited)
+        assert sum(r[0] == 200 for r in results) >= 1
+        # the pipeline goes down: /health and new requests say 503
+        workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and http("GET", f"{server.url}/health")[0] != 503:
+            time.sleep(0.2)
+        assert http("GET", f"{server.url}/health")[0] == 503
+    finally:
+        server.stop()
+
+
+def _children(pid):
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def _cmdline(pid) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
