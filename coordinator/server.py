@@ -33,8 +33,8 @@ from moemesh.config import ModelConfig, check_layout
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
-                              ProtocolError, Ready, Register, RequestOutput, Shutdown, Start, StatusReply,
-                              StatusRequest, StepResult, WorkerFailed, WorkerMessage)
+                              OutputBatch, ProtocolError, Ready, Register, RequestOutput, Shutdown, Start,
+                              StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage)
 
 log = get_logger("coordinator")
 
@@ -130,6 +130,8 @@ class Coordinator:
         need = {(p, t) for p in range(self.cfg.pp) for t in range(self.cfg.tp)}
         deadline = time.monotonic() + self.cfg.register_timeout
         while set(self.workers) != need:
+            if self.failure:
+                return
             if time.monotonic() > deadline:
                 missing = sorted(need - set(self.workers))
                 self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {missing} to register")
@@ -206,6 +208,10 @@ class Coordinator:
             elif isinstance(msg, Ready):
                 w.num_blocks = msg.num_blocks
             elif isinstance(msg, StepResult):
+                if (w.pp_rank, w.tp_rank) != (self.cfg.pp - 1, 0):
+                    self.bad_worker(ProtocolError(f"step result from pp={w.pp_rank} tp={w.tp_rank}, not the "
+                                                  f"last stage's rank 0"), repr(identity))
+                    continue
                 await self._on_result(msg)
             elif isinstance(msg, WorkerFailed):
                 self._fail(f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
@@ -318,6 +324,8 @@ class Coordinator:
             self.wake.set()
 
     async def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One message per client with all of its outputs (a step's worth), not one per request."""
+        by_client: dict[bytes, list[RequestOutput]] = {}
         for out in outputs:
             owner = self.owners.get(out.request_id)
             if owner is None:
@@ -325,7 +333,9 @@ class Coordinator:
             identity, client_id = owner
             if out.finish_reason is not None:
                 del self.owners[out.request_id]
-            await self._reply(identity, _with_id(out, client_id))
+            by_client.setdefault(identity, []).append(_with_id(out, client_id))
+        for identity, outs in by_client.items():
+            await self._reply(identity, outs[0] if len(outs) == 1 else OutputBatch(outs))
 
     async def _reply(self, identity: bytes, msg) -> None:
         await self.clients_sock.send_multipart([identity, *Codec.encode(msg)], copy=False)

@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
                 start = len(self.text)
                 self.text += rest[len(prefix):]
                 self._check_stop(start)
+            self.prefix_offset = self.read_offset = len(self.tokens)  # a second finish() adds nothing
         out, self.emitted = self.text[self.emitted:], len(self.text)
         return out
 
@@ -57,7 +58,7 @@ class IncrementalDetokenizer:
         end = len(self.text)
         if not self.stopped:  # hold back a tail that may be the start of a stop string
             for s in self.stop:
-                for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
+                for k in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
                     if self.text.endswith(s[:k]):
                         end = min(end, len(self.text) - k)
                         break

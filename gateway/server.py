@@ -29,6 +29,7 @@ from gateway.schemas import (ChatCompletionRequest, CompletionRequest, Detokeniz
                              TokenizeRequest, stop_list)
 from moemesh import __version__
 from moemesh.client import CoordinatorClient
+from moemesh.config import ModelConfig
 from moemesh.log import get_logger
 from moemesh.protocol import RequestOutput, TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
@@ -87,6 +88,7 @@ class Gateway:
         self.status = await self.client.wait_serving(timeout=600)
         model_dir = self.cfg.model or self.status.model
         self.tokenizer = TextTokenizer(model_dir)
+        self.vocab_size = ModelConfig.from_dir(model_dir).vocab_size  # the model's, may exceed the tokenizer's
         self.chat_template = ChatTemplate.from_dir(model_dir)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self.max_model_len = self.status.max_model_len
@@ -371,8 +373,10 @@ class Gateway:
                     continue
                 text, out, choice = payload
                 new_lps = choice.logprobs[len(choice.logprobs) - len(out.logprobs or []):] if out.logprobs else []
+                # one event per step that produced tokens (its text may be empty while a character is
+                # incomplete), so clients and benchmarks see every token's arrival
                 if chat:
-                    if text or choice.finish_reason or new_lps:
+                    if text or choice.finish_reason or new_lps or out.token_ids:
                         lp = {"content": [self._chat_logprob(x) for x in new_lps]} if body.logprobs else None
                         await send(chunk([{"index": index, "delta": {"content": text} if text else {},
                                            "logprobs": lp, "finish_reason": _reason(choice.finish_reason)}]))
@@ -381,7 +385,7 @@ class Gateway:
                     if body.echo and index not in started:
                         prefix = self.tokenizer.decode(jobs[index][1])
                     started.add(index)
-                    if text or prefix or choice.finish_reason:
+                    if text or prefix or choice.finish_reason or out.token_ids:
                         lp = self._completion_logprobs(new_lps, None, None) if body.logprobs is not None else None
                         await send(chunk([{"index": index, "text": prefix + text, "logprobs": lp,
                                            "finish_reason": _reason(choice.finish_reason)}]))
@@ -413,10 +417,9 @@ class Gateway:
                             "model")
 
     def _check_ids(self, ids: list[int], param: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{self.tokenizer.vocab_size - 1})",
-                            param)
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
     def _prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -441,7 +444,9 @@ class Gateway:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-        messages = [dict(m, content=_text_content(m.get("content"))) for m in messages]
+        # as transformers does: keys with null values are dropped; content parts become text
+        messages = [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
+                    for m in messages]
         try:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except TemplateError as e:

@@ -1,8 +1,12 @@
 """`moemesh` command line: one place where flags become configs.
 
+    moemesh serve [--model DIR] [--pp N] [--tp M] [--port 8000]       everything on this machine
+    moemesh gateway --coordinator tcp://HOST:PORT [--port 8000]       the HTTP front
+    moemesh coordinator --model DIR --pp N --tp M [--layer-partition 3,5]
+    moemesh stage-worker --coordinator tcp://HOST:PORT --pp-rank R [--tp-rank T]
+    moemesh generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F.jsonl) [--pp N]
     moemesh make-tiny-model --arch mixtral --out DIR [sizes]
-    moemesh generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F.jsonl) ...
-    moemesh bench model --model DIR --batch 1,8,32,64 --new 64 --prompt-len 32 --threads 1 [--json]
+    moemesh bench model | throughput | serve ...
 
 A bad flag gets a one-line message naming it and exit status 2, never a traceback.
 """
@@ -42,11 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: float32 on CPU, the checkpoint's dtype on GPU")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache (default 1 GiB)")
+    p.add_argument("--kv-memory", type=positive_int, default=1 << 30,
+                   help="bytes of KV cache (default 1 GiB): per stage worker on a mesh, for all layers in one process")
     p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget of one step")
     p.add_argument("--max-seqs", type=positive_int, default=256, help="sequences in one step at most")
     p.add_argument("--layer-partition", type=int_list, default=None,
-                   help="layers per pipeline stage, e.g. 3,5 (in one process for now)")
+                   help="layers per pipeline stage, e.g. 3,5")
 
 
 SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
@@ -88,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rope-theta", dest="rope_theta", type=float, default=None)
     t.add_argument("--dtype", dest="dtype", choices=list(DTYPES), default=None)
 
-    g = sub.add_parser("generate", help="generate from prompts (in this process)")
+    g = sub.add_parser("generate", help="generate from prompts (in this process, or on a local mesh with --pp/--tp)")
     add_engine_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a text prompt (needs the checkpoint's tokenizer)")
@@ -180,6 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")
+    sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
+    sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    sb.add_argument("--concurrency", type=int_list, default=[64], help="requests in flight; a list gives a curve")
+    sb.add_argument("--num-prompts", type=positive_int, default=200)
+    sb.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all "
+                                                                     "at once)")
+    sb.add_argument("--prompt-len", type=positive_int, default=32)
+    sb.add_argument("--new", type=positive_int, default=64)
+    sb.add_argument("--vocab", type=positive_int, default=1000, help="prompt token ids are drawn below this")
+    sb.add_argument("--seed", type=int, default=0)
+    sb.add_argument("--api-key", default=None)
+    sb.add_argument("--json", action="store_true", help="one JSON line per concurrency level")
+    sb.add_argument("--plot", default=None, help="write a latency-vs-throughput plot (PNG)")
     return parser
 
 
@@ -206,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_coordinator(args)
         if args.command == "stage-worker":
             return cmd_stage_worker(args)
+        if args.command == "bench" and args.bench == "serve":
+            from moemesh.bench.serve import run_serve_bench
+
+            return run_serve_bench(args)
         if args.command == "bench" and args.bench == "throughput":
             from moemesh.bench.throughput import run_throughput_bench
 

@@ -13,8 +13,8 @@ import zmq.asyncio
 
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, set_heartbeats
-from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, ProtocolError,
-                              RequestOutput, StatusReply, StatusRequest)
+from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
+                              ProtocolError, RequestOutput, StatusReply, StatusRequest)
 from moemesh.sampling import SamplingParams
 
 log = get_logger("client")
@@ -50,8 +50,10 @@ class CoordinatorClient:
             if isinstance(msg, StatusReply):
                 if self.status_waiters:
                     self.status_waiters.pop(0).set_result(msg)
-            elif (q := self.streams.get(msg.request_id)) is not None:
-                q.put_nowait(msg)
+                continue
+            for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
+                if (q := self.streams.get(out.request_id)) is not None:
+                    q.put_nowait(out)
 
     async def status(self, timeout: float = 5.0) -> StatusReply:
         fut = asyncio.get_running_loop().create_future()
@@ -67,6 +69,8 @@ class CoordinatorClient:
                 st = await self.status(timeout=1.0)
                 if st.serving:
                     return st
+                if st.failure:
+                    raise RuntimeError(f"the pipeline failed to start: {st.failure}")
             except asyncio.TimeoutError:
                 self.status_waiters.clear()
             if asyncio.get_running_loop().time() > deadline:

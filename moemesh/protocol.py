@@ -75,6 +75,11 @@ class RequestOutput(msgspec.Struct, tag="output", frozen=True):
     queue_seconds: float | None = None  # on the first output: from arrival to first scheduled
 
 
+class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
+    """Every output one step produced for one client, in one message."""
+    outputs: list[RequestOutput]
+
+
 class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     serving: bool
     num_blocks: int
@@ -92,7 +97,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
-CoordinatorReply = Union[RequestOutput, StatusReply]
+CoordinatorReply = Union[RequestOutput, OutputBatch, StatusReply]
 
 
 # -- worker link --------------------------------------------------------------------------------

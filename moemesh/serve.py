@@ -33,7 +33,7 @@ def run_serve(args) -> int:
                                served_model_name=args.served_model_name, api_key=args.api_key,
                                max_pending=args.max_pending)
             run(_serve(mesh, gw))
-    except LaunchError as e:
+    except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
     except OSError as e:  # e.g. the port is taken
         raise CLIError(f"--host {args.host} --port {args.port}: {e.strerror or e}") from None
@@ -45,10 +45,12 @@ async def _serve(mesh: LocalMesh, cfg: GatewayConfig) -> None:
     server = asyncio.ensure_future(run_gateway(cfg, ready))
 
     async def watch():
-        # a dead child takes the pipeline down; the gateway stays up and answers 503 with the reason
-        # (so health checks see it) until Ctrl-C
+        # before the URL is printed a dead child is fatal; after it, the pipeline is down but the
+        # gateway stays up answering 503 with the reason (so health checks see it) until Ctrl-C
         while mesh.died is None:
             await asyncio.sleep(0.2)
+        if not ready.is_set():
+            raise LaunchError(f"the mesh failed to start: {mesh.died}")
         log.error("a mesh process died; serving 503 until stopped", extra={"fields": {"reason": mesh.died}})
         await asyncio.Event().wait()
 

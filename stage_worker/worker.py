@@ -83,9 +83,9 @@ class StageWorker:
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
-        assignment = await self._expect(Assignment)
-        heartbeat = asyncio.ensure_future(self._heartbeat())
+        heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
         try:
+            assignment = await self._expect(Assignment)
             num_blocks = await self._load(assignment)
             await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
             start = await self._expect(Start)

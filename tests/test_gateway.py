@@ -272,3 +272,17 @@ def _cmdline(pid) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_bench_serve_prints_rows_and_plots(server, tmp_path, capsys):
+    from moemesh.cli import main
+
+    png = tmp_path / "curve.png"
+    assert main(["bench", "serve", "--url", server.url, "--concurrency", "1,4", "--num-prompts", "4",
+                 "--prompt-len", "5", "--new", "3", "--vocab", "600", "--json", "--plot", str(png)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["failed"] == 0 and r["requests"] == 4 and r["output_tok_per_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_mean_ms"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

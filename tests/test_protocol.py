@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from moemesh.protocol import (AbortRequest, Activations, Assignment, ClientMessage, Codec, CoordinatorMessage,
+from moemesh.protocol import (OutputBatch, AbortRequest, Activations, Assignment, ClientMessage, Codec, CoordinatorMessage,
                               CoordinatorReply, GenerateRequest, Heartbeat, PromptLogprobs, ProtocolError, Ready,
                               Register, RequestOutput, SampledToken, Schedule, SeqWork, Shutdown, Start,
                               StatusReply, StatusRequest, StepResult, TokenLogprobs, WorkerFailed,
@@ -62,6 +62,9 @@ MESSAGES = [
                    num_prompt_tokens=3), CoordinatorReply),
     (RequestOutput("req-3", [], finish_reason="error", error="stage 1 died"), CoordinatorReply),
     (RequestOutput("req-4", [42]), CoordinatorReply),
+    (OutputBatch([RequestOutput("req-5", [1], queue_seconds=0.5), RequestOutput("req-6", [], finish_reason="error",
+                                                                             error="bad", error_status=400)]),
+     CoordinatorReply),
     (StatusReply(**_filled(StatusReply)), CoordinatorReply),
     (Register(1, 0, "tcp://10.0.0.2:5555", "cuda:0", 4242), WorkerMessage),
     (Ready(1, 1, 512), WorkerMessage),
@@ -82,7 +85,7 @@ MESSAGES = [
     (Shutdown(), CoordinatorMessage),
     (Activations(3, []), Activations),
 ]
-ALL_TYPES = {GenerateRequest, AbortRequest, StatusRequest, RequestOutput, StatusReply, Register, Ready,
+ALL_TYPES = {GenerateRequest, AbortRequest, StatusRequest, RequestOutput, OutputBatch, StatusReply, Register, Ready,
              Heartbeat, StepResult, WorkerFailed, Assignment, Start, Schedule, Shutdown, Activations}
 
 
@@ -114,7 +117,7 @@ def test_round_trip_keeps_nested_types():
     assert got.prompt_logprobs[0] is None
     assert isinstance(got.prompt_logprobs[1], TokenLogprobs)
     assert got.logprobs[0].top[1] == (4, -2.5)
-    sched = MESSAGES[17][0]
+    sched = next(m for m, _ in MESSAGES if isinstance(m, Schedule))
     got, _ = Codec(CoordinatorMessage).decode(_bytes(Codec.encode(sched)))
     assert [type(w) for w in got.seqs] == [SeqWork] * 3
     assert got.seqs[0].params == PARAMS and got.seqs[0].prompt_ids == [1, 2, 3]
@@ -124,7 +127,7 @@ def test_round_trip_keeps_nested_types():
 
 def test_zmq_frames_decode_like_bytes():
     """copy=False receives zmq.Frame objects; the codec reads their buffers."""
-    msg = MESSAGES[11][0]
+    msg = next(m for m, _ in MESSAGES if isinstance(m, StepResult))
     got, _ = Codec(WorkerMessage).decode([zmq.Frame(f) for f in _bytes(Codec.encode(msg))])
     assert got == msg
 

@@ -1,0 +1,157 @@
+"""`moemesh bench serve`: load a running server over HTTP, like vLLM's serving benchmark.
+
+Streams `/v1/completions` requests with random token-id prompts (`ignore_eos`, so every request
+generates exactly `--new` tokens), either all at once with at most `--concurrency` in flight, or
+arriving as a Poisson process at `--request-rate` per second. Per request it records the time to
+the first token (TTFT), the time per output token after the first (TPOT), and every gap between
+streamed chunks (ITL). Several concurrency levels (`--concurrency 1,8,64`) give the points of a
+latency-vs-throughput curve, which `--plot FILE.png` draws.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import aiohttp
+from tqdm import tqdm
+
+from moemesh.cli import CLIError
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(results: list[dict], seconds: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    ttft = [r["ttft"] for r in ok]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    itl = [g for r in ok for g in r["itl"]]
+    out_tokens = sum(r["tokens"] for r in ok)
+    row = {"requests": len(results), "failed": len(results) - len(ok), "seconds": round(seconds, 3),
+           "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
+           "total_tok_per_s": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / seconds, 1)}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        row[f"{name}_mean_ms"] = round(1000 * statistics.fmean(xs), 2) if xs else None
+        row[f"{name}_p50_ms"] = round(1000 * _pct(xs, 50), 2) if xs else None
+        row[f"{name}_p99_ms"] = round(1000 * _pct(xs, 99), 2) if xs else None
+    return row
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], new: int, headers) -> dict:
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    tokens, error = 0, None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            else:
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"].get("message")
+                        break
+                    now = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):  # one event per step that produced tokens
+                        if first is None:
+                            first = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
+    except aiohttp.ClientError as e:
+        error = str(e)
+    end = time.perf_counter()
+    return {"ttft": (first or end) - start, "e2e": end - start, "itl": gaps, "tokens": tokens,
+            "prompt_tokens": len(prompt), "error": error}
+
+
+async def run_level(url: str, prompts: list[list[int]], new: int, concurrency: int, rate: float | None,
+                    headers, seed: int) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=max(concurrency, 1))) as session:
+        bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", leave=False)
+
+        async def go(p, delay):
+            await asyncio.sleep(delay)
+            async with gate:
+                r = await one_request(session, url, p, new, headers)
+            bar.update(1)
+            return r
+
+        delays, t = [], 0.0
+        for _ in prompts:
+            delays.append(t)
+            if rate:
+                t += rng.expovariate(rate)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(go(p, d) for p, d in zip(prompts, delays)))
+        bar.close()
+        return summarize(results, time.perf_counter() - start)
+
+
+def run_serve_bench(args) -> int:
+    from moemesh.netutil import run
+
+    base = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    vocab = args.vocab
+    rows = []
+    for level in args.concurrency:
+        prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+        try:
+            row = run(run_level(f"{base}/v1/completions", prompts, args.new, level, args.request_rate, headers,
+                                args.seed))
+        except aiohttp.ClientError as e:
+            raise CLIError(f"--url {args.url}: {e}") from None
+        row = {"concurrency": level, "request_rate": args.request_rate, **row}
+        if row["failed"] == row["requests"]:
+            raise CLIError(f"every request failed against {args.url}")
+        rows.append(row)
+        print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CLIError("--plot needs matplotlib: pip install 'moemesh[bench]'") from None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["output_tok_per_s"] for r in rows]
+    for ax, key, title in ((a, "ttft", "time to first token"), (b, "tpot", "time per output token")):
+        ax.plot(x, [r[f"{key}_p50_ms"] for r in rows], "o-", label="p50")
+        ax.plot(x, [r[f"{key}_p99_ms"] for r in rows], "s--", label="p99")
+        for r, xi in zip(rows, x):
+            ax.annotate(f"c={r['concurrency']}", (xi, r[f"{key}_p50_ms"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("output tokens / s")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

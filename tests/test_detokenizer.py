@@ -1,0 +1,281 @@
+"""gateway.detokenizer.IncrementalDetokenizer with the tiny model's byte-level BPE tokenizer: streamed
+pieces add up to the full decode, no broken UTF-8 character leaks, stop strings are found across token
+boundaries and cut, and text that only looks like the start of a stop string is held, then released."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.detokenizer import IncrementalDetokenizer
+from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.tokenizer import TextTokenizer
+
+SPEC = TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                     num_kv_heads=1, num_experts=2, top_k=1, vocab_size=600)
+
+TEXTS = {
+    "ascii": "The quick brown fox jumps over the lazy dog. What is the capital of France?",
+    "accents": "Café crème brûlée, naïve façade, Ångström, Straße, e\u0301 (combining)",
+    "cjk": "日本語のテキストと中文字符，한국어 문장。",
+    "emoji": "Emoji: 👍🏽 👨‍👩‍👧‍👦 🇫🇷 🎉!",
+    "mixed": "Paris → 東京 ≈ 9 712 km 🚄 (ça va?) done",
+    "whitespace": "  leading\n\n\ttabs   and    runs   \n\n   trailing   ",
+    "special_tokens": "<|im_start|>user\nhi é<|im_end|>\n<|im_start|>assistant\n日本<|im_end|><|endoftext|>",
+    "code": "def add(a, b):\n    return a + b\n\nprint(json.dumps({\"k\": [1, 2]}))\n",
+    "literal_replacement_char": "a\ufffdb and \ufffd\ufffd then ok",
+    "empty": "",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(SPEC, tmp_path_factory.mktemp("detok") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return TextTokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def byte_id(model_dir):
+    """Token id of the single-byte token for byte b (the byte-level alphabet is in every vocab)."""
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    table = _bytes_to_unicode()
+    return lambda b: raw.token_to_id(table[b])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer uses."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _chunkings(n_ids: int, seeds=range(6)):
+    """One token at a time, everything at once, then seeded random chunk sizes 1..5 (0 included)."""
+    yield [1] * n_ids
+    yield [n_ids]
+    for seed in seeds:
+        rng = random.Random(seed)
+        sizes, left = [], n_ids
+        while left > 0:
+            k = min(left, rng.choice([0, 1, 1, 2, 3, 4, 5]))
+            sizes.append(k)
+            left -= k
+        yield sizes
+
+
+def _stream(tok, ids, sizes, stop=()):
+    """Feeds ids in chunks of `sizes`; returns the detokenizer, the pieces from add, and finish()'s piece."""
+    d = IncrementalDetokenizer(tok, list(stop))
+    pieces, i = [], 0
+    for k in sizes:
+        pieces.append(d.add(ids[i:i + k]))
+        i += k
+    assert i == len(ids)
+    return d, pieces, d.finish()
+
+
+# --- pieces add up, no broken character leaks ---------------------------------------------------------------
+
+def test_multibyte_characters_really_are_split_across_tokens(tok):
+    """Precondition for the tests below: the small vocab splits CJK and emoji into byte tokens."""
+    for key in ("cjk", "emoji", "accents"):
+        ids = tok.encode(TEXTS[key])
+        assert any("\ufffd" in tok.token_text(i) for i in ids), key
+
+
+@pytest.mark.parametrize("key", list(TEXTS))
+def test_pieces_add_up_to_the_full_decode(tok, key):
+    ids = tok.encode(TEXTS[key])
+    full = tok.decode(ids)
+    if key != "special_tokens":
+        assert full == TEXTS[key]  # byte-level BPE round-trips
+    else:
+        assert "<|im_end|>" not in full and "日本" in full  # special tokens are skipped in the decode
+    for sizes in _chunkings(len(ids)):
+        d, pieces, last = _stream(tok, ids, sizes)
+        assert "".join(pieces) + last == full, sizes
+        assert d.text == full and not d.stopped
+        if "\ufffd" not in full:
+            assert not any("\ufffd" in p for p in pieces + [last]), (sizes, pieces)
+        if not full.endswith("\ufffd"):  # complete text: nothing held back for finish()
+            assert last == "", (sizes, last)
+
+
+@pytest.mark.parametrize("key", ["cjk", "emoji", "accents"])
+def test_every_streamed_prefix_is_whole_characters(tok, key):
+    """After each add, what was shown so far is a prefix of the text made of whole characters, and as
+    soon as a character's last byte arrives it is shown (nothing is held longer than needed)."""
+    text = TEXTS[key]
+    assert "\ufffd" not in text
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, [])
+    shown = ""
+    for n in range(1, len(ids) + 1):
+        shown += d.add(ids[n - 1:n])
+        assert text.startswith(shown)
+        decoded = tok.decode(ids[:n])  # ends in U+FFFD while a character is incomplete
+        assert shown == decoded.rstrip("\ufffd"), (n, shown, decoded)
+
+
+@pytest.mark.parametrize("name,byte_seq", [
+    ("lone continuation byte in the middle", b"ab\x80cd"),
+    ("lone continuation byte at the end", b"ab\x80"),
+    ("truncated 3-byte character at the end", "x日".encode()[:-1]),
+    ("truncated 3-byte character then ascii", "日".encode()[:-1] + b"xyz"),
+    ("invalid bytes 0xff 0xfe", b"a\xff\xfeb"),
+    ("overlong encoding", b"a\xc0\x80b"),
+    ("only continuation bytes", b"\x80\x81\x82"),
+])
+def test_invalid_byte_sequences_still_end_in_the_full_decode(tok, byte_id, name, byte_seq):
+    ids = [byte_id(b) for b in byte_seq]
+    assert all(i is not None for i in ids)
+    full = tok.decode(ids)
+    assert "\ufffd" in full  # genuinely invalid UTF-8
+    for sizes in _chunkings(len(ids)):
+        d, pieces, last = _stream(tok, ids, sizes)
+        assert "".join(pieces) + last == full, (name, sizes)
+        assert d.text == full
+        if not full.endswith("\ufffd"):  # valid text after the bad bytes is released before finish()
+            assert last == "", (name, sizes)
+
+
+def test_invalid_byte_then_text_does_not_stall_the_stream(tok, byte_id):
+    ids = tok.encode("ok ") + [byte_id(0x80)] + tok.encode(" The capital of France")
+    d = IncrementalDetokenizer(tok, [])
+    shown = "".join(d.add([i]) for i in ids)
+    assert shown == tok.decode(ids) == "ok \ufffd The capital of France"
+    assert d.finish() == ""
+
+
+# --- stop strings -----------------------------------------------------------------------------------------
+
+SENTENCE = "The capital of France is Paris. The capital of Japan is Tokyo."
+
+
+def _boundaries(tok, ids) -> set[int]:
+    """Character offsets at which a token ends (ASCII text: one byte per character)."""
+    return {len(tok.decode(ids[:n])) for n in range(1, len(ids) + 1)}
+
+
+def _check_stop(tok, text, stop, expected):
+    ids = tok.encode(text)
+    for sizes in _chunkings(len(ids)):
+        d = IncrementalDetokenizer(tok, list(stop))
+        shown, i = "", 0
+        for k in sizes:
+            shown += d.add(ids[i:i + k])
+            i += k
+            assert expected.startswith(shown), (sizes, shown)  # never anything at or after the stop string
+        shown += d.finish()
+        assert shown == expected and d.text == expected, (sizes, shown, d.text)
+        assert d.stopped
+        assert d.add(tok.encode(" more text")) == "" and d.finish() == ""  # nothing after the stop
+        assert d.text == expected
+
+
+def test_stop_string_spanning_token_boundaries_is_found_and_cut(tok):
+    stop = "France is Par"
+    start = SENTENCE.index(stop)
+    ids = tok.encode(SENTENCE)
+    inner = {b for b in _boundaries(tok, ids) if start < b < start + len(stop)}
+    assert len(inner) >= 2  # the stop string spans at least three tokens
+    _check_stop(tok, SENTENCE, [stop], SENTENCE[:start])
+
+
+def test_stop_string_inside_one_token_is_cut_mid_token(tok):
+    ids = tok.encode(SENTENCE)
+    assert " capital" in [tok.token_text(i) for i in ids]
+    _check_stop(tok, SENTENCE, ["apit"], "The c")
+
+
+def test_stop_string_cuts_at_its_first_occurrence(tok):
+    _check_stop(tok, SENTENCE, ["capital"], "The ")
+    _check_stop(tok, SENTENCE, [" is "], "The capital of France")
+
+
+def test_stop_string_across_multibyte_characters(tok):
+    text = "Paris → 東京 ≈ 9 712 km"
+    _check_stop(tok, text, ["東京"], "Paris → ")
+    _check_stop(tok, text, ["京 ≈"], "Paris → 東")
+
+
+@pytest.mark.parametrize("stop", [["Paris", "capital"], ["capital", "Paris"]])
+def test_earliest_of_several_stop_strings_wins(tok, stop):
+    _check_stop(tok, SENTENCE, stop, "The ")
+
+
+@pytest.mark.parametrize("stop", [["of France", "capital of"], ["capital of", "of France"]])
+def test_earliest_occurrence_wins_when_both_arrive_in_one_chunk(tok, stop):
+    ids = tok.encode(SENTENCE)
+    d = IncrementalDetokenizer(tok, stop)
+    shown = d.add(ids) + d.finish()
+    assert shown == d.text == "The " and d.stopped
+
+
+def test_stop_string_at_the_very_beginning_gives_empty_text(tok):
+    _check_stop(tok, SENTENCE, ["The capital"], "")
+    _check_stop(tok, SENTENCE, ["T"], "")
+
+
+def test_empty_stop_strings_are_ignored(tok):
+    ids = tok.encode(SENTENCE)
+    for stop in ([""], ["", ""], ["", "Tokyo"]):
+        for sizes in _chunkings(len(ids)):
+            d, pieces, last = _stream(tok, ids, sizes, stop)
+            expected = SENTENCE[:SENTENCE.index("Tokyo")] if "Tokyo" in stop else SENTENCE
+            assert "".join(pieces) + last == d.text == expected, (stop, sizes)
+            assert d.stopped == ("Tokyo" in stop)
+
+
+def test_look_alike_of_a_stop_string_is_held_then_released_by_a_later_add(tok):
+    """"France is Paris" starts like the stop string "France is Lyon": it is held back while it could still
+    become the stop string, and released once it cannot."""
+    stop = "France is Lyon"
+    ids = tok.encode(SENTENCE)
+    d = IncrementalDetokenizer(tok, [stop])
+    shown, held_at = "", []
+    for n in range(1, len(ids) + 1):
+        shown += d.add(ids[n - 1:n])
+        decoded = tok.decode(ids[:n])
+        assert decoded.startswith(shown)
+        if decoded.endswith("France is"):
+            held_at.append(n)
+            assert shown == decoded[:-len("France is")]  # the ambiguous tail is not shown yet
+    assert held_at  # the sentence has a token boundary right after "France is"
+    assert shown == SENTENCE  # released by later adds, before finish()
+    assert d.finish() == "" and d.text == SENTENCE and not d.stopped
+
+
+def test_look_alike_at_the_end_is_released_by_finish(tok):
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    for sizes in _chunkings(len(ids)):
+        d, pieces, last = _stream(tok, ids, sizes, ["France is Lyon", "s Paris"])
+        assert "".join(pieces) == "The capital of ", sizes
+        assert last == "France is"
+        assert d.text == text and not d.stopped
+
+
+def test_look_alike_that_becomes_the_stop_string_is_never_shown(tok):
+    text = "The capital of France is Lyon, not Paris."
+    _check_stop(tok, text, ["France is Lyon"], "The capital of ")
+
+
+@pytest.mark.parametrize("stop", [
+    ["France is Paris", "is Lyon"],
+    ["is Lyon", "France is Paris"],
+])
+def test_shown_text_is_always_a_prefix_of_the_final_text_whatever_the_stop_order(tok, stop):
+    _check_stop(tok, SENTENCE, stop, "The capital of ")
