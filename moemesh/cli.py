@@ -14,6 +14,7 @@ A bad flag gets a one-line message naming it and exit status 2, never a tracebac
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from moemesh.config import DTYPES, ConfigError
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "worker counts as dead")
     c.add_argument("--expert-parallel", action="store_true",
                    help="divide each MoE layer's experts among a stage's ranks instead of slicing each")
+    c.add_argument("--register-timeout", type=float, default=600.0,
+                   help="seconds to wait for every stage worker to register before giving up (naming the missing)")
 
     w = sub.add_parser("stage-worker", help="run one stage worker of a mesh")
     w.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
@@ -145,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache")
     w.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     w.add_argument("--device", default="cpu")
+
+    st = sub.add_parser("stage", help="run the tensor-parallel workers of one pipeline stage on this host")
+    st.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
+    st.add_argument("--pp-rank", type=int, required=True)
+    st.add_argument("--tp", type=positive_int, default=1, help="workers (tensor ranks) of this stage")
+    st.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: worker i on cuda:i")
+    st.add_argument("--host", default="0.0.0.0", help="address the activation sockets listen on")
+    st.add_argument("--advertise-host", default=None, help="address other hosts use to reach this one")
+    st.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache per worker")
+    st.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
 
     gw = sub.add_parser("gateway", help="run an OpenAI-compatible HTTP gateway in front of a coordinator")
     gw.add_argument("--coordinator", required=True, help="the coordinator's client address, tcp://HOST:PORT")
@@ -198,7 +211,34 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--api-key", default=None)
     sb.add_argument("--json", action="store_true", help="one JSON line per concurrency level")
     sb.add_argument("--plot", default=None, help="write a latency-vs-throughput plot (PNG)")
+    for command in (parser, c, w, st, gw, sv):
+        defaults_from_env(command)
     return parser
+
+
+def defaults_from_env(parser: argparse.ArgumentParser, environ=None) -> None:
+    """Every --flag of the process commands can come from MOEMESH_FLAG (dashes as underscores), as
+    containers configure them; a flag on the command line still wins. A bad value names both."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        flags = [o for o in action.option_strings if o.startswith("--")]
+        if not flags or action.dest == "help":
+            continue
+        var = "MOEMESH_" + flags[0][2:].upper().replace("-", "_")
+        if var not in environ:
+            continue
+        raw = environ[var]
+        if isinstance(action, argparse._StoreTrueAction):
+            value = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                value = action.type(raw) if action.type else raw
+            except (TypeError, ValueError):
+                parser.error(f"{var}={raw!r} is not a valid value for {flags[0]}")
+            if action.choices and value not in action.choices:
+                parser.error(f"{var}={raw!r} is not one of {', '.join(map(str, action.choices))} ({flags[0]})")
+        action.default = value
+        action.required = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "gateway":
             return cmd_gateway(args)
+        if args.command == "stage":
+            return cmd_stage(args)
         if args.command == "serve":
             from moemesh.serve import run_serve
 
@@ -254,11 +296,21 @@ def cmd_coordinator(args) -> int:
             host=args.host, port=args.port, client_port=args.client_port, dtype=args.dtype,
             block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
             max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout,
-            expert_parallel=args.expert_parallel))
+            expert_parallel=args.expert_parallel, register_timeout=args.register_timeout))
     except ValueError as e:
         raise CLIError(str(e)) from None
     run(coord.run())
     return 0
+
+
+def cmd_stage(args) -> int:
+    from moemesh.launcher import run_stage
+
+    common = ["--coordinator", args.coordinator, "--host", args.host, "--kv-memory", str(args.kv_memory),
+              "--threads", str(args.threads)]
+    if args.advertise_host:
+        common += ["--advertise-host", args.advertise_host]
+    return run_stage(common, args.pp_rank, args.tp, args.device)  # activation ports: any free ones
 
 
 def cmd_gateway(args) -> int:

@@ -147,3 +147,32 @@ class LocalMesh:
                 proc.wait()
             if proc.stdout:
                 proc.stdout.close()
+
+
+def run_stage(worker_args: list[str], pp_rank: int, tp: int, device: str) -> int:
+    """`moemesh stage`: the tp workers of one pipeline stage on this host (a container's entry point),
+    worker i on `cuda:i` when the device is cuda. Returns when any of them exits: its status (after
+    stopping the others), so the container's restart policy takes over."""
+    procs = []
+    try:
+        for t in range(tp):
+            dev = f"cuda:{t}" if device == "cuda" else device
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "moemesh", "stage-worker", *worker_args, "--pp-rank", str(pp_rank),
+                 "--tp-rank", str(t), "--device", dev], stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        while True:
+            for proc in procs:
+                code = proc.poll()
+                if code is not None:
+                    log.error("stage worker exited", extra={"fields": {"pp_rank": pp_rank, "status": code}})
+                    return code or 1
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()

