@@ -138,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--register-timeout", type=float, default=600.0,
                    help="seconds to wait for every stage worker to register before giving up (naming the missing)")
 
-    w = sub.add_parser("stage-worker", help="run one stage worker of a mesh")
-    w.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
-    w.add_argument("--pp-rank", type=int, required=True)
+    w = sub.add_parser("stage-worker", help="run one stage worker of a mesh (or one stage alone, --standalone)")
+    w.add_argument("--coordinator", default=None, help="the coordinator's worker address, tcp://HOST:PORT")
+    w.add_argument("--pp-rank", type=int, default=None)
     w.add_argument("--tp-rank", type=int, default=0)
     w.add_argument("--host", default="127.0.0.1", help="address the activation socket listens on")
     w.add_argument("--advertise-host", default=None, help="address other workers use to reach this one")
@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache")
     w.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     w.add_argument("--device", default="cpu")
+    w.add_argument("--record", default=None, metavar="DIR", help="write the first steps' inputs and outputs here")
+    w.add_argument("--record-steps", type=positive_int, default=16)
+    w.add_argument("--standalone", action="store_true",
+                   help="no mesh: run --layers of --model on synthetic input or on a --replay recording")
+    w.add_argument("--model", default=None, help="(--standalone) checkpoint directory")
+    w.add_argument("--layers", default=None, help="(--standalone) layer range A:B")
+    w.add_argument("--replay", default=None, metavar="DIR", help="(--standalone) a directory written by --record")
+    w.add_argument("--tokens", type=positive_int, default=64, help="(--standalone) synthetic tokens in the step")
+    w.add_argument("--seqs", type=positive_int, default=4, help="(--standalone) synthetic sequences")
 
     st = sub.add_parser("stage", help="run the tensor-parallel workers of one pipeline stage on this host")
     st.add_argument("--coordinator", required=True, help="the coordinator's worker address, tcp://HOST:PORT")
@@ -327,10 +336,38 @@ def cmd_stage_worker(args) -> int:
     from moemesh.netutil import run
     from stage_worker.worker import StageWorker, WorkerConfig
 
+    if args.standalone:
+        return cmd_standalone(args)
+    if args.coordinator is None or args.pp_rank is None:
+        raise CLIError("stage-worker needs --coordinator and --pp-rank (or --standalone)")
     return run(StageWorker(WorkerConfig(
         coordinator=args.coordinator, pp_rank=args.pp_rank, tp_rank=args.tp_rank, bind_host=args.host,
         advertise_host=args.advertise_host, port=args.port, kv_memory_bytes=args.kv_memory, device=args.device,
-        threads=args.threads)).run())
+        threads=args.threads, record_dir=args.record, record_steps=args.record_steps)).run())
+
+
+def cmd_standalone(args) -> int:
+    import torch
+
+    from moemesh.config import ModelConfig
+    from stage_worker.standalone import run_standalone
+
+    if args.model is None or args.layers is None:
+        raise CLIError("--standalone needs --model DIR and --layers A:B")
+    try:
+        a, b = (int(x) for x in args.layers.split(":"))
+    except ValueError:
+        raise CLIError(f"--layers {args.layers!r}: expected A:B, e.g. 0:4") from None
+    n = ModelConfig.from_dir(args.model).num_layers
+    if not 0 <= a < b <= n:
+        raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
+    if args.tp_rank:
+        raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
+    torch.set_num_threads(args.threads)
+    try:
+        return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs)
+    except FileNotFoundError as e:
+        raise CLIError(f"--replay: {e}") from None
 
 
 def cmd_make_tiny_model(args) -> int:

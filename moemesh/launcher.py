@@ -42,6 +42,7 @@ class MeshSpec:
     threads_per_worker: int = 1
     worker_timeout: float = 5.0
     expert_parallel: bool = False
+    record_dir: str | None = None  # workers record their first steps under DIR/pp{p}-tp{t}
     extra_env: dict = field(default_factory=dict)
 
 
@@ -105,7 +106,8 @@ class LocalMesh:
             for t in range(s.tp):
                 self._spawn(f"stage-worker pp={p} tp={t}", [
                     "stage-worker", "--coordinator", addresses["workers"], "--pp-rank", str(p), "--tp-rank", str(t),
-                    "--kv-memory", str(s.kv_memory_bytes), "--threads", str(s.threads_per_worker)])
+                    "--kv-memory", str(s.kv_memory_bytes), "--threads", str(s.threads_per_worker),
+                    *(["--record", f"{s.record_dir}/pp{p}-tp{t}"] if s.record_dir else [])])
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 

@@ -50,6 +50,8 @@ class WorkerConfig:
     device: str = "cpu"
     threads: int = 1
     heartbeat_interval: float = 0.5
+    record_dir: str | None = None  # write the first `record_steps` steps' inputs and outputs here
+    record_steps: int = 16
 
 
 class StageWorker:
@@ -72,6 +74,11 @@ class StageWorker:
                                           initializer=torch.set_num_threads, initargs=(cfg.threads,))
         self.executor: StageExecutor | None = None
         self.stopping = asyncio.Event()
+        self.recorder = None
+        if cfg.record_dir:
+            from stage_worker.standalone import Recorder
+
+            self.recorder = Recorder(cfg.record_dir, cfg.record_steps)
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -203,6 +210,8 @@ class StageWorker:
                         raise RuntimeError(f"activations of step {step_id} arrived before step {sched.step_id}")
                     self.bad(ProtocolError(f"stale activations of step {step_id}"), "previous stage")
             out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
+            if self.recorder is not None:
+                self.recorder.record(sched, (hidden, residual), out)
             if self.push is not None:
                 h, r = out
                 msg = Activations(sched.step_id, [tensor_meta(h), tensor_meta(r)])

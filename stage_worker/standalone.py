@@ -1,0 +1,145 @@
+"""Debugging one stage without a mesh.
+
+A live worker started with `--record DIR` writes, for its first steps, what it received (the
+schedule and, past stage 0, the activations) and what it produced (activations, or on the last
+stage the sampled tokens). `moemesh stage-worker --standalone --model M --layers A:B` then loads
+just that slice in this process and runs either synthetic input or the recorded steps, in order
+(the KV cache builds up as it did live), printing time per layer and output statistics, and for a
+recording, how far its outputs are from the recorded ones.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+from safetensors.torch import load_file, save_file
+
+from moemesh.config import ModelConfig
+from moemesh.protocol import Schedule, SeqWork, StepResult
+from moemesh.sampling import SamplingParams
+from stage_worker.executor import StageExecutor
+from stage_worker.runner import StageRunner
+
+
+class Recorder:
+    """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors) or .result (msgpack)."""
+
+    def __init__(self, directory: str | Path, max_steps: int):
+        self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def record(self, sched: Schedule, inputs, out) -> None:
+        if self.count >= self.max_steps:
+            return
+        self.count += 1
+        stem = self.dir / f"step-{sched.step_id:06d}"
+        stem.with_suffix(".schedule").write_bytes(msgspec.msgpack.encode(sched))
+        if inputs[0] is not None:
+            save_file({"hidden": inputs[0].contiguous(), "residual": inputs[1].contiguous()},
+                      str(stem.with_suffix(".inputs")))
+        if isinstance(out, StepResult):
+            stem.with_suffix(".result").write_bytes(msgspec.msgpack.encode(out))
+        else:
+            save_file({"hidden": out[0].contiguous(), "residual": out[1].contiguous()},
+                      str(stem.with_suffix(".outputs")))
+
+
+def run_standalone(model: str, layers: range, recording: str | None, tokens: int, seqs: int,
+                   block_size: int = 16, out=print) -> int:
+    mc = ModelConfig.from_dir(model)
+    num_blocks = 4096
+    started = time.perf_counter()
+    runner = StageRunner(model, mc, layers, num_blocks, block_size, progress=None)
+    out(f"loaded layers {layers.start}:{layers.stop} of {mc.num_layers} in {time.perf_counter() - started:.2f} s "
+        f"({runner.load_stats.bytes_read / 2**20:.1f} MiB read from {len(runner.load_stats.files_opened)} files)")
+    executor = StageExecutor(runner, mc.eos_token_ids)
+    steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
+    worst = 0.0
+    for sched, inputs, expected in steps:
+        got, per_layer = _timed_run(executor, sched, inputs)
+        n_tokens = sum(len(w.token_ids) for w in sched.seqs)
+        out(f"step {sched.step_id}: {len(sched.seqs)} sequences, {n_tokens} tokens, "
+            f"{sum(per_layer.values()) * 1000:.2f} ms in layers")
+        for name, seconds in per_layer.items():
+            out(f"  layer {name}: {seconds * 1000:.3f} ms")
+        if isinstance(got, StepResult):
+            out(f"  sampled: {[s.token_id for s in got.sampled]}")
+            if expected is not None:
+                same = [s.token_id for s in got.sampled] == [s.token_id for s in expected.sampled]
+                out(f"  recorded: {[s.token_id for s in expected.sampled]} -> {'same' if same else 'DIFFERENT'}")
+                worst = max(worst, 0.0 if same else float("inf"))
+        else:
+            for label, t in zip(("hidden", "residual"), got):
+                out(f"  {label}: shape {list(t.shape)} mean {t.mean():.4g} std {t.std():.4g} "
+                    f"absmax {t.abs().max():.4g}")
+            if expected is not None:
+                diff = max((a - b).abs().max().item() for a, b in zip(got, expected))
+                worst = max(worst, diff)
+                out(f"  max abs difference from the recording: {diff:.3g}")
+    if recording:
+        ok = worst <= 1e-4
+        out(f"{'matches' if ok else 'DIFFERS FROM'} the recording (worst difference {worst:.3g})")
+        return 0 if ok else 1
+    return 0
+
+
+def _timed_run(executor: StageExecutor, sched: Schedule, inputs):
+    """The executor's forward, one decoder layer at a time with a clock around each."""
+    model = executor.runner.model
+    per_layer: dict[str, float] = {}
+    originals = {}
+    for name, layer in model.model.layers.items():
+        originals[name] = layer.forward
+
+        def timed(*args, _f=layer.forward, _n=name):
+            t = time.perf_counter()
+            result = _f(*args)
+            per_layer[_n] = per_layer.get(_n, 0.0) + time.perf_counter() - t
+            return result
+        layer.forward = timed
+    try:
+        return executor.run(sched, *inputs), per_layer
+    finally:
+        for name, layer in model.model.layers.items():
+            layer.forward = originals[name]
+
+
+def _recorded(directory: str):
+    d = Path(directory)
+    schedules = sorted(d.glob("step-*.schedule"))
+    if not schedules:
+        raise FileNotFoundError(f"no recorded steps (step-*.schedule) in {directory}")
+    for path in schedules:
+        sched = msgspec.msgpack.decode(path.read_bytes(), type=Schedule)
+        inputs = (None, None)
+        if path.with_suffix(".inputs").exists():
+            t = load_file(str(path.with_suffix(".inputs")))
+            inputs = (t["hidden"], t["residual"])
+        expected = None
+        if path.with_suffix(".result").exists():
+            expected = msgspec.msgpack.decode(path.with_suffix(".result").read_bytes(), type=StepResult)
+        elif path.with_suffix(".outputs").exists():
+            t = load_file(str(path.with_suffix(".outputs")))
+            expected = (t["hidden"], t["residual"])
+        yield sched, inputs, expected
+
+
+def _synthetic(mc: ModelConfig, runner: StageRunner, tokens: int, seqs: int, block_size: int):
+    """`seqs` prompts sharing `tokens` random tokens, as one prefill step (greedy, on the last stage)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+    work, next_block = [], 0
+    for i, n in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-n // block_size)))
+        next_block += len(blocks)
+        ids = torch.randint(0, mc.vocab_size, (n,), generator=g).tolist()
+        work.append(SeqWork(i, ids, 0, blocks, True, SamplingParams(temperature=0), n))
+    hidden = residual = None
+    if not runner.model.has_embedding:  # activations as an earlier stage would send them
+        hidden = torch.randn(tokens, mc.hidden_size, generator=g)
+        residual = torch.randn(tokens, mc.hidden_size, generator=g)
+    return Schedule(0, work), (hidden, residual), None
+

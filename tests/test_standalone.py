@@ -1,0 +1,51 @@
+"""A stage alone: synthetic input, and a live worker's recording replayed and compared."""
+
+from __future__ import annotations
+
+from hf_models import build_hf_model
+from moemesh.cli import main
+from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+from test_mesh import generate_all
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7, 8, 9]]
+
+
+def test_synthetic_input_reports_every_layer(tmp_path, capsys):
+    build_hf_model("qwen2_moe", tmp_path)
+    assert main(["stage-worker", "--standalone", "--model", str(tmp_path), "--layers", "1:3", "--tokens", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1:" in out and "layer 2:" in out and "layer 3:" not in out
+    assert "hidden: shape [20, 64]" in out and "residual: shape [20, 64]" in out
+
+
+def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
+    model = tmp_path / "m"
+    build_hf_model("mixtral", model)
+    rec = tmp_path / "rec"
+    with LocalMesh(MeshSpec(model=str(model), pp=2, kv_memory_bytes=8 << 20, record_dir=str(rec))) as mesh:
+        results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+    assert all(tokens for tokens, _ in results)
+    assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:2",
+                 "--replay", str(rec / "pp0-tp0")]) == 0
+    first = capsys.readouterr().out
+    assert "matches the recording" in first and "max abs difference from the recording: 0" in first
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "2:4",
+                 "--replay", str(rec / "pp1-tp0")]) == 0
+    last = capsys.readouterr().out
+    assert "-> same" in last and "DIFFERENT" not in last and "matches the recording" in last
+
+
+def test_a_replay_that_differs_is_reported(tmp_path, capsys):
+    model = tmp_path / "m"
+    build_hf_model("mixtral", model)
+    other = tmp_path / "other"
+    build_hf_model("mixtral", other, seed=1)  # different weights
+    rec = tmp_path / "rec"
+    with LocalMesh(MeshSpec(model=str(model), pp=2, kv_memory_bytes=8 << 20, record_dir=str(rec))) as mesh:
+        run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    assert main(["stage-worker", "--standalone", "--model", str(other), "--layers", "0:2",
+                 "--replay", str(rec / "pp0-tp0")]) == 1
+    assert "DIFFERS FROM the recording" in capsys.readouterr().out
