@@ -73,6 +73,7 @@ class WorkerInfo:
     last_seen: float
     busy_seconds: float = 0.0
     comm_seconds: float = 0.0
+    sent_bytes: int = 0
     num_blocks: int = 0
 
 
@@ -204,7 +205,7 @@ class Coordinator:
                 continue
             w.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
-                w.busy_seconds, w.comm_seconds = msg.busy_seconds, msg.comm_seconds
+                w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
             elif isinstance(msg, Ready):
                 w.num_blocks = msg.num_blocks
             elif isinstance(msg, StepResult):
@@ -342,17 +343,17 @@ class Coordinator:
 
     def status(self) -> StatusReply:
         core = self.core
-        busy, comm = [0.0] * self.cfg.pp, [0.0] * self.cfg.pp
+        busy, comm, sent = [0.0] * self.cfg.pp, [0.0] * self.cfg.pp, [0] * self.cfg.pp
         for (p, t), w in self.workers.items():
             if t == 0:
-                busy[p], comm[p] = w.busy_seconds, w.comm_seconds
+                busy[p], comm[p], sent[p] = w.busy_seconds, w.comm_seconds, w.sent_bytes
         return StatusReply(
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,
             num_free_blocks=core.blocks.num_free if core else 0,
             num_running=len(core.scheduler.running) if core else 0,
             num_waiting=(len(core.scheduler.waiting) if core else 0) + len(self.pending),
             num_preemptions=core.scheduler.num_preemptions if core else 0, stage_busy_seconds=busy,
-            stage_comm_seconds=comm,
+            stage_comm_seconds=comm, stage_sent_bytes=sent,
             uptime_seconds=time.monotonic() - self.started,
             malformed_messages=self.bad_worker.count + self.bad_client.count, model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure)

@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
+    tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
+                                                         "namespaces; needs root): coordinator and each stage apart")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")
     sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
     sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")

@@ -91,6 +91,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     stage_comm_seconds: list[float]
     uptime_seconds: float
     malformed_messages: int
+    stage_sent_bytes: list[int] = []  # activation bytes each stage (tp rank 0) sent to the next
     model: str = ""  # the checkpoint directory the workers load
     max_model_len: int = 0
     failure: str | None = None  # why the pipeline is down, when it is
@@ -139,6 +140,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     tp_rank: int
     busy_seconds: float  # in forward passes, since start
     comm_seconds: float = 0.0  # of which in tensor-parallel collectives
+    sent_bytes: int = 0  # activation bytes sent to the next stage, since start
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

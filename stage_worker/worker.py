@@ -75,6 +75,7 @@ class StageWorker:
         self.executor: StageExecutor | None = None
         self.stopping = asyncio.Event()
         self.recorder = None
+        self.sent_bytes = 0
         if cfg.record_dir:
             from stage_worker.standalone import Recorder
 
@@ -215,7 +216,9 @@ class StageWorker:
             if self.push is not None:
                 h, r = out
                 msg = Activations(sched.step_id, [tensor_meta(h), tensor_meta(r)])
-                await self.push.send_multipart(Codec.encode(msg, [h, r]), copy=False)
+                frames = Codec.encode(msg, [h, r])
+                self.sent_bytes += sum(len(f) for f in frames)
+                await self.push.send_multipart(frames, copy=False)
             elif self.cfg.tp_rank == 0:
                 await self._send(out)
 
@@ -224,7 +227,7 @@ class StageWorker:
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
-            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm))
+            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

@@ -45,6 +45,8 @@ def _filled(cls) -> dict:
             values[f.name] = i + 0.25
         elif f.type == list[float]:
             values[f.name] = [i + 0.5, i + 1.75]
+        elif f.type == list[int]:
+            values[f.name] = [i + 3, i + 4]
         elif f.type in (str, str | None):
             values[f.name] = f"text {i}"
         else:

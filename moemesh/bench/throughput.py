@@ -41,14 +41,13 @@ def bench_in_process(model: str, dtype: torch.dtype, prompts, params, args) -> d
     return {"tokens": sum(len(o.token_ids) for o in outs), "seconds": elapsed}
 
 
-async def _drive(mesh: LocalMesh, prompts, params, concurrency: int) -> dict:
-    client = CoordinatorClient(mesh.client_address)
+async def _drive(address: str, prompts, params, concurrency: int, label: str = "") -> dict:
+    client = CoordinatorClient(address)
     try:
         await client.wait_serving(timeout=600)
         before = await client.status()
         gate = asyncio.Semaphore(concurrency)
-        bar = tqdm(total=len(prompts) * params.max_tokens, desc=f"pp={mesh.spec.pp} tp={mesh.spec.tp}", unit="tok",
-                   leave=False)
+        bar = tqdm(total=len(prompts) * params.max_tokens, desc=label, unit="tok", leave=False)
 
         async def one(p):
             n = 0
@@ -68,7 +67,8 @@ async def _drive(mesh: LocalMesh, prompts, params, concurrency: int) -> dict:
         after = await client.status()
         busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
         comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
-        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm}
+        sent = [b - a for a, b in zip(before.stage_sent_bytes, after.stage_sent_bytes)][:-1]  # boundaries
+        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm, "sent": sent}
     finally:
         await client.close()
 
@@ -94,20 +94,25 @@ def run_throughput_bench(args) -> int:
                         expert_parallel=args.expert_parallel)
         try:
             check_layout(mc, tp, args.expert_parallel)
-            with LocalMesh(spec) as mesh:
-                r = run(_drive(mesh, prompts, params, args.concurrency))
+            if args.netns:
+                r = _run_across_namespaces(args, pp, prompts, params)
+            else:
+                with LocalMesh(spec) as mesh:
+                    r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}"))
         except (LaunchError, RuntimeError, ValueError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
-        row = {"impl": "mesh", "pp": pp, "tp": tp, "tok_per_s": round(tps, 1),
+        row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp, "tok_per_s": round(tps, 1),
                "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
+        if pp > 1:  # what crosses each stage boundary, per token processed (prompt and generated)
+            row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + n * args.prompt_len)) for b in r["sent"]]
         if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
             row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
         if base:
             row["vs_in_process"] = round(tps / base, 2)
-        single = next((x for x in rows if x["impl"] == "mesh" and x["pp"] == 1 and x["tp"] == 1), None)
+        single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1), None)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
         rows.append(row)
@@ -117,3 +122,51 @@ def run_throughput_bench(args) -> int:
 
 def _emit(row: dict, as_json: bool) -> None:
     print(json.dumps(row) if as_json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def _run_across_namespaces(args, pp: int, prompts, params) -> dict:
+    """The coordinator and the driver on one simulated host, each stage on its own (moemesh.netns)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from moemesh.netns import Hosts, NetnsUnavailable
+
+    names = ["front", *(f"s{i}" for i in range(pp))]
+    py = [sys.executable, "-m", "moemesh"]
+    try:
+        with Hosts(names) as hosts, tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            front = hosts.address("front")
+            hosts.popen("front", [*py, "coordinator", "--model", args.model, "--pp", str(pp), "--host", "0.0.0.0",
+                                  "--port", "5555", "--client-port", "5556", "--dtype", args.dtype,
+                                  "--max-batched-tokens", str(args.max_batched_tokens)],
+                        stdout=subprocess.DEVNULL, env=_one_thread_env())
+            for i in range(pp):
+                hosts.popen(f"s{i}", [*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(i),
+                                      "--host", "0.0.0.0", "--advertise-host", hosts.address(f"s{i}"),
+                                      "--kv-memory", str(args.kv_memory)], env=_one_thread_env())
+            json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": args.concurrency}, f)
+            f.flush()
+            driver = hosts.popen("front", [sys.executable, "-m", "moemesh.bench.throughput", f.name],
+                                 stdout=subprocess.PIPE)
+            out, _ = driver.communicate(timeout=3600)
+            if driver.returncode:
+                raise RuntimeError(f"the driver in the front namespace failed (status {driver.returncode})")
+            return json.loads(out)
+    except NetnsUnavailable as e:
+        raise CLIError(f"--netns: network namespaces cannot be made here ({e}); run as root with iproute2")
+
+
+def _one_thread_env() -> dict:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+if __name__ == "__main__":  # the driver, run inside the front namespace by --netns
+    import sys
+
+    job = json.loads(open(sys.argv[1]).read())
+    sampling = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True)
+    print(json.dumps(run(_drive("tcp://127.0.0.1:5556", job["prompts"], sampling, job["concurrency"],
+                                "across namespaces"))))
