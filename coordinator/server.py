@@ -31,6 +31,7 @@ from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig, check_layout
 from moemesh.log import get_logger
+from stage_worker.layers.fp8 import resolve_quantization
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
                               OutputBatch, ProtocolError, Ready, Register, RequestOutput, Shutdown, Start,
@@ -57,6 +58,8 @@ class CoordinatorConfig:
     worker_timeout: float = 5.0
     register_timeout: float = 600.0
     expert_parallel: bool = False
+    quantization: str | None = None
+    moe_backend: str = "auto"
 
     @property
     def in_flight_limit(self) -> int:
@@ -88,6 +91,7 @@ class Coordinator:
         if len(self.stages) != cfg.pp:
             raise ValueError(f"--layer-partition has {len(self.stages)} stages but --pp is {cfg.pp}")
         check_layout(self.model_config, cfg.tp, cfg.expert_parallel)
+        resolve_quantization(self.model_config, cfg.quantization)  # refuse before any worker loads
         self.ctx = zmq.asyncio.Context()
         self.workers_sock = self.ctx.socket(zmq.ROUTER)
         self.clients_sock = self.ctx.socket(zmq.ROUTER)
@@ -145,7 +149,8 @@ class Coordinator:
                 self.cfg.model, layers.start, layers.stop, self.cfg.pp, self.cfg.tp,
                 nxt.data_address if nxt else None, self.cfg.dtype, self.cfg.block_size,
                 tp_rendezvous=self.workers[(p, 0)].rendezvous_address if self.cfg.tp > 1 else None,
-                expert_parallel=self.cfg.expert_parallel))
+                expert_parallel=self.cfg.expert_parallel, quantization=self.cfg.quantization,
+                moe_backend=self.cfg.moe_backend))
         while not self.failure and any(w.num_blocks == 0 for w in self.workers.values()):
             await asyncio.sleep(0.05)
         if self.failure:

@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of KV cache (default 1 GiB): per stage worker on a mesh, for all layers in one process")
     p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget of one step")
     p.add_argument("--max-seqs", type=positive_int, default=256, help="sequences in one step at most")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag)")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, vectorised torch on CPU (triton on CPU: the interpreter)")
     p.add_argument("--layer-partition", type=int_list, default=None,
                    help="layers per pipeline stage, e.g. 3,5")
 
@@ -135,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "worker counts as dead")
     c.add_argument("--expert-parallel", action="store_true",
                    help="divide each MoE layer's experts among a stage's ranks instead of slicing each")
+    c.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: workers quantize the weights to float8 at load (FP8 checkpoints need no flag)")
+    c.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="the workers' MoE kernels (auto: Triton on CUDA, torch on CPU)")
     c.add_argument("--register-timeout", type=float, default=600.0,
                    help="seconds to wait for every stage worker to register before giving up (naming the missing)")
 
@@ -168,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache per worker")
     st.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
 
+    q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
+    q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
+    q.add_argument("--out", required=True, type=Path, help="where to write the FP8 checkpoint")
+
     gw = sub.add_parser("gateway", help="run an OpenAI-compatible HTTP gateway in front of a coordinator")
     gw.add_argument("--coordinator", required=True, help="the coordinator's client address, tcp://HOST:PORT")
     add_http_args(gw)
@@ -181,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage")
     sv.add_argument("--expert-parallel", action="store_true")
     sv.add_argument("--max-in-flight", type=positive_int, default=None)
+    sv.add_argument("--launcher", default="local", choices=["local", "ray"],
+                    help="start the stage workers as local processes, or as Ray actors (a placement group per "
+                         "stage)")
+    sv.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one here)")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -255,6 +271,10 @@ def defaults_from_env(parser: argparse.ArgumentParser, environ=None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "moe_backend", None) == "triton" and getattr(args, "device", "cpu") == "cpu":
+        # Triton kernels run on CPU tensors only in its interpreter, chosen when they are defined;
+        # child processes (the mesh) inherit it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from moemesh.log import setup_logging
 
     setup_logging(args.log_level)
@@ -269,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_gateway(args)
         if args.command == "stage":
             return cmd_stage(args)
+        if args.command == "quantize":
+            from moemesh.quantize import quantize_checkpoint
+
+            print(quantize_checkpoint(args.model, args.out))
+            return 0
         if args.command == "serve":
             from moemesh.serve import run_serve
 
@@ -307,7 +332,8 @@ def cmd_coordinator(args) -> int:
             host=args.host, port=args.port, client_port=args.client_port, dtype=args.dtype,
             block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
             max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout,
-            expert_parallel=args.expert_parallel, register_timeout=args.register_timeout))
+            expert_parallel=args.expert_parallel, register_timeout=args.register_timeout,
+            quantization=args.quantization, moe_backend=args.moe_backend))
     except ValueError as e:
         raise CLIError(str(e)) from None
     run(coord.run())

@@ -70,6 +70,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str = "float32"
+    quantization: str | None = None  # the checkpoint's quantization_config["quant_method"], e.g. "fp8"
+    quantization_config: tuple[tuple[str, object], ...] = ()  # the rest of it, as items (frozen)
 
     @property
     def architecture(self) -> str:
@@ -165,8 +167,14 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_token_ids,
             checkpoint_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            quantization=(raw.get("quantization_config") or {}).get("quant_method"),
+            quantization_config=tuple(sorted(_frozen((raw.get("quantization_config") or {})).items())),
             **moe,
         )
+
+
+def _frozen(d: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
 def _as_tuple(x) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from moemesh.config import ModelConfig
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from stage_worker.executor import StageExecutor
+from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.runner import StageRunner
 
@@ -37,6 +38,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     stage_layers: tuple[int, ...] | None = None  # layers per stage, e.g. (3, 5); None: one stage
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    quantization: str | None = None  # "fp8": quantize 16/32-bit weights at load (FP8 checkpoints: automatic)
+    moe_backend: str = "auto"  # auto: Triton kernels on CUDA, vectorised torch on CPU
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         limit = model.max_position_embeddings
@@ -69,9 +72,12 @@ class LLMEngine:
             mc, mc.num_layers, cfg.block_size, TPGroup(), cfg.dtype))
         self.generator = torch.Generator()  # for requests without a seed
         self.generator.seed()  # non-deterministic, as an unseeded request should be
+        quant = resolve_quantization(mc, cfg.quantization)
         self.stages = [
             StageExecutor(StageRunner(cfg.model, mc, layers, num_blocks, cfg.block_size, dtype=cfg.dtype,
-                                      device=cfg.device, progress=progress), mc.eos_token_ids, self.generator)
+                                      device=cfg.device, progress=progress, quant=quant,
+                                      moe_backend=cfg.moe_backend),
+                          mc.eos_token_ids, self.generator)
             for layers in stages
         ]
         self.core = EngineCore(cfg.scheduler_config(mc), num_blocks, cfg.block_size, mc.eos_token_ids,

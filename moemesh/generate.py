@@ -13,6 +13,7 @@ from moemesh.cli import CLIError
 from moemesh.config import ConfigError, ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
 from moemesh.netutil import run
+from stage_worker.layers.fp8 import resolve_quantization
 from moemesh.log import get_logger
 from moemesh.sampling import SamplingParams
 
@@ -36,6 +37,7 @@ def engine_config_from_args(args) -> EngineConfig:
     device = torch.device("cpu")
     try:
         dtype = resolve_dtype(args.dtype, model_config, device)
+        resolve_quantization(model_config, args.quantization)
     except ValueError as e:
         raise CLIError(str(e)) from None
     if args.layer_partition is not None:
@@ -45,7 +47,7 @@ def engine_config_from_args(args) -> EngineConfig:
             raise CLIError(f"--layer-partition: {e}") from None
     return EngineConfig(model=str(model), dtype=dtype, device=str(device), block_size=args.block_size,
                         kv_memory_bytes=args.kv_memory, max_num_batched_tokens=args.max_batched_tokens,
-                        max_num_seqs=args.max_seqs,
+                        max_num_seqs=args.max_seqs, quantization=args.quantization, moe_backend=args.moe_backend,
                         stage_layers=tuple(args.layer_partition) if args.layer_partition else None)
 
 
@@ -151,7 +153,8 @@ def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> li
     spec = MeshSpec(model=cfg.model, pp=pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
                     block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel)
+                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
+                    quantization=cfg.quantization, moe_backend=cfg.moe_backend)
     if cfg.stage_layers is not None and len(cfg.stage_layers) != pp:
         raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {pp}")
     if pp > ModelConfig.from_dir(cfg.model).num_layers:

@@ -43,6 +43,8 @@ class MeshSpec:
     worker_timeout: float = 5.0
     expert_parallel: bool = False
     record_dir: str | None = None  # workers record their first steps under DIR/pp{p}-tp{t}
+    quantization: str | None = None
+    moe_backend: str = "auto"
     extra_env: dict = field(default_factory=dict)
 
 
@@ -99,17 +101,25 @@ class LocalMesh:
             args += ["--max-in-flight", str(s.max_in_flight)]
         if s.expert_parallel:
             args += ["--expert-parallel"]
+        if s.quantization:
+            args += ["--quantization", s.quantization]
+        if s.moe_backend != "auto":
+            args += ["--moe-backend", s.moe_backend]
         coord = self._spawn("coordinator", args)
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
+        self._start_workers(addresses["workers"])
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _start_workers(self, coordinator: str) -> None:
+        s = self.spec
         for p in range(s.pp):
             for t in range(s.tp):
                 self._spawn(f"stage-worker pp={p} tp={t}", [
-                    "stage-worker", "--coordinator", addresses["workers"], "--pp-rank", str(p), "--tp-rank", str(t),
+                    "stage-worker", "--coordinator", coordinator, "--pp-rank", str(p), "--tp-rank", str(t),
                     "--kv-memory", str(s.kv_memory_bytes), "--threads", str(s.threads_per_worker),
                     *(["--record", f"{s.record_dir}/pp{p}-tp{t}"] if s.record_dir else [])])
-        self._watcher = threading.Thread(target=self._watch, daemon=True)
-        self._watcher.start()
 
     def _read_announcement(self, coord: subprocess.Popen) -> dict:
         deadline = time.monotonic() + 60
@@ -123,13 +133,20 @@ class LocalMesh:
 
     def _watch(self) -> None:
         while not self._stopping:
-            for name, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is not None and not self._stopping:
-                    self.died = f"{name} exited with status {code}"
-                    log.error("child died", extra={"fields": {"child": name, "status": code}})
-                    return
+            died = self._check_children()
+            if died and not self._stopping:
+                self.died = died
+                log.error("child died", extra={"fields": {"child": died}})
+                return
             time.sleep(0.1)
+
+    def _check_children(self) -> str | None:
+        """A description of a child that ended, if one did."""
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is not None:
+                return f"{name} exited with status {code}"
+        return None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """For tests: kill one child as a crash would."""

@@ -123,6 +123,8 @@ class Assignment(msgspec.Struct, tag="assignment", frozen=True):
     block_size: int
     tp_rendezvous: str | None = None  # init_method of the stage's torch.distributed group (tp > 1)
     expert_parallel: bool = False
+    quantization: str | None = None  # "fp8": quantize at load (an FP8 checkpoint says so itself)
+    moe_backend: str = "auto"
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):

@@ -26,9 +26,16 @@ def run_serve(args) -> int:
     spec = MeshSpec(model=cfg.model, pp=args.pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
                     block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel)
+                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
+                    quantization=cfg.quantization, moe_backend=cfg.moe_backend)
+    if args.launcher == "ray":
+        from moemesh.ray_launcher import RayMesh
+
+        make_mesh = lambda: RayMesh(spec, ray_address=args.ray_address)  # noqa: E731
+    else:
+        make_mesh = lambda: LocalMesh(spec)  # noqa: E731
     try:
-        with LocalMesh(spec) as mesh:
+        with make_mesh() as mesh:
             gw = GatewayConfig(coordinator=mesh.client_address, host=args.host, port=args.port, model=cfg.model,
                                served_model_name=args.served_model_name, api_key=args.api_key,
                                max_pending=args.max_pending)

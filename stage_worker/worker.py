@@ -32,6 +32,7 @@ from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
                               Ready, Register, Schedule, Shutdown, Start, WorkerFailed, tensor_meta)
 from stage_worker.executor import StageExecutor
+from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.runner import StageRunner
 
@@ -137,7 +138,8 @@ class StageWorker:
                 group = dist.group.WORLD
             tp = TPGroup(cfg.tp_rank, a.tp_size, group, a.expert_parallel)
             runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
-                                 device=cfg.device, progress=False)
+                                 device=cfg.device, progress=False, quant=resolve_quantization(mc, a.quantization),
+                                 moe_backend=a.moe_backend)
             return StageExecutor(runner, mc.eos_token_ids)
 
         started = time.perf_counter()

@@ -37,6 +37,11 @@ class UnquantizedFusedMoEMethod:
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if layer.uses_triton(x):
+            from kernels.fused_moe_triton import fused_experts_triton
+
+            return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                        expert_offset=layer.expert_offset)
         return moe_torch.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                        expert_offset=layer.expert_offset)
 
@@ -61,10 +66,11 @@ class FusedMoE(nn.Module):
             self.intermediate_size_per_partition = tp.split(intermediate_size, "expert intermediate size")
         self.checkpoint_names = dict(zip(("w1", "w3", "w2"), checkpoint_names))
         self.reduce_results = reduce_results
+        self.backend = "auto"  # "auto" | "torch" | "triton"; the runner sets it (--moe-backend)
         self.quant_method = quant.moe_method() if quant is not None else UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self)
-        for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader
+        for p in self.parameters(recurse=False):  # a quantization method may have set its own (scales)
+            p.weight_loader = getattr(p, "weight_loader", self.weight_loader)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
@@ -74,6 +80,10 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """auto: the Triton kernels on CUDA, vectorised torch on CPU."""
+        return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
 
     # -- loading -------------------------------------------------------------------------------
 

@@ -64,8 +64,8 @@ class LinearBase(nn.Module):
         self.quant_method = quant.linear_method() if quant is not None else UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader
+        for p in self.parameters(recurse=False):  # a quantization method may have set its own (scales)
+            p.weight_loader = getattr(p, "weight_loader", self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         load_whole(param, tensor)

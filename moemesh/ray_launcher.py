@@ -1,0 +1,112 @@
+"""`moemesh serve --launcher ray`: the stage workers as Ray actors.
+
+One actor per (stage, tensor rank); the actors of a stage are packed on one node by a placement
+group (one bundle per rank, STRICT_PACK), so a stage's tensor parallelism stays inside a host and
+the pipeline crosses hosts, the layout vLLM's TPU backend adopted for Ray. Everything else is the
+same as the local launcher: the coordinator is a child process of this one, the actors register
+with it like any worker, and activations travel over ZeroMQ, not through Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.log import get_logger
+
+log = get_logger("ray")
+
+
+def _worker_actor():
+    import ray
+
+    @ray.remote
+    class StageWorkerActor:
+        """Runs one stage worker in the actor's process until the coordinator shuts it down."""
+
+        def node_ip(self) -> str:
+            return ray.util.get_node_ip_address()
+
+        def run(self, cfg: dict) -> int:
+            import torch
+
+            from moemesh.netutil import run
+            from stage_worker.worker import StageWorker, WorkerConfig
+
+            torch.set_num_threads(cfg["threads"])
+            return run(StageWorker(WorkerConfig(**cfg)).run())
+
+    return StageWorkerActor
+
+
+class RayMesh(LocalMesh):
+    def __init__(self, spec: MeshSpec, ray_address: str | None = None, device: str = "cpu",
+                 startup_timeout: float = 300.0):
+        super().__init__(spec, startup_timeout)
+        self.ray_address, self.device = ray_address, device
+        self.actors, self.runs, self.groups = [], {}, []
+        self._started_ray = False
+
+    def _start_workers(self, coordinator: str) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise LaunchError("--launcher ray needs Ray: pip install 'ray>=2.40'") from None
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
+                     **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
+            self._started_ray = True
+        actor_cls = _worker_actor()
+        s = self.spec
+        gpu = 1 if self.device == "cuda" else 0
+        for p in range(s.pp):
+            group = placement_group([{"CPU": 0.01, **({"GPU": 1} if gpu else {})}] * s.tp, strategy="STRICT_PACK")
+            if not group.wait(timeout_seconds=120):
+                raise LaunchError(f"Ray could not place stage {p}'s {s.tp} workers on one node")
+            self.groups.append(group)
+            for t in range(s.tp):
+                actor = actor_cls.options(
+                    num_cpus=0.01, num_gpus=gpu,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
+                ).remote()
+                host = ray.get(actor.node_ip.remote())
+                cfg = dict(coordinator=coordinator, pp_rank=p, tp_rank=t, bind_host="0.0.0.0", advertise_host=host,
+                           kv_memory_bytes=s.kv_memory_bytes, device=f"cuda:0" if gpu else "cpu",
+                           threads=s.threads_per_worker)
+                self.actors.append(actor)
+                self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(cfg)
+        log.info("ray actors started", extra={"fields": {"actors": len(self.actors), "stages": s.pp}})
+
+    def _check_children(self) -> str | None:
+        died = super()._check_children()
+        if died or not self.runs:
+            return died
+        import ray
+
+        ready, _ = ray.wait(list(self.runs.values()), timeout=0)
+        for name, ref in self.runs.items():
+            if ref in ready:
+                try:
+                    return f"{name} exited with status {ray.get(ref)}"
+                except Exception as e:  # the actor died
+                    return f"{name} failed: {type(e).__name__}"
+        return None
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.actors:
+            import ray
+
+            for actor in self.actors:
+                ray.kill(actor)
+            for group in self.groups:
+                ray.util.remove_placement_group(group)
+            self.actors.clear()
+        super().stop()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
