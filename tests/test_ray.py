@@ -1,0 +1,43 @@
+"""The Ray launcher: stage workers as Ray actors, one placement group per stage, on a local Ray
+instance bound to loopback; the same coordinator and ZeroMQ data path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hf_models import build_hf_model, hf_greedy
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+from test_mesh import generate_all
+
+ray = pytest.importorskip("ray", reason="ray is not installed")
+
+PROMPTS = [[5, 17, 33, 2, 9], [7, 8], list(range(30, 45))]
+
+
+def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
+    for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                       "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        monkeypatch.setenv(key, value)
+    from moemesh.launcher import MeshSpec
+    from moemesh.ray_launcher import RayMesh
+
+    hf = build_hf_model("mixtral", tmp_path)
+    want = [hf_greedy(hf, p, 6) for p in PROMPTS]
+    mesh = RayMesh(MeshSpec(model=str(tmp_path), pp=2, tp=2, kv_memory_bytes=8 << 20))
+    try:
+        mesh.start()
+        results, status = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=6, temperature=0,
+                                                                        ignore_eos=True)))
+        assert [t for t, _ in results] == want
+        assert len(mesh.actors) == 4 and len(mesh.groups) == 2
+        table = ray.util.placement_group_table()
+        ours = [table[g.id.hex()] for g in mesh.groups]
+        assert all(t["strategy"] == "STRICT_PACK" and len(t["bundles"]) == 2 for t in ours)
+        assert mesh.died is None
+    finally:
+        mesh.stop()
+    assert not ray.is_initialized()
+    assert os.environ.get("RAY_USAGE_STATS_ENABLED") == "0"
