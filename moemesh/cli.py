@@ -225,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")
+    fb = bsub.add_parser("fp8", help="logit error and greedy agreement of FP8 against the unquantized model")
+    fb.add_argument("--model", required=True, help="the 16/32-bit checkpoint")
+    fb.add_argument("--fp8-model", default=None, help="its FP8 checkpoint (moemesh quantize), compared as well")
+    fb.add_argument("--num-prompts", type=positive_int, default=16)
+    fb.add_argument("--prompt-len", type=positive_int, default=16)
+    fb.add_argument("--new", type=positive_int, default=32)
+    fb.add_argument("--threads", type=positive_int, default=1)
+    fb.add_argument("--json", action="store_true")
+
     sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
     sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     sb.add_argument("--concurrency", type=int_list, default=[64], help="requests in flight; a list gives a curve")
@@ -302,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_coordinator(args)
         if args.command == "stage-worker":
             return cmd_stage_worker(args)
+        if args.command == "bench" and args.bench == "fp8":
+            from moemesh.bench.fp8 import run_fp8_bench
+
+            return run_fp8_bench(args)
         if args.command == "bench" and args.bench == "serve":
             from moemesh.bench.serve import run_serve_bench
 

@@ -75,3 +75,14 @@ def test_quantization_choices_are_checked(checkpoints, tmp_path):
     raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     with pytest.raises(ConfigError, match="'gptq' is not supported"):
         resolve_quantization(ModelConfig.from_hf(raw), None)
+
+
+def test_bench_fp8_reports_both_variants(checkpoints, capsys):
+    original, quantized = checkpoints
+    assert main(["bench", "fp8", "--model", str(original), "--fp8-model", str(quantized), "--num-prompts", "3",
+                 "--new", "4", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in rows] == ["fp8 in place", "fp8 checkpoint"]
+    for r in rows:
+        assert 0 < r["max_rel_logit_error"] < MAX_REL_LOGIT_ERROR
+        assert 0 <= r["position_agreement"] <= 1 and 0 <= r["mean_common_prefix"] <= 4
