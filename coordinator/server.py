@@ -192,15 +192,21 @@ class Coordinator:
 
     # -- workers ------------------------------------------------------------------------------
 
-    async def _worker_loop(self) -> None:
+    @staticmethod
+    async def _messages(sock, codec: Codec, bad: BadMessages):
+        """(sender identity, message) from a ROUTER socket; what does not decode is counted, skipped."""
         while True:
-            identity, *frames = await self.workers_sock.recv_multipart(copy=False)
+            identity, *frames = await sock.recv_multipart(copy=False)
             identity = identity.bytes
             try:
-                msg, _ = self.worker_codec.decode(frames)
+                msg, _ = codec.decode(frames)
             except ProtocolError as e:
-                self.bad_worker(e, identity.decode(errors="replace"))
+                bad(e, identity.hex())
                 continue
+            yield identity, msg
+
+    async def _worker_loop(self) -> None:
+        async for identity, msg in self._messages(self.workers_sock, self.worker_codec, self.bad_worker):
             if isinstance(msg, Register):
                 self._register(identity, msg)
                 continue
@@ -289,14 +295,7 @@ class Coordinator:
     # -- clients ------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
-        while True:
-            identity, *frames = await self.clients_sock.recv_multipart(copy=False)
-            identity = identity.bytes
-            try:
-                msg, _ = self.client_codec.decode(frames)
-            except ProtocolError as e:
-                self.bad_client(e, identity.hex())
-                continue
+        async for identity, msg in self._messages(self.clients_sock, self.client_codec, self.bad_client):
             if isinstance(msg, GenerateRequest):
                 if self.failure:
                     await self._reply(identity, RequestOutput(msg.request_id, [], finish_reason="error",

@@ -10,8 +10,6 @@ from hf_models import build_hf_model, hf_greedy, hf_logits
 from moemesh.engine import EngineConfig, LLMEngine
 from moemesh.sampling import SamplingParams
 from moemesh.tiny_model import TinyModelSpec, write_tiny_model
-from stage_worker.context import build_context, forward_context
-from stage_worker.runner import StepInput
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "llama"]
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 250, 251, 3, 4, 77, 78, 79, 80],
@@ -61,16 +59,7 @@ def reference(request, tmp_path_factory):
 
 def all_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """Logits at every prompt position, through every stage of an idle engine."""
-    n_blocks = -(-len(prompt) // engine.cfg.block_size)
-    step = StepInput([prompt], [0], [list(range(n_blocks))], [True])
-    hidden = residual = None
-    for stage in engine.stages:
-        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, engine.cfg.block_size)
-        with torch.inference_mode(), forward_context(ctx):
-            if stage.runner.model.has_embedding:
-                hidden = stage.runner.model.embed(torch.tensor(prompt))
-            hidden, residual = stage.runner.model(hidden, residual)
-    return engine.stages[-1].runner.model.compute_logits(hidden, residual)
+    return engine.prompt_logits(prompt)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,22 +11,6 @@ import torch
 
 from moemesh.engine import EngineConfig, LLMEngine
 from moemesh.sampling import SamplingParams
-from stage_worker.context import build_context, forward_context
-from stage_worker.runner import StepInput
-
-
-def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position of an idle engine (its blocks 0.. as scratch)."""
-    blocks = list(range(-(-len(prompt) // engine.cfg.block_size)))
-    step = StepInput([prompt], [0], [blocks], [True])
-    hidden = residual = None
-    for stage in engine.stages:
-        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, engine.cfg.block_size)
-        with torch.inference_mode(), forward_context(ctx):
-            if stage.runner.model.has_embedding:
-                hidden = stage.runner.model.embed(torch.tensor(prompt))
-            hidden, residual = stage.runner.model(hidden, residual)
-    return engine.stages[-1].runner.model.compute_logits(hidden, residual)
 
 
 def run_fp8_bench(args) -> int:
@@ -42,8 +26,8 @@ def run_fp8_bench(args) -> int:
         variants["fp8 checkpoint"] = EngineConfig(model=args.fp8_model, num_kv_blocks=1024)
     for name, cfg in variants.items():
         engine = LLMEngine(cfg, progress=None)
-        err = max(((prompt_logits(engine, p) - prompt_logits(base, p)).abs().max()
-                   / prompt_logits(base, p).abs().max()).item() for p in prompts[:4])
+        err = max(((engine.prompt_logits(p) - base.prompt_logits(p)).abs().max()
+                   / base.prompt_logits(p).abs().max()).item() for p in prompts[:4])
         got = [o.token_ids for o in engine.generate(prompts, params)]
         same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
         prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(got, want)]
