@@ -49,5 +49,3 @@ class TPGroup:
             raise ValueError(f"{what}={total} is not divisible by tensor-parallel size {self.size}")
         return total // self.size
 
-
-NO_TP = TPGroup()
