@@ -102,14 +102,20 @@ class Gateway:
         await self.client.close()
 
     async def _poll_status(self) -> None:
+        silent = 0
         while True:
             try:
                 self.status = await self.client.status(timeout=2.0)
                 self.metrics.update_from_status(self.status, time.monotonic())
+                silent = 0
             except asyncio.TimeoutError:
                 self.client.status_waiters.clear()
-                self.status = msgspec.structs.replace(self.status, serving=False,
-                                                      failure="the coordinator does not answer")
+                silent += 1
+                reason = "the coordinator does not answer"
+                self.status = msgspec.structs.replace(self.status, serving=False, failure=reason)
+                if silent == 3:  # ~7 s: it is gone, and with it every request in flight
+                    log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams)}})
+                    self.client.fail_all(reason)
             await asyncio.sleep(0.5)
 
     def app(self) -> web.Application:
@@ -298,20 +304,25 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, stop, queue)) for i, p, sp in jobs]
         remaining = len(tasks)
+        getter = None
         try:
             while remaining:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait([getter, *[t for t in tasks if t.done() and t.exception()]],
-                                   return_when=asyncio.FIRST_COMPLETED)
                 failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-                if failed is not None:
-                    getter.cancel()
+                if failed is not None:  # a sequence's error ends the request
                     raise failed.exception()
-                item = getter.result()
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
+                # wake on the next item, or when a sequence ends (perhaps failing)
+                await asyncio.wait([getter, *[t for t in tasks if not t.done()]], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    continue
+                item, getter = getter.result(), None
                 if item[1] == "done":
                     remaining -= 1
                 yield item
         finally:
+            if getter is not None:
+                getter.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -509,7 +520,7 @@ def _text_content(content) -> str:
 async def run_gateway(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
     """Serves until cancelled."""
     gw = Gateway(cfg)
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

@@ -56,9 +56,16 @@ class CoordinatorClient:
                     q.put_nowait(out)
 
     async def status(self, timeout: float = 5.0) -> StatusReply:
+        """Raises asyncio.TimeoutError when the coordinator does not answer in time (or cannot be
+        reached at all: with no connection, the request is not even queued)."""
         fut = asyncio.get_running_loop().create_future()
         self.status_waiters.append(fut)
-        await self.sock.send_multipart(Codec.encode(StatusRequest()))
+        try:
+            await self.sock.send_multipart(Codec.encode(StatusRequest()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.status_waiters.remove(fut)
+            await asyncio.sleep(min(timeout, 0.5))
+            raise asyncio.TimeoutError from None
         return await asyncio.wait_for(fut, timeout)
 
     async def wait_serving(self, timeout: float) -> StatusReply:
@@ -85,7 +92,14 @@ class CoordinatorClient:
         q = self.streams[rid] = asyncio.Queue()
         finished = False
         try:
-            await self.sock.send_multipart(Codec.encode(GenerateRequest(rid, list(prompt_ids), params)))
+            try:
+                await self.sock.send_multipart(Codec.encode(GenerateRequest(rid, list(prompt_ids), params)),
+                                               flags=zmq.NOBLOCK)
+            except zmq.Again:  # no connection to the coordinator: say so now rather than wait forever
+                finished = True
+                yield RequestOutput(rid, [], finish_reason="error", error="the coordinator cannot be reached",
+                                    error_status=503)
+                return
             while True:
                 out = await q.get()
                 finished = out.finish_reason is not None
@@ -96,6 +110,11 @@ class CoordinatorClient:
             del self.streams[rid]
             if not finished:
                 self.abort(rid)
+
+    def fail_all(self, error: str) -> None:
+        """Ends every open stream with an error (the coordinator is gone: nothing else will)."""
+        for rid, q in self.streams.items():
+            q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=error, error_status=503))
 
     def abort(self, request_id: str) -> None:
         """Asks the coordinator to end a request (no wait: safe from a closing generator)."""

@@ -244,9 +244,17 @@ def test_api_key_429_and_503(model):
         limited = [r for r in results if r[0] == 429]
         assert limited and all(r[2].get("Retry-After") == "1" for r in limited)
         assert sum(r[0] == 200 for r in results) >= 1
-        # the pipeline goes down: /health and new requests say 503
+        # the pipeline goes down: the request in flight ends with 503, and so do /health and new requests
+        running = []
+        runner = threading.Thread(target=lambda: running.append(http(
+            "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
+        runner.start()
+        time.sleep(0.3)
         workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
         os.kill(workers[0], signal.SIGKILL)
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "the request in flight hung"
+        assert running[0][0] in (200, 503)  # finished just before, or ended by the failure
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and http("GET", f"{server.url}/health")[0] != 503:
             time.sleep(0.2)
@@ -286,3 +294,27 @@ def test_bench_serve_prints_rows_and_plots(server, tmp_path, capsys):
         assert r["failed"] == 0 and r["requests"] == 4 and r["output_tok_per_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_mean_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
+    server = Server(model)
+    try:
+        coordinator = [p for p in _children(server.proc.pid) if b" coordinator" in _cmdline(p).replace(b"\0", b" ")]
+        assert len(coordinator) == 1
+        conn = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        body = json.dumps({"prompt": "x", "max_tokens": 250, "stream": True, "ignore_eos": True}).encode()
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while b"data:" not in received:
+            received += conn.recv(4096)
+        os.kill(coordinator[0], signal.SIGKILL)  # mid-stream
+        while b"[DONE]" not in received:
+            chunk = conn.recv(65536)
+            assert chunk, "the stream closed without ending"
+            received += chunk
+        conn.close()
+        assert b'"error"' in received and b"coordinator" in received  # ended with an error event, not a hang
+        assert http("GET", f"{server.url}/health")[0] == 503
+    finally:
+        server.stop()
