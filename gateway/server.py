@@ -55,12 +55,14 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
-    def response(self) -> web.Response:
+    def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
             self.status, "server_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
-        return web.json_response(body, status=self.status, headers=self.headers)
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 @dataclass
@@ -105,7 +107,11 @@ class Gateway:
         silent = 0
         while True:
             try:
-                self.status = await self.client.status(timeout=2.0)
+                status = await self.client.status(timeout=2.0)
+                if status.uptime_seconds < self.status.uptime_seconds:  # a new coordinator: ours are gone
+                    log.error("coordinator restarted", extra={"fields": {"requests": len(self.client.streams)}})
+                    self.client.fail_all("the coordinator restarted")
+                self.status = status
                 self.metrics.update_from_status(self.status, time.monotonic())
                 silent = 0
             except asyncio.TimeoutError:
@@ -372,13 +378,25 @@ class Gateway:
 
         choices: dict[int, Choice] = {}
         started = set()
+        events = self._gather(rid, jobs, stop)
+        try:  # the first event before the 200: an error the coordinator answers at once keeps its status
+            first = await events.__anext__()
+        except HTTPError as e:
+            await events.aclose()
+            return e.response()
+
+        async def all_events():
+            yield first
+            async for event in events:
+                yield event
+
         await resp.prepare(request)
         try:
             if chat:
                 for i, _, _ in jobs:
                     await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
-            async for index, kind, payload in self._gather(rid, jobs, stop):
+            async for index, kind, payload in all_events():
                 if kind == "done":
                     choices[index] = payload
                     continue
@@ -403,7 +421,7 @@ class Gateway:
             if body.stream_options and body.stream_options.include_usage:
                 await send(chunk([], usage=_usage(jobs, choices)))
         except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
-            await send({"error": {"message": e.message, "type": "server_error", "code": e.status}})
+            await send(e.body())
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: _gather's cleanup aborted every sequence
         await resp.write(b"data: [DONE]\n\n")
@@ -495,7 +513,7 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
     """The j-th of n choices: its own seed, so the choices differ but stay reproducible."""
     if j == 0 or params.seed is None:
         return params
-    return msgspec.structs.replace(params, seed=params.seed + j)
+    return msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 63))
 
 
 def _reason(reason: str | None) -> str | None:

@@ -89,6 +89,8 @@ class CoordinatorClient:
         """Streams the request's outputs until the one with a finish_reason. Leaving the loop early
         (or being cancelled) aborts the request in the coordinator."""
         rid = request_id or f"r{next(self._ids)}"
+        if rid in self.streams:
+            raise ValueError(f"request id {rid!r} is already streaming")
         q = self.streams[rid] = asyncio.Queue()
         finished = False
         try:

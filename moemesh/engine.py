@@ -23,7 +23,6 @@ from moemesh.sampling import SamplingParams
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
-from stage_worker.context import build_context, forward_context
 from stage_worker.runner import StageRunner, StepInput
 
 
@@ -71,7 +70,7 @@ class LLMEngine:
         stages = split_layers(mc.num_layers, cfg.stage_layers)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_memory_bytes // StageRunner.kv_bytes_per_block(
             mc, mc.num_layers, cfg.block_size, TPGroup(), cfg.dtype))
-        self.generator = torch.Generator()  # for requests without a seed
+        self.generator = torch.Generator(device=cfg.device)  # for requests without a seed
         self.generator.seed()  # non-deterministic, as an unseeded request should be
         quant = resolve_quantization(mc, cfg.quantization)
         self.stages = [
@@ -108,23 +107,17 @@ class LLMEngine:
             hidden, residual = stage.run(sched, hidden, residual)
         return self.core.process_result(self.stages[-1].run(sched, hidden, residual))
 
-    @torch.inference_mode()
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         """Logits [len(prompt), V] at every prompt position, through every stage, for tests and
         benchmarks; the engine must be idle (its first blocks serve as scratch)."""
-        if self.core.has_work():
-            raise RuntimeError("prompt_logits needs an idle engine")
-        blocks = list(range(-(-len(prompt) // self.cfg.block_size)))
-        step = StepInput([prompt], [0], [blocks], [True])
-        hidden = residual = None
+        blocks = -(-len(prompt) // self.cfg.block_size)
+        if self.core.has_work() or blocks > self.blocks.num_blocks:
+            raise RuntimeError("prompt_logits needs an idle engine with room for the prompt")
+        step = StepInput([prompt], [0], [list(range(blocks))], [True])
+        out = (None, None)
         for stage in self.stages:
-            model = stage.runner.model
-            ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.cfg.block_size)
-            with forward_context(ctx):
-                if model.has_embedding:
-                    hidden = model.embed(torch.tensor(prompt))
-                hidden, residual = model(hidden, residual)
-        return self.stages[-1].runner.model.compute_logits(hidden, residual)
+            out = stage.runner.execute(step, *out, logit_rows=list(range(len(prompt))))
+        return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         params = params if isinstance(params, list) else [params] * len(prompts)

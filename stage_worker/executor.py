@@ -78,7 +78,8 @@ class StageExecutor:
 
     def _row(self, seq_id: int) -> SampleRow:
         st = self.seqs[seq_id]
-        prompt = st.tokens[:st.prompt_len]
+        # the prompt is copied out only for the repetition penalty (the one user of it)
+        prompt = st.tokens[:st.prompt_len] if st.params.repetition_penalty != 1 else []
         return SampleRow(st.params, prompt, st.tokens[st.prompt_len:])
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:

@@ -40,14 +40,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     for i, r in enumerate(rows):
         p = r.params
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
-            banned = [t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if t < V]
-            logits[i, banned] = float("-inf")
+            banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
+            if len(banned) < V:  # (a ban of every token would leave nothing to sample: ignore it)
+                logits[i, banned] = float("-inf")
         if p.has_penalties:
             _apply_penalties(logits[i], r, V)
     tokens = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows)
+        idx = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[idx], [rows[i].params for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
@@ -63,7 +64,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if want:
-        lp = torch.log_softmax(raw[torch.tensor(want)], dim=-1)
+        lp = torch.log_softmax(raw[torch.tensor(want, device=raw.device)], dim=-1)
         for j, i in enumerate(want):
             logprobs[i] = token_logprobs(lp[j], token_list[i], rows[i].params.logprobs)
     return token_list, logprobs
@@ -86,36 +87,39 @@ def _apply_penalties(row: torch.Tensor, r: SampleRow, V: int) -> None:
     """In place on one [V] row of logits."""
     p = r.params
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted({t for t in (*r.prompt_ids, *r.output_ids) if t < V}), dtype=torch.long)
+        seen = torch.tensor(sorted({t for t in (*r.prompt_ids, *r.output_ids) if 0 <= t < V}), dtype=torch.long,
+                            device=row.device)
         if len(seen):
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-        counts = torch.bincount(torch.tensor([t for t in r.output_ids if t < V], dtype=torch.long), minlength=V)
+        counts = torch.bincount(torch.tensor([t for t in r.output_ids if 0 <= t < V], dtype=torch.long,
+                                             device=row.device), minlength=V)
         row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[n, V] logits -> probabilities after temperature, top-k, top-p and min-p."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
     logits = logits / temps
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         V = logits.shape[-1]
-        rank = torch.arange(V).unsqueeze(0)
-        k = torch.tensor([k if k > 0 else V for k in top_k]).unsqueeze(1)
+        rank = torch.arange(V, device=dev).unsqueeze(0)
+        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev).unsqueeze(1)
         drop = rank >= k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # top-p: keep the smallest prefix whose mass reaches p (always the top token); rows with
         # top_p == 1 are left alone (a float32 cumsum can round up to 1 before the tail ends)
         before = probs.cumsum(-1) - probs
-        p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+        p = torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
         drop |= (before >= p) & (p < 1)
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
         probs = probs / probs.sum(-1, keepdim=True)

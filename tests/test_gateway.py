@@ -168,6 +168,7 @@ def test_errors_in_openai_shape(server):
         (http("POST", url, {"prompt": "x", "model": "gpt-9"}), 404, "model"),
         (http("POST", url, raw=b'{"prompt": "' + b"a" * (9 << 20) + b'"}'), 413, None),
         (http("POST", f"{server.url}/v1/chat/completions", {"messages": "hi"}), 400, "messages"),
+        (http("POST", url, {"prompt": "x", "stream": True, "stop_token_ids": [-5]}), 400, "stop_token_ids"),
     ]
     for (status, body, _), want_status, want_param in cases:
         assert status == want_status, body

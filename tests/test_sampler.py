@@ -257,3 +257,18 @@ def test_a_row_without_top_p_keeps_its_whole_distribution_next_to_a_top_p_row():
     together = _filtered_probs(logits.repeat(2, 1), [SamplingParams(), SamplingParams(top_p=0.5)])[:1]
     assert int((alone > 0).sum()) == 100
     assert int((together > 0).sum()) == 100
+
+
+@pytest.mark.parametrize("bad", [dict(stop_token_ids=(-1,)), dict(top_k=1 << 31), dict(seed=-1), dict(seed=1 << 63)])
+def test_values_a_worker_could_not_use_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_top_k_above_the_vocabulary_means_off_and_a_ban_of_everything_is_ignored():
+    logits = torch.randn(1, 5)
+    huge = SamplingParams(temperature=1.0, top_k=1 << 30, seed=3)
+    off = SamplingParams(temperature=1.0, seed=3)
+    assert sample(logits.clone(), [huge], [0]) == sample(logits.clone(), [off], [0])
+    everything = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(0, 1, 2, 3, 4))
+    assert sample(logits.clone(), [everything], [0]) == [int(logits[0].argmax())]

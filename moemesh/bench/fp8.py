@@ -26,8 +26,7 @@ def run_fp8_bench(args) -> int:
         variants["fp8 checkpoint"] = EngineConfig(model=args.fp8_model, num_kv_blocks=1024)
     for name, cfg in variants.items():
         engine = LLMEngine(cfg, progress=None)
-        err = max(((engine.prompt_logits(p) - base.prompt_logits(p)).abs().max()
-                   / base.prompt_logits(p).abs().max()).item() for p in prompts[:4])
+        err = max(_rel_error(engine.prompt_logits(p), base.prompt_logits(p)) for p in prompts[:4])
         got = [o.token_ids for o in engine.generate(prompts, params)]
         same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
         prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(got, want)]
@@ -37,3 +36,7 @@ def run_fp8_bench(args) -> int:
                "mean_common_prefix": round(sum(prefix) / len(prefix), 2), "new_tokens": args.new}
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return 0
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()

@@ -74,7 +74,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
-        topk_weights, topk_ids = moe_torch.select_experts(router_logits, self.top_k, self.renormalize)
+        if self.uses_triton(x):
+            from kernels.fused_moe_triton import topk_softmax
+
+            topk_weights, topk_ids = topk_softmax(router_logits.contiguous(), self.top_k, self.renormalize,
+                                                  ids_dtype=torch.int64)
+        else:
+            topk_weights, topk_ids = moe_torch.select_experts(router_logits, self.top_k, self.renormalize)
         y = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
