@@ -28,16 +28,23 @@ def checkpoint(request, tmp_path_factory):
     return arch, path, [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2), dict(tp=2, expert_parallel=True)],
-                         ids=["tp2", "tp2-pp2", "ep2"])
-def test_greedy_parity_with_transformers(checkpoint, layout):
-    arch, path, reference = checkpoint
-    if layout.get("expert_parallel") and arch == "llama":
-        pytest.skip("expert parallelism needs experts")
+def run_layout(path, **layout):
     with LocalMesh(MeshSpec(model=str(path), kv_memory_bytes=8 << 20, **layout)) as mesh:
         results, status = run(generate_all(mesh, PROMPTS, GREEDY))
-    assert [t for t, _ in results] == reference
     assert status.num_free_blocks == status.num_blocks
+    return [t for t, _ in results]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2)], ids=["tp2", "tp2-pp2"])
+def test_greedy_parity_with_transformers(checkpoint, layout):
+    arch, path, reference = checkpoint
+    assert run_layout(path, **layout) == reference
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_expert_parallel_parity_with_transformers(tmp_path, arch):
+    hf = build_hf_model(arch, tmp_path)
+    assert run_layout(tmp_path, tp=2, expert_parallel=True) == [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])
