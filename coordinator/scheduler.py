@@ -31,6 +31,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 4096
 
+    @classmethod
+    def for_model(cls, max_num_batched_tokens: int, max_num_seqs: int, requested_len: int | None,
+                  model_len: int) -> "SchedulerConfig":
+        """The context limit is what was asked for, but never more than the model's positions."""
+        return cls(max_num_batched_tokens, max_num_seqs, min(requested_len or model_len, model_len))
+
 
 @dataclass
 class ScheduledSeq:

@@ -157,9 +157,8 @@ class Coordinator:
             return
         num_blocks = min(w.num_blocks for w in self.workers.values())
         mc = self.model_config
-        sched_cfg = SchedulerConfig(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs,
-                                    min(self.cfg.max_model_len or mc.max_position_embeddings,
-                                        mc.max_position_embeddings))
+        sched_cfg = SchedulerConfig.for_model(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs,
+                                              self.cfg.max_model_len, mc.max_position_embeddings)
         self.core = EngineCore(sched_cfg, num_blocks, self.cfg.block_size, mc.eos_token_ids, mc.vocab_size)
         await self._broadcast(Start(num_blocks))
         self.serving = True

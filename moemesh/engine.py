@@ -42,9 +42,8 @@ class EngineConfig:
     moe_backend: str = "auto"  # auto: Triton kernels on CUDA, vectorised torch on CPU
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        limit = model.max_position_embeddings
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                               min(self.max_model_len or limit, limit))
+        return SchedulerConfig.for_model(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                                         model.max_position_embeddings)
 
 
 def split_layers(num_layers: int, counts: tuple[int, ...] | None) -> list[range]:

@@ -145,24 +145,32 @@ def _run_in_process(cfg: EngineConfig, prompts, params: SamplingParams) -> list[
     return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
 
 
-def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
-    """All prompts at once through a local mesh of processes, which is shut down afterwards."""
-    from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+def mesh_spec_from_args(args, cfg: EngineConfig, pp: int):
+    """The layout flags (--pp, --tp, --expert-parallel, ...) as a MeshSpec, refusing a layout the
+    model cannot take before any process starts."""
+    from moemesh.launcher import MeshSpec
 
-    pp = args.pp or 1
-    spec = MeshSpec(model=cfg.model, pp=pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
+    model = ModelConfig.from_dir(cfg.model)
+    if cfg.stage_layers is not None and len(cfg.stage_layers) != pp:
+        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {pp}")
+    if pp > model.num_layers:
+        raise CLIError(f"--pp {pp} is more stages than the model has layers ({model.num_layers})")
+    try:
+        check_layout(model, args.tp, args.expert_parallel)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    return MeshSpec(model=cfg.model, pp=pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
                     block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                     max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
                     quantization=cfg.quantization, moe_backend=cfg.moe_backend)
-    if cfg.stage_layers is not None and len(cfg.stage_layers) != pp:
-        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {pp}")
-    if pp > ModelConfig.from_dir(cfg.model).num_layers:
-        raise CLIError(f"--pp {pp} is more stages than the model has layers")
-    try:  # refuse a layout the model cannot take before any process starts
-        check_layout(ModelConfig.from_dir(cfg.model), args.tp, args.expert_parallel)
-    except ConfigError as e:
-        raise CLIError(str(e)) from None
+
+
+def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
+    """All prompts at once through a local mesh of processes, which is shut down afterwards."""
+    from moemesh.launcher import LaunchError, LocalMesh
+
+    spec = mesh_spec_from_args(args, cfg, args.pp or 1)
     try:
         with LocalMesh(spec) as mesh:
             return run(drive_mesh(mesh, prompts, params))

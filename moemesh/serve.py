@@ -8,9 +8,8 @@ import asyncio
 
 from gateway.server import GatewayConfig, run_gateway
 from moemesh.cli import CLIError
-from moemesh.config import ConfigError, ModelConfig, check_layout
-from moemesh.generate import engine_config_from_args
-from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.generate import engine_config_from_args, mesh_spec_from_args
+from moemesh.launcher import LaunchError, LocalMesh
 from moemesh.log import get_logger
 from moemesh.netutil import run
 
@@ -19,15 +18,7 @@ log = get_logger("serve")
 
 def run_serve(args) -> int:
     cfg = engine_config_from_args(args)
-    try:
-        check_layout(ModelConfig.from_dir(cfg.model), args.tp, args.expert_parallel)
-    except ConfigError as e:
-        raise CLIError(str(e)) from None
-    spec = MeshSpec(model=cfg.model, pp=args.pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
-                    block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
-                    quantization=cfg.quantization, moe_backend=cfg.moe_backend)
+    spec = mesh_spec_from_args(args, cfg, args.pp)
     if args.launcher == "ray":
         from moemesh.ray_launcher import RayMesh
 

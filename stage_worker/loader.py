@@ -31,9 +31,12 @@ class LoadError(ValueError):
 @dataclass
 class LoadStats:
     files_opened: set[str] = field(default_factory=set)
-    tensors_read: set[str] = field(default_factory=set)
     bytes_read: int = 0
     bytes_by_tensor: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tensors_read(self) -> set[str]:
+        return set(self.bytes_by_tensor)
 
 
 class LazyTensor:
@@ -47,7 +50,6 @@ class LazyTensor:
     def __getitem__(self, index) -> torch.Tensor:
         t = self._slice[index]
         n = t.numel() * t.element_size()
-        self._stats.tensors_read.add(self.name)
         self._stats.bytes_read += n
         self._stats.bytes_by_tensor[self.name] = self._stats.bytes_by_tensor.get(self.name, 0) + n
         return t
