@@ -42,6 +42,17 @@ def int_list(text: str) -> list[int]:
 int_list.__name__ = "comma-separated list of integers"
 
 
+def backend_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ("auto", "torch", "native", "triton")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of auto, torch, native, triton")
+    return names
+
+
+backend_list.__name__ = "comma-separated list of backends"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -51,10 +62,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of KV cache (default 1 GiB): per stage worker on a mesh, for all layers in one process")
     p.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget of one step")
     p.add_argument("--max-seqs", type=positive_int, default=256, help="sequences in one step at most")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag)")
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on CUDA, vectorised torch on CPU (triton on CPU: the interpreter)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                   help="fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag); "
+                        "int8: weight-only int8 with per-row scales (fast with the native CPU kernels)")
+    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "native", "triton"],
+                   help="the kernels: auto = Triton on CUDA, native C kernels on CPU (torch where no C compiler); "
+                        "native: packed-weight CPU kernels for experts and linear layers; torch: torch's matmul; "
+                        "triton on CPU: the interpreter")
     p.add_argument("--layer-partition", type=int_list, default=None,
                    help="layers per pipeline stage, e.g. 3,5")
 
@@ -139,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                         "worker counts as dead")
     c.add_argument("--expert-parallel", action="store_true",
                    help="divide each MoE layer's experts among a stage's ranks instead of slicing each")
-    c.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: workers quantize the weights to float8 at load (FP8 checkpoints need no flag)")
-    c.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="the workers' MoE kernels (auto: Triton on CUDA, torch on CPU)")
+    c.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                   help="fp8: workers quantize the weights to float8 at load (FP8 checkpoints need no flag); "
+                        "int8: weight-only int8, per-row scales")
+    c.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "native", "triton"],
+                   help="the workers' kernels (auto: Triton on CUDA, native C kernels on CPU)")
     c.add_argument("--register-timeout", type=float, default=600.0,
                    help="seconds to wait for every stage worker to register before giving up (naming the missing)")
 
@@ -207,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prompt-len", type=positive_int, default=32)
     m.add_argument("--threads", type=positive_int, default=1)
     m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    m.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    m.add_argument("--moe-backend", type=backend_list, default=["auto"],
+                   help="kernels to measure, one engine each in this run, e.g. native,torch (the first is "
+                        "compared with the others)")
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")

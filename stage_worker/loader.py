@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kernels.backend import resolve_backend
 from moemesh.config import ConfigError, ModelConfig
 from stage_worker.layers.linear import load_whole
 from stage_worker.layers.parallel import TPGroup
@@ -105,11 +106,13 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers: range | None = None,
                tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant=None, progress: bool | None = None) -> tuple[CausalLM, LoadStats]:
+               quant=None, progress: bool | None = None, backend: str = "auto") -> tuple[CausalLM, LoadStats]:
     """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
 
-    progress: None shows a bar only on a terminal.
+    progress: None shows a bar only on a terminal. backend: the kernels it computes with
+    (kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
     """
+    backend = resolve_backend(backend, device)
     config = config or ModelConfig.from_dir(model_dir)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)(config, layers, tp, quant)
@@ -127,6 +130,7 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
                 loader(param, tensor, shard)
             except ValueError as e:
                 raise LoadError(f"tensor {ckpt_name!r} in {tensor.file}: {e}") from None
+    model.set_backend(backend)
     model.process_weights_after_loading()
     return model.eval(), reader.stats
 

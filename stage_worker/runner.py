@@ -16,7 +16,6 @@ import torch
 from moemesh.config import ModelConfig
 from stage_worker.context import build_context, forward_context
 from stage_worker.layers.attention import PagedAttention
-from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.loader import load_model
 
@@ -48,10 +47,7 @@ class StageRunner:
                  device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto"):
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
-                                                 progress=progress)
-        for m in self.model.modules():
-            if isinstance(m, FusedMoE):
-                m.backend = moe_backend
+                                                 progress=progress, backend=moe_backend)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite

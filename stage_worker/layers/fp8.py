@@ -359,15 +359,23 @@ __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Config", "Fp8FusedMoEMethod", "Fp8LinearM
            "dequantize_fp8", "fake_quantize_fp8", "fp8_scale", "quantize_fp8"]
 
 
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "int8")
 
 
-def resolve_quantization(model: ModelConfig, flag: str | None) -> Fp8Config | None:
+def resolve_quantization(model: ModelConfig, flag: str | None):
     """The quantization a model runs with: the checkpoint's own (an AutoFP8 checkpoint), or `flag`
-    ("fp8": quantize 16/32-bit weights in place at load, dynamic activation scales), or none.
+    ("fp8": quantize 16/32-bit weights in place at load, dynamic activation scales; "int8": weight-only
+    int8 with per-row scales, stage_worker.layers.int8), or none.
     Refuses what cannot run before anything loads."""
     if flag is not None and flag not in QUANTIZATIONS:
         raise ConfigError(f"--quantization {flag!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if flag == "int8":
+        if model.quantization is not None:
+            raise ConfigError(f"--quantization int8 needs a 16/32-bit checkpoint; this one is already "
+                              f"{model.quantization}")
+        from stage_worker.layers.int8 import Int8Config
+
+        return Int8Config()
     if model.quantization is not None:
         config = Fp8Config.from_hf(dict(model.quantization_config))
         allowed = {"lm_head"}

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import moe_torch
-from stage_worker.layers.linear import check_shape, cpu_gemm_layout
+from kernels import cpu_gemm, moe_torch
+from stage_worker.layers.linear import NATIVE_DTYPES, check_shape, cpu_gemm_layout
 from stage_worker.layers.parallel import TPGroup
 
 
@@ -32,11 +32,20 @@ class UnquantizedFusedMoEMethod:
         layer.w2_weight = nn.Parameter(torch.empty(E, H, I_p), requires_grad=False)
 
     def process_weights_after_loading(self, layer: "FusedMoE") -> None:
+        if layer.backend == "native" and layer.w13_weight.dtype in NATIVE_DTYPES:
+            layer.packed = (cpu_gemm.pack_for_native(layer.w13_weight.data),
+                            cpu_gemm.pack_for_native(layer.w2_weight.data))
+            del layer.w13_weight, layer.w2_weight
+            return
         layer.w13_weight.data = cpu_gemm_layout(layer.w13_weight.data)
         layer.w2_weight.data = cpu_gemm_layout(layer.w2_weight.data)
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if layer.packed is not None:
+            w13, w2 = layer.packed
+            y = cpu_gemm.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, layer.expert_offset, cpu_gemm.native())
+            return y.to(x.dtype)
         if layer.uses_triton(x):
             from kernels.fused_moe_triton import fused_experts_triton
 
@@ -66,7 +75,9 @@ class FusedMoE(nn.Module):
             self.intermediate_size_per_partition = tp.split(intermediate_size, "expert intermediate size")
         self.checkpoint_names = dict(zip(("w1", "w3", "w2"), checkpoint_names))
         self.reduce_results = reduce_results
-        self.backend = "auto"  # "auto" | "torch" | "triton"; the runner sets it (--moe-backend)
+        # "torch" | "native" | "triton" (kernels.backend); the loader sets it before process_weights_after_loading
+        self.backend = "auto"
+        self.packed: tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight] | None = None  # (w13, w2), native
         self.quant_method = quant.moe_method() if quant is not None else UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self)
         for p in self.parameters(recurse=False):  # a quantization method may have set its own (scales)

@@ -12,6 +12,10 @@ from a checkpoint tensor (a lazy slice: only the rows or columns this rank needs
 The arithmetic is a method object: `UnquantizedLinearMethod`, or whatever `quant.linear_method()`
 returns when the model is built with a quantization config; a quantized method creates other
 parameters and computes differently, with no change to the layers or the model files.
+
+`layer.backend` ("torch" or "native", set by the loader before `process_weights_after_loading`)
+says which kernels compute: with "native" the weight is packed once for kernels/cpu_gemm.c
+(`layer.packed`) and the [out, in] parameter is dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 from stage_worker.layers.parallel import TPGroup
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the native kernels read as they are
 
 
 class UnquantizedLinearMethod:
@@ -28,9 +36,15 @@ class UnquantizedLinearMethod:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.weight.data = cpu_gemm_layout(layer.weight.data)
+        if layer.backend == "native" and layer.weight.dtype in NATIVE_DTYPES:
+            layer.packed = cpu_gemm.pack_for_native(layer.weight.data)
+            del layer.weight
+        else:
+            layer.weight.data = cpu_gemm_layout(layer.weight.data)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed is not None:
+            return cpu_gemm.linear(x, layer.packed, bias)
         return F.linear(x, layer.weight, bias)
 
 
@@ -61,6 +75,8 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.input_size = input_size  # per rank
         self.output_size = output_size  # per rank
+        self.backend = "torch"  # the loader sets it (kernels.backend) before process_weights_after_loading
+        self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for the native kernels
         self.quant_method = quant.linear_method() if quant is not None else UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None

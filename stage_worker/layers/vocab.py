@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemm
 from stage_worker.layers.linear import check_shape
 from stage_worker.layers.parallel import TPGroup
 
@@ -40,7 +41,15 @@ class VocabParallelEmbedding(VocabParallel):
 
 
 class ParallelLMHead(VocabParallel):
+    """With the native backend the weight is also packed for kernels/cpu_gemm.c (`packed`; a tied
+    embedding keeps its own copy for lookups)."""
+
+    packed: cpu_gemm.PackedWeight | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> logits [N, V] (gathered from every rank)."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = cpu_gemm.linear(hidden, self.packed)
+        else:
+            logits = F.linear(hidden, self.weight)
         return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]

@@ -17,7 +17,8 @@ from torch import nn
 
 from moemesh.config import ModelConfig
 from stage_worker.layers.layernorm import RMSNorm
-from stage_worker.layers.linear import cpu_gemm_layout
+from kernels import cpu_gemm
+from stage_worker.layers.linear import NATIVE_DTYPES, cpu_gemm_layout
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -38,6 +39,9 @@ class CausalLM(nn.Module):
         if not (0 <= layers.start < layers.stop <= config.num_layers):
             raise ValueError(f"layer range {layers.start}:{layers.stop} is outside 0:{config.num_layers}")
         self.config, self.layer_range = config, layers
+        self.backend = "torch"  # set_backend
+        # the quantization's type for the lm_head (int8), or None: the model dtype
+        self.lm_head_weight_type = getattr(quant, "lm_head_weight_type", None)
         self.has_embedding = layers.start == 0
         self.has_head = layers.stop == config.num_layers
         self.model = nn.Module()
@@ -68,14 +72,41 @@ class CausalLM(nn.Module):
             hidden, _ = self.model.norm(hidden, residual)
         return self.lm_head(hidden).float()
 
+    def set_backend(self, backend: str) -> None:
+        """Which kernels every layer computes with ("torch" | "native" | "triton", kernels.backend);
+        before `process_weights_after_loading`, which lays out the weights for them."""
+        for module in self.modules():
+            if hasattr(module, "backend"):
+                module.backend = backend
+        self.backend = backend
+
     def process_weights_after_loading(self) -> None:
-        """Every layer's own post-load step (re-layout, quantization), then the lm_head's layout."""
+        """Every layer's own post-load step (re-layout, packing, quantization), then the lm_head's."""
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-        tied = self.has_embedding and self.has_head and self.lm_head.weight is self.model.embed_tokens.weight
-        if self.has_head and not tied:
-            self.lm_head.weight.data = cpu_gemm_layout(self.lm_head.weight.data)
+        if not self.has_head:
+            return
+        wt = self.lm_head_weight_type
+        if self.backend == "native" and (wt is not None or self.lm_head.weight.dtype in NATIVE_DTYPES):
+            self.lm_head.packed = cpu_gemm.pack_for_native(self.lm_head.weight.data, wt)
+            if not self.tied:
+                del self.lm_head.weight
+            return
+        w = self.lm_head.weight.data
+        if wt == torch.int8:  # the same numbers on torch's path: dequantized once
+            from stage_worker.layers.int8 import fake_quantize_int8
+
+            w = fake_quantize_int8(w)
+            if self.tied:  # the embedding keeps its own (unquantized) weight
+                self.lm_head.weight = nn.Parameter(w, requires_grad=False)
+        if not self.tied:
+            self.lm_head.weight.data = cpu_gemm_layout(w)
+
+    @property
+    def tied(self) -> bool:
+        """lm_head and the embedding share one weight (tie_word_embeddings, both on this stage)."""
+        return self.has_embedding and self.has_head and self.lm_head.weight is self.model.embed_tokens.weight
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""

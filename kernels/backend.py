@@ -1,0 +1,41 @@
+"""Which kernels a stage computes with, chosen once when the stage is built (`--moe-backend`).
+
+- "native": kernels/csrc/cpu_gemm.c for every linear layer, the lm_head and the routed experts
+  (weights packed once at load; CPU only);
+- "torch": torch's own matmul (MKL on CPU) and the vectorised torch MoE;
+- "triton": the Triton fused-MoE kernels for the experts (CUDA, or the interpreter on CPU), torch
+  for the rest;
+- "auto": Triton on CUDA; native on CPU where a C compiler is present, else torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("auto", "torch", "native", "triton")
+
+
+class BackendError(ValueError):
+    pass
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """"auto" and the device -> "torch" | "native" | "triton"; refuses what cannot run here."""
+    if name not in BACKENDS:
+        raise BackendError(f"--moe-backend {name!r} is not one of {', '.join(BACKENDS)}")
+    on_cpu = torch.device(device).type == "cpu"
+    if name == "auto":
+        if not on_cpu:
+            return "triton"
+        from kernels.cpu_gemm import native
+
+        return "native" if native() is not None else "torch"
+    if name == "native":
+        if not on_cpu:
+            raise BackendError("--moe-backend native runs on the CPU only")
+        from kernels.cpu_gemm import native
+
+        if native() is None:
+            raise BackendError("--moe-backend native: the CPU kernels could not be built here "
+                               "(no C compiler?); use --moe-backend torch")
+    return name

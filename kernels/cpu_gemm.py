@@ -1,0 +1,233 @@
+"""Native CPU kernels (kernels/csrc/cpu_gemm.c): a GEMM over pre-packed weights and a fused MoE.
+
+Legend: M = rows (tokens), N = output features, K = input features, E = experts on this rank,
+H = hidden, I = expert intermediate size (this rank's share), NR = columns of a packed panel
+(2 SIMD registers: 16 floats with AVX2, 32 with AVX-512).
+
+The C source is compiled on first use for the machine it runs on (`cc -O3 -march=native
+-fopenmp`, about a second) and cached under ~/.cache/moemesh/kernels, keyed by the source, the
+compiler and the CPU's feature flags; it is loaded with ctypes (no torch headers to compile, and
+ctypes releases the GIL for the call, so a worker's asyncio thread keeps running). Where no C
+compiler is present `native()` is None and the layers keep torch's path.
+
+Weights are packed once after loading (`pack`): [N, K] -> [ceil(N / NR), K, NR], each panel the
+K x NR block the kernel's register tile streams through, in float32, bfloat16 or int8 (with a
+float32 scale per output feature). Activations are float32 in and out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("moemesh.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_gemm.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moemesh" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class _Lib:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.mm_gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, i32, ptr, ptr, i64, i32]
+        lib.mm_gemm.restype = i32
+        lib.mm_moe.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i32]
+        lib.mm_moe.restype = i32
+        lib.mm_read_sum.argtypes = [ptr, i64, i32]
+        lib.mm_read_sum.restype = ctypes.c_float
+        self.lib = lib
+        self.path = path
+        self.simd_width = lib.mm_simd_width()
+        self.panel_width = lib.mm_panel_width()
+        self.tile_rows = lib.mm_tile_rows()
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compiles the kernels for this machine (or finds them compiled) and returns the library's path.
+    Raises RuntimeError when there is no compiler or the build fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError as e:
+        raise RuntimeError(f"C compiler {cc!r} does not run: {e}") from None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    cache = cache or cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"moemesh_cpu_{key}.so"
+    if target.is_file():
+        return target
+    with open(cache / ".lock", "w") as lock:  # several workers starting at once build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    log.info("built CPU kernels %s", target)
+    return target
+
+
+@functools.cache
+def native() -> _Lib | None:
+    """The compiled kernels, or None (logged once) where they cannot be built here."""
+    try:
+        return _Lib(build())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable, using torch's matmul: %s", e)
+        return None
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedWeight:
+    """A weight [..., N, K] packed for the kernels: data [..., ceil(N / NR), K, NR] (weight type
+    float32, bfloat16 or int8), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    n: int
+    k: int
+
+    @property
+    def weight_type(self) -> int:
+        return WEIGHT_TYPES[self.data.dtype]
+
+    def unpack(self) -> torch.Tensor:
+        """The weight [..., N, K] in float32 (int8 times its scales): for tests and fallbacks."""
+        lead = self.data.shape[:-3]
+        w = self.data.float().transpose(-1, -2).reshape(*lead, -1, self.k)
+        if self.scale is not None:
+            w = w * self.scale.unsqueeze(-1)
+        return w[..., :self.n, :]
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (q int8 [..., N, K], scale float32 [..., N]) with w ~ q * scale[n]: symmetric,
+    one scale per output feature (amax / 127), round to nearest. Error per element <= scale / 2."""
+    scale = w.detach().float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = None) -> PackedWeight:
+    """[..., N, K] -> PackedWeight in `weight_type` (default: w's dtype; torch.int8 quantizes)."""
+    weight_type = weight_type or w.dtype
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"no CPU kernel for {weight_type} weights (float32, bfloat16, int8)")
+    *lead, n, k = w.shape
+    scale = None
+    if weight_type == torch.int8:
+        w, scale = quantize_int8(w)
+    else:
+        w = w.to(weight_type)
+    pad = -n % panel_width
+    if pad:
+        w = torch.cat([w, w.new_zeros(*lead, pad, k)], dim=-2)
+        if scale is not None:
+            scale = torch.cat([scale, scale.new_ones(*lead, pad)], dim=-1)
+    panels = (n + pad) // panel_width
+    data = w.reshape(*lead, panels, panel_width, k).transpose(-1, -2).contiguous()
+    return PackedWeight(data, None if scale is None else scale.contiguous(), n, k)
+
+
+# -- calls ----------------------------------------------------------------------------------------
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, lib: _Lib) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W^T [M, N] float32."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M = x.shape[0]
+    y = torch.empty(M, w.n, dtype=torch.float32)
+    if M:
+        rc = lib.lib.mm_gemm(M, w.n, w.k, x.data_ptr(), x.stride(0), w.data.data_ptr(), w.weight_type,
+                             _ptr(w.scale), y.data_ptr(), w.n, torch.get_num_threads())
+        if rc:
+            raise MemoryError("CPU GEMM: out of memory")
+    return y
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype) -> x @ W^T + bias [..., N] in x's dtype, through `gemm`."""
+    lib = native()
+    y = gemm(x.reshape(-1, w.k).float(), w, lib).to(x.dtype)
+    y = y.view(*x.shape[:-1], w.n)
+    return y if bias is None else y + bias
+
+
+def pack_for_native(w: torch.Tensor, weight_type: torch.dtype | None = None) -> PackedWeight:
+    """`pack` with this machine's panel width."""
+    return pack(w, native().panel_width, weight_type)
+
+
+def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_offset: int, lib: _Lib) -> torch.Tensor:
+    """x [T, H] float32, w13 packed [E, 2I, H], w2 packed [E, H, I], topk_* [T, Ktop] -> [T, H] float32:
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), e = topk_ids[t, k],
+    for the experts expert_offset .. expert_offset + E - 1 (others are skipped)."""
+    assert x.dtype == torch.float32 and x.dim() == 2
+    x = x.contiguous()
+    T, H = x.shape
+    E = w13.data.shape[0]
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(T, H, dtype=torch.float32)
+    if T:
+        rc = lib.lib.mm_moe(T, H, w2.k, ids.shape[1], x.data_ptr(), ids.data_ptr(), weights.data_ptr(), E,
+                            expert_offset, w13.data.data_ptr(), _ptr(w13.scale), w2.data.data_ptr(), _ptr(w2.scale),
+                            w13.weight_type, out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("CPU fused MoE: out of memory")
+    return out
+
+
+def read_sum(x: torch.Tensor, lib: _Lib) -> float:
+    """Sum of a float32 tensor, streamed with torch's thread count (a read-bandwidth probe)."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    return lib.lib.mm_read_sum(x.data_ptr(), x.numel(), torch.get_num_threads())

@@ -1,0 +1,446 @@
+/* CPU kernels for decode-sized products: a GEMM over pre-packed weights and a fused MoE.
+ *
+ * Legend: M = rows of activations (tokens), N = output features, K = input features,
+ * T = tokens, E = experts on this rank, Ktop = experts per token, H = hidden, I = expert
+ * intermediate size (this rank's share). VW = floats per SIMD register (8 with AVX2, 16 with
+ * AVX-512), NR = 2 * VW = columns of one packed panel, MR = rows of one register tile.
+ *
+ * Why: torch's CPU matmul (MKL) repacks the weight operand on every call; with a handful of rows
+ * (decode: one row per sequence, or a few per expert) that repacking is most of the cost, and the
+ * weights stream at half the memory bandwidth. Here the weights are packed once, at load time, into
+ * the order the register tile reads them, so a product with few rows reads every weight byte
+ * exactly once, in order:
+ *
+ *     packed[p][k][j] = W[p * NR + j][k]      p < ceil(N / NR), k < K, j < NR (zero padding)
+ *
+ * The register tile computes an MR x NR block of y = x W^T with MR * 2 vector accumulators: for
+ * each k, two weight vectors are loaded (and widened to float32 from bfloat16 or int8) and each of
+ * the MR rows' x[m][k] is broadcast and multiplied into them. Weights are float32, bfloat16 or
+ * int8 (with one float32 scale per output feature, applied once to the sum). Activations and
+ * accumulation are float32.
+ *
+ * Threads: OpenMP, the same runtime torch uses (the library is loaded after torch, so libgomp.so.1
+ * resolves to torch's copy and both share one pool). Work is split by column panels, so threads
+ * never write the same output element.
+ *
+ * Written with GCC vector extensions (no intrinsics): the same source compiles to AVX-512, AVX2 or
+ * plain SSE2 code for the machine it is built on (-march=native).
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MR 12
+#elif defined(__AVX__)
+#define VW 8
+#define MR 6
+#else
+#define VW 4
+#define MR 4
+#endif
+#define NR (2 * VW)
+#define KC 512 /* k chunk when a panel is reused by several row tiles: NR x KC weights stay in L1/L2 */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf load_f(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store_f(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* x in every lane (vbroadcastss from memory, with no scalar arithmetic before it) */
+#if VW == 16
+INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#elif VW == 8
+INLINE vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+#else
+INLINE vf splat(float x) { return (vf){x, x, x, x}; }
+#endif
+
+/* VW weights starting at element `i` of a packed panel, widened to float32. */
+INLINE vf load_w(const void *w, int64_t i, const int wt) {
+    if (wt == W_F32) return load_f((const float *)w + i);
+    if (wt == W_BF16) { /* bfloat16 = the high half of a float32 */
+#if VW == 16
+        __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i)));
+        return (vf)_mm512_slli_epi32(x, 16);
+#elif VW == 8 && defined(__AVX2__)
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+        return (vf)_mm256_slli_epi32(x, 16);
+#else
+        vh h;
+        memcpy(&h, (const uint16_t *)w + i, sizeof h);
+        return (vf)(__builtin_convertvector(h, vi) << 16);
+#endif
+    }
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + i))));
+#else
+    vb b;
+    memcpy(&b, (const int8_t *)w + i, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
+
+/* Epilogue modes of a tile. */
+enum { OUT_STORE = 0, OUT_ADD = 1, OUT_ADD_SCALED = 2 };
+
+/* One MR' x NR tile (MR' = mr <= MR rows): c[i][0:ncols] (op)= sum_k a[i][k] * w[k][0:ncols].
+ *
+ * a[i]: row i's activations, from k = 0 of this chunk. w: the panel at k = 0 of this chunk.
+ * c[i]: row i's output at this panel's first column. scale: per-column factor (int8) or NULL.
+ * rowscale: per-row factor for OUT_ADD_SCALED (the MoE router weights), else NULL.
+ * Constant mr and wt make the compiler emit one fully unrolled variant per case. */
+INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, const void *w, float *const *c,
+                 int ncols, const float *scale, const float *rowscale, int mode) {
+    vf acc[MR][2], acc2[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = acc2[i][0] = acc2[i][1] = (vf){0};
+    int64_t k = 0;
+    if (mr <= 3) {
+        /* few rows: two independent accumulator sets (even and odd k) hide the FMA latency */
+        for (; k + 1 < kc; k += 2) {
+            vf b0 = load_w(w, k * NR, wt), b1 = load_w(w, k * NR + VW, wt);
+            vf d0 = load_w(w, (k + 1) * NR, wt), d1 = load_w(w, (k + 1) * NR + VW, wt);
+            for (int i = 0; i < mr; i++) {
+                vf x0 = splat(a[i][k]), x1 = splat(a[i][k + 1]);
+                acc[i][0] += x0 * b0;
+                acc[i][1] += x0 * b1;
+                acc2[i][0] += x1 * d0;
+                acc2[i][1] += x1 * d1;
+            }
+        }
+    }
+    for (; k < kc; k++) {
+        vf b0 = load_w(w, k * NR, wt), b1 = load_w(w, k * NR + VW, wt);
+        for (int i = 0; i < mr; i++) {
+            vf x = splat(a[i][k]);
+            acc[i][0] += x * b0;
+            acc[i][1] += x * b1;
+        }
+    }
+    vf s0 = splat(1.0f), s1 = splat(1.0f);
+    if (scale) {
+        s0 = load_f(scale);
+        s1 = load_f(scale + VW);
+    }
+    for (int i = 0; i < mr; i++) {
+        vf r0 = (acc[i][0] + acc2[i][0]) * s0, r1 = (acc[i][1] + acc2[i][1]) * s1;
+        if (mode == OUT_ADD_SCALED) {
+            vf g = splat(rowscale[i]);
+            r0 *= g;
+            r1 *= g;
+        }
+        if (ncols == NR) {
+            if (mode != OUT_STORE) {
+                r0 += load_f(c[i]);
+                r1 += load_f(c[i] + VW);
+            }
+            store_f(c[i], r0);
+            store_f(c[i] + VW, r1);
+        } else {
+            float tmp[NR];
+            store_f(tmp, r0);
+            store_f(tmp + VW, r1);
+            for (int j = 0; j < ncols; j++) c[i][j] = mode == OUT_STORE ? tmp[j] : c[i][j] + tmp[j];
+        }
+    }
+}
+
+/* A tile with mr and wt as compile-time constants. */
+#define TILE_CASE(MRV, WT) \
+    case MRV: tile(MRV, WT, kc, a, w, c, ncols, scale, rowscale, mode); break;
+
+static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, const void *w, float *const *c,
+                          int ncols, const float *scale, const float *rowscale, int mode) {
+#define TILE_SWITCH(WT)                                                                             \
+    switch (mr) {                                                                                   \
+        TILE_CASE(1, WT) TILE_CASE(2, WT) TILE_CASE(3, WT) TILE_CASE(4, WT) TILE_CASES_5(WT)        \
+    }
+#if MR >= 12
+#define TILE_CASES_5(WT)                                                                                 \
+    TILE_CASE(5, WT) TILE_CASE(6, WT) TILE_CASE(7, WT) TILE_CASE(8, WT) TILE_CASE(9, WT) TILE_CASE(10, WT) \
+    TILE_CASE(11, WT) TILE_CASE(12, WT)
+#elif MR >= 6
+#define TILE_CASES_5(WT) TILE_CASE(5, WT) TILE_CASE(6, WT)
+#else
+#define TILE_CASES_5(WT)
+#endif
+    if (wt == W_F32) {
+        TILE_SWITCH(W_F32)
+    } else if (wt == W_BF16) {
+        TILE_SWITCH(W_BF16)
+    } else {
+        TILE_SWITCH(W_I8)
+    }
+}
+
+static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
+
+/* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
+ * several tiles reuse the panel. a[r], c[r]: row r's activations and output (at the panel). */
+static void panel_rows(int64_t rows, int64_t K, const float *const *a, const char *panel, int wt,
+                       float *const *c, int ncols, const float *scale, const float *rowscale, int mode) {
+    const int64_t kstep = rows > MR ? KC : K;
+    const int es = elem_size(wt);
+    for (int64_t k0 = 0; k0 < K; k0 += kstep) {
+        const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
+        /* partial sums of later chunks add to the first chunk's; scales and router weights are
+         * linear, so applying them per chunk gives the same sum */
+        const int m = k0 == 0 ? mode : (mode == OUT_STORE ? OUT_ADD : mode);
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
+            const float *ap[MR];
+            for (int i = 0; i < mr; i++) ap[i] = a[r0 + i] + k0;
+            tile_dispatch(mr, wt, kc, ap, panel + k0 * NR * es, c + r0, ncols, scale,
+                          rowscale ? rowscale + r0 : NULL, m);
+        }
+    }
+}
+
+int mm_simd_width(void) { return VW; }
+int mm_panel_width(void) { return NR; }
+int mm_tile_rows(void) { return MR; }
+
+#define MAX_STACK_ROWS 4096
+
+/* y[M, N] = x[M, K] @ W^T (* scale per column). x rows ldx apart, y rows ldy apart (float32).
+ * w: packed [ceil(N / NR)][K][NR] of weight type wt; scale: [ceil(N / NR) * NR] or NULL. */
+int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const void *w, int wt,
+            const float *scale, float *y, int64_t ldy, int nthreads) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int es = elem_size(wt);
+    /* row blocks keep the activations of one pass (MC rows x K) in L2 */
+    const int64_t MC = 96;
+    const float **ap = malloc(sizeof(float *) * (M > 0 ? M : 1));
+    float **cp = malloc(sizeof(float *) * (M > 0 ? M : 1));
+    if (!ap || !cp) {
+        free(ap);
+        free(cp);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        ap[m] = x + m * ldx;
+        cp[m] = y + m * ldy;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && panels > 1)
+        for (int64_t p = 0; p < panels; p++) {
+            float *cpp[MC];
+            for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
+            const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
+            panel_rows(mc, K, ap + m0, (const char *)w + p * K * NR * es, wt, cpp, ncols,
+                       scale ? scale + p * NR : NULL, NULL, OUT_STORE);
+        }
+    }
+    free(ap);
+    free(cp);
+    return 0;
+}
+
+/* SiLU(g) * u over VW lanes: x / (1 + e^-x) with e^x from Cephes' expf polynomial (about 1 ulp). */
+INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+INLINE vf vexp(vf x) {
+    x = vselect(x > splat(-87.0f), x, splat(-87.0f));
+    x = vselect(x < splat(88.0f), x, splat(88.0f));
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf z = r * r;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * z + r + splat(1.0f);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
+
+static void silu_mul(const float *g, const float *u, float *out, int64_t n) {
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        vf x = load_f(g + j);
+        store_f(out + j, x / (splat(1.0f) + vexp(-x)) * load_f(u + j));
+    }
+    if (j < n) {
+        float gt[VW] = {0}, ut[VW] = {0}, ot[VW];
+        memcpy(gt, g + j, (n - j) * 4);
+        memcpy(ut, u + j, (n - j) * 4);
+        vf x = load_f(gt);
+        store_f(ot, x / (splat(1.0f) + vexp(-x)) * load_f(ut));
+        memcpy(out + j, ot, (n - j) * 4);
+    }
+}
+
+/* The routed experts of one MoE layer:
+ *   out[t] = sum_k topk_w[t, k] * W2[e] (silu(W1[e] x[t]) * W3[e] x[t]),  e = topk_ids[t, k] - offset
+ * for the experts this rank holds (0 <= e < E); other rows are skipped (expert parallelism: other
+ * ranks add theirs in the all-reduce).
+ *
+ * x [T, H], out [T, H] float32 (out is overwritten). w13: per expert a packed [2I -> panels][H][NR]
+ * (gate rows, then up rows), w13 experts w13_stride elements apart; w2: per expert packed
+ * [H -> panels][I][NR]. s13 [E][ceil(2I/NR) * NR], s2 [E][ceil(H/NR) * NR]: int8 scales, else NULL.
+ *
+ * Rows are grouped by expert; phase 1 runs (expert, w13 panel) items in parallel, then SiLU-and-mul,
+ * then phase 2 runs w2's column panels in parallel, each over every expert, adding router-weighted
+ * results straight into out (a thread owns its columns of every token: no two threads write the
+ * same element). Returns 0, or -1 when memory runs out. */
+int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const int64_t *topk_ids,
+           const float *topk_w, int64_t E, int64_t offset, const void *w13, const float *s13, const void *w2,
+           const float *s2, int wt, float *out, int nthreads) {
+    const int es = elem_size(wt);
+    const int64_t p13 = (2 * I + NR - 1) / NR, p2 = (H + NR - 1) / NR;
+    const int64_t w13_stride = p13 * H * NR, w2_stride = p2 * I * NR; /* elements per expert */
+    const int64_t rows_max = T * Ktop;
+
+    int64_t *count = calloc(E + 1, sizeof(int64_t)); /* count[e + 1]: rows of expert e; then offsets */
+    int64_t *tok = malloc(sizeof(int64_t) * (rows_max ? rows_max : 1));
+    float *gate_w = malloc(sizeof(float) * (rows_max ? rows_max : 1));
+    float *h = malloc(sizeof(float) * (rows_max ? rows_max : 1) * 2 * I);
+    float *act = malloc(sizeof(float) * (rows_max ? rows_max : 1) * I);
+    const float **ax = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    const float **actp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    float **outp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    int64_t *items = malloc(sizeof(int64_t) * (E * p13 > 0 ? E * p13 : 1));
+    int rc = 0;
+    if (!count || !tok || !gate_w || !h || !act || !ax || !actp || !outp || !items) {
+        rc = -1;
+        goto done;
+    }
+    memset(out, 0, sizeof(float) * T * H);
+
+    /* group rows by expert, in token order within an expert (a counting sort) */
+    for (int64_t r = 0; r < rows_max; r++) {
+        int64_t e = topk_ids[r] - offset;
+        if (e >= 0 && e < E) count[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
+    {
+        int64_t *fill = malloc(sizeof(int64_t) * (E ? E : 1));
+        if (!fill) {
+            rc = -1;
+            goto done;
+        }
+        memcpy(fill, count, sizeof(int64_t) * E);
+        for (int64_t r = 0; r < rows_max; r++) {
+            int64_t e = topk_ids[r] - offset;
+            if (e < 0 || e >= E) continue;
+            int64_t slot = fill[e]++;
+            tok[slot] = r / Ktop;
+            gate_w[slot] = topk_w[r];
+        }
+        free(fill);
+    }
+    const int64_t rows = count[E];
+    for (int64_t s = 0; s < rows; s++) {
+        ax[s] = x + tok[s] * H;
+        actp[s] = act + s * I;
+        outp[s] = out + tok[s] * H;
+    }
+    int64_t n_items = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (count[e + 1] > count[e])
+            for (int64_t p = 0; p < p13; p++) items[n_items++] = e * p13 + p;
+
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        /* phase 1: h = x W13^T per expert, one (expert, panel) at a time */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < n_items; it++) {
+            const int64_t e = items[it] / p13, p = items[it] % p13;
+            const int64_t r0 = count[e], n = count[e + 1] - count[e];
+            float *cp[MR * 8];
+            const int ncols = 2 * I - p * NR < NR ? (int)(2 * I - p * NR) : NR;
+            for (int64_t b = 0; b < n; b += MR * 8) {
+                const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
+                for (int64_t i = 0; i < nb; i++) cp[i] = h + (r0 + b + i) * 2 * I + p * NR;
+                panel_rows(nb, H, ax + r0 + b, (const char *)w13 + (e * w13_stride + p * H * NR) * es, wt, cp,
+                           ncols, s13 ? s13 + e * p13 * NR + p * NR : NULL, NULL, OUT_STORE);
+            }
+        }
+        /* act = silu(gate) * up */
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < rows; s++) silu_mul(h + s * 2 * I, h + s * 2 * I + I, act + s * I, I);
+        /* phase 2: out[t] += w * act W2^T, by column panel of out */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < p2; p++) {
+            const int ncols = H - p * NR < NR ? (int)(H - p * NR) : NR;
+            float *cp[MR * 8];
+            for (int64_t e = 0; e < E; e++) {
+                const int64_t r0 = count[e], n = count[e + 1] - count[e];
+                for (int64_t b = 0; b < n; b += MR * 8) {
+                    const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
+                    for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
+                    panel_rows(nb, I, actp + r0 + b, (const char *)w2 + (e * w2_stride + p * I * NR) * es, wt, cp,
+                               ncols, s2 ? s2 + e * p2 * NR + p * NR : NULL, gate_w + r0 + b, OUT_ADD_SCALED);
+                }
+            }
+        }
+    }
+done:
+    free(count);
+    free(tok);
+    free(gate_w);
+    free(h);
+    free(act);
+    free(ax);
+    free(actp);
+    free(outp);
+    free(items);
+    return rc;
+}
+
+/* Sum of n floats, read as a decode step reads weights (sequential streams, one per thread, vector
+ * loads, several accumulators): `bench model` times it to measure the machine's read bandwidth. */
+float mm_read_sum(const float *p, int64_t n, int nthreads) {
+    float total = 0.0f;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(+ : total)
+    {
+        int nt = 1, t = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        const int64_t chunk = (n / nt) / (4 * VW) * (4 * VW);
+        const int64_t start = t * chunk, end = t == nt - 1 ? n : start + chunk;
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = start;
+        for (; i + 4 * VW <= end; i += 4 * VW) {
+            a0 += load_f(p + i);
+            a1 += load_f(p + i + VW);
+            a2 += load_f(p + i + 2 * VW);
+            a3 += load_f(p + i + 3 * VW);
+        }
+        vf s = a0 + a1 + a2 + a3;
+        float part = 0.0f;
+        for (int j = 0; j < VW; j++) part += s[j];
+        for (; i < end; i++) part += p[i];
+        total += part;
+    }
+    return total;
+}

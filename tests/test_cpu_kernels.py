@@ -1,0 +1,157 @@
+"""The native CPU kernels (kernels/csrc/cpu_gemm.c) against torch references: the packed GEMM in
+float32, bfloat16 and int8 over awkward shapes, the fused MoE with expert parallelism, threads, the
+build cache and its fallback, and whole models on the native backend (greedy parity with the torch
+backend and transformers is in test_model_parity, which runs native by default on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemm
+from kernels.backend import BackendError, resolve_backend
+from kernels.moe_torch import fused_experts
+from reference_moe import reference_moe
+
+lib = cpu_gemm.native()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the native kernels cannot be built here")
+
+WEIGHT_TYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+def test_pack_round_trips():
+    w = torch.randn(37, 29)
+    for wt in (torch.float32, torch.bfloat16):
+        p = cpu_gemm.pack(w, lib.panel_width, wt)
+        assert p.data.shape == (-(-37 // lib.panel_width), 29, lib.panel_width)
+        torch.testing.assert_close(p.unpack(), w.to(wt).float(), rtol=0, atol=0)
+    q = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    assert q.data.dtype == torch.int8 and q.scale.shape == (q.data.shape[0] * lib.panel_width,)
+    # per-row symmetric int8: each element within half a step of its row's scale
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((q.unpack() - w).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=str)
+@pytest.mark.parametrize("seed", range(6))
+def test_gemm_matches_torch(wt, seed):
+    rng = random.Random(seed)
+    # rows across every tile size and past the row block; columns off the panel width; odd K, K > one chunk
+    M = rng.choice([1, 2, 3, 5, lib.tile_rows, lib.tile_rows + 1, 13, 97, 130])
+    N = rng.choice([1, 7, lib.panel_width, 3 * lib.panel_width + 5, 100])
+    K = rng.choice([1, 9, 64, 77, 600, 1100])
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    p = cpu_gemm.pack(w, lib.panel_width, wt)
+    got = cpu_gemm.gemm(x, p, lib)
+    want = x.double() @ p.unpack().double().T
+    assert got.shape == (M, N)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+def test_gemm_reads_strided_rows_and_any_input_dtype():
+    x = torch.randn(6, 40)[:, :32]  # rows 40 apart
+    w = torch.randn(20, 32)
+    p = cpu_gemm.pack(w, lib.panel_width)
+    torch.testing.assert_close(cpu_gemm.gemm(x, p, lib), x @ w.T, rtol=1e-5, atol=1e-5)
+    xb, bias = x.bfloat16(), torch.randn(20).bfloat16()
+    y = cpu_gemm.linear(xb.view(2, 3, 32), p, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 20)
+    torch.testing.assert_close(y.float(), (xb.float() @ w.T + bias.float()).view(2, 3, 20), rtol=2e-2, atol=2e-2)
+    assert cpu_gemm.gemm(torch.empty(0, 32), p, lib).shape == (0, 20)
+
+
+def test_threads_split_columns_without_changing_a_bit():
+    x, w = torch.randn(33, 300), torch.randn(500, 300)
+    p = cpu_gemm.pack(w, lib.panel_width)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.gemm(x, p, lib)
+        torch.set_num_threads(2)
+        two = cpu_gemm.gemm(x, p, lib)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def moe_case(seed, T, E, K, H, I):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w1, w3, w2 = (torch.randn(E, I, H, generator=g) / H ** 0.5, torch.randn(E, I, H, generator=g) / H ** 0.5,
+                  torch.randn(E, H, I, generator=g) / I ** 0.5)
+    gate = torch.randn(E, H, generator=g) * 2 / H ** 0.5
+    return x, w1, w3, w2, gate
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=str)
+@pytest.mark.parametrize("seed", range(8))
+def test_fused_moe_matches_reference(wt, seed):
+    rng = random.Random(100 + seed)
+    E = rng.randint(1, 9)
+    T, K, H, I = rng.choice([1, 2, 7, 40, 150]), rng.randint(1, min(3, E)), rng.choice([8, 24, 48, 70]), \
+        rng.choice([8, 20, 64])
+    x, w1, w3, w2, gate = moe_case(seed, T, E, K, H, I)
+    probs = torch.softmax(x @ gate.T, dim=-1)
+    weights, ids = torch.topk(probs, K, dim=-1)
+    p13, p2 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, wt), cpu_gemm.pack(w2, lib.panel_width, wt)
+    got = cpu_gemm.fused_moe(x, p13, p2, weights, ids, 0, lib)
+    w13q, w2q = p13.unpack(), p2.unpack()  # the weights the kernel multiplies by (bf16 / int8 rounded)
+    want = reference_moe(x.double(), gate.double(), w13q[:, :I].double(), w13q[:, I:].double(), w2q.double(), K,
+                         renormalize=False)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_moe_expert_parallel_halves_add_up():
+    """Two ranks holding experts 0-3 and 4-7: their outputs sum to the whole; rows routed elsewhere
+    are skipped."""
+    x, w1, w3, w2, gate = moe_case(7, 30, 8, 2, 32, 24)
+    weights, ids = torch.topk(torch.softmax(x @ gate.T, dim=-1), 2, dim=-1)
+    w13 = torch.cat([w1, w3], dim=1)
+    whole = cpu_gemm.fused_moe(x, cpu_gemm.pack(w13, lib.panel_width), cpu_gemm.pack(w2, lib.panel_width),
+                               weights, ids, 0, lib)
+    halves = [cpu_gemm.fused_moe(x, cpu_gemm.pack(w13[r * 4:(r + 1) * 4], lib.panel_width),
+                                 cpu_gemm.pack(w2[r * 4:(r + 1) * 4], lib.panel_width), weights, ids, r * 4, lib)
+              for r in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(whole, fused_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-6)
+    # a rank whose experts nobody picked returns zeros
+    none = cpu_gemm.fused_moe(x, cpu_gemm.pack(w13[:1], lib.panel_width), cpu_gemm.pack(w2[:1], lib.panel_width),
+                              weights, ids, 100, lib)
+    assert torch.equal(none, torch.zeros_like(none))
+
+
+def test_silu_of_extreme_values_is_finite():
+    """The kernel's vectorised exp saturates instead of overflowing: silu(-1000) = 0, silu(1000) = 1000."""
+    H = I = 16
+    x = torch.zeros(1, H)
+    w13 = torch.zeros(1, 2 * I, H)
+    w13[0, :I, 0] = torch.tensor([-1000.0, 1000.0, -50.0, 50.0] * 4)  # gate = these values (x[0] = 1)
+    w13[0, I:, 0] = 1.0  # up = 1
+    w2 = torch.eye(H, I).unsqueeze(0)
+    x[0, 0] = 1.0
+    out = cpu_gemm.fused_moe(x, cpu_gemm.pack(w13, lib.panel_width), cpu_gemm.pack(w2, lib.panel_width),
+                             torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), 0, lib)
+    torch.testing.assert_close(out[0], F.silu(w13[0, :I, 0]), rtol=1e-6, atol=1e-6)
+
+
+def test_build_is_cached_and_a_missing_compiler_is_an_error(tmp_path, monkeypatch):
+    first = cpu_gemm.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_gemm.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="does not run"):
+        cpu_gemm.build(tmp_path / "other")
+
+
+def test_backend_resolution():
+    assert resolve_backend("auto", "cpu") == "native"
+    assert resolve_backend("torch", "cpu") == "torch"
+    assert resolve_backend("auto", "cuda") == "triton"
+    with pytest.raises(BackendError, match="CPU only"):
+        resolve_backend("native", "cuda")
+    with pytest.raises(BackendError, match="not one of"):
+        resolve_backend("fast", "cpu")
