@@ -62,6 +62,9 @@ class _Lib:
         lib.mm_gemm.restype = i32
         lib.mm_moe.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i32]
         lib.mm_moe.restype = i32
+        lib.mm_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32, i64, ptr, i64, ptr,
+                                            ctypes.c_float, i32]
+        lib.mm_decode_attention.restype = i32
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         self.lib = lib
@@ -224,6 +227,29 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
                             w13.weight_type, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("CPU fused MoE: out of memory")
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     kv_len: torch.Tensor, scale: float, lib: _Lib) -> torch.Tensor:
+    """One query token per sequence over the paged KV cache (causal: it sees all L_s keys).
+
+    q [S, h, D] float32; k_cache/v_cache [num_blocks, block_size, kvh, D] float32 or bfloat16 (this
+    step's keys already written); block_table [S, max_blocks] int64; kv_len [S] int64 -> [S, h, D]
+    float32: softmax(q k^T * scale) v per head, heads h // (h / kvh) sharing kv head h / G."""
+    S, h, D = q.shape
+    nb, bs, kvh, Dk = k_cache.shape
+    assert Dk == D and h % kvh == 0 and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() \
+        and v_cache.is_contiguous() and block_table.dtype == kv_len.dtype == torch.int64
+    q = q.float().contiguous()
+    block_table, kv_len = block_table.contiguous(), kv_len.contiguous()
+    out = torch.empty(S, h, D, dtype=torch.float32)
+    if S:
+        rc = lib.lib.mm_decode_attention(S, h, kvh, D, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(),
+                                         v_cache.data_ptr(), WEIGHT_TYPES[k_cache.dtype], bs, block_table.data_ptr(),
+                                         block_table.shape[1], kv_len.data_ptr(), scale, torch.get_num_threads())
+        if rc:
+            raise MemoryError("CPU decode attention: out of memory")
     return out
 
 

@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "triton on CPU: the interpreter")
     p.add_argument("--layer-partition", type=int_list, default=None,
                    help="layers per pipeline stage, e.g. 3,5")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="compute threads of the engine, or of each stage worker on a mesh (default: this "
+                        "machine's cores shared among the worker processes)")
 
 
 SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
@@ -169,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--advertise-host", default=None, help="address other workers use to reach this one")
     w.add_argument("--port", type=int, default=0, help="activation port (0: any free port)")
     w.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache")
-    w.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    w.add_argument("--threads", type=positive_int, default=None,
+                   help="compute threads (default: the cores this process may use)")
     w.add_argument("--device", default="cpu")
     w.add_argument("--record", default=None, metavar="DIR", help="write the first steps' inputs and outputs here")
     w.add_argument("--record-steps", type=positive_int, default=16)
@@ -189,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--host", default="0.0.0.0", help="address the activation sockets listen on")
     st.add_argument("--advertise-host", default=None, help="address other hosts use to reach this one")
     st.add_argument("--kv-memory", type=positive_int, default=1 << 30, help="bytes of KV cache per worker")
-    st.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
+    st.add_argument("--threads", type=positive_int, default=None,
+                    help="compute threads per worker (default: this host's cores shared among the --tp workers)")
 
     q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
     q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
@@ -375,8 +380,10 @@ def cmd_coordinator(args) -> int:
 def cmd_stage(args) -> int:
     from moemesh.launcher import run_stage
 
+    from moemesh.launcher import threads_per_worker
+
     common = ["--coordinator", args.coordinator, "--host", args.host, "--kv-memory", str(args.kv_memory),
-              "--threads", str(args.threads)]
+              "--threads", str(threads_per_worker(args, args.tp))]
     if args.advertise_host:
         common += ["--advertise-host", args.advertise_host]
     return run_stage(common, args.pp_rank, args.tp, args.device)  # activation ports: any free ones
@@ -393,6 +400,7 @@ def cmd_gateway(args) -> int:
 
 
 def cmd_stage_worker(args) -> int:
+    from moemesh.launcher import threads_per_worker
     from moemesh.netutil import run
     from stage_worker.worker import StageWorker, WorkerConfig
 
@@ -403,7 +411,7 @@ def cmd_stage_worker(args) -> int:
     return run(StageWorker(WorkerConfig(
         coordinator=args.coordinator, pp_rank=args.pp_rank, tp_rank=args.tp_rank, bind_host=args.host,
         advertise_host=args.advertise_host, port=args.port, kv_memory_bytes=args.kv_memory, device=args.device,
-        threads=args.threads, record_dir=args.record, record_steps=args.record_steps)).run())
+        threads=threads_per_worker(args, 1), record_dir=args.record, record_steps=args.record_steps)).run())
 
 
 def cmd_standalone(args) -> int:
@@ -423,7 +431,9 @@ def cmd_standalone(args) -> int:
         raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
     if args.tp_rank:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
-    torch.set_num_threads(args.threads)
+    from moemesh.launcher import threads_per_worker
+
+    torch.set_num_threads(threads_per_worker(args, 1))
     try:
         return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs)
     except FileNotFoundError as e:

@@ -12,6 +12,7 @@ import torch
 from moemesh.cli import CLIError
 from moemesh.config import ConfigError, ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
+from moemesh.launcher import threads_per_worker
 from moemesh.netutil import run
 from stage_worker.layers.fp8 import resolve_quantization
 from moemesh.log import get_logger
@@ -94,7 +95,8 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
 
 
 def run_generate(args) -> int:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not args.pp and args.tp == 1:
+        torch.set_num_threads(threads_per_worker(args, 1))
     cfg = engine_config_from_args(args)
     params = sampling_params_from_args(args)
     tokenizer = None
@@ -163,7 +165,8 @@ def mesh_spec_from_args(args, cfg: EngineConfig, pp: int):
                     block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
                     max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                     max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
-                    quantization=cfg.quantization, moe_backend=cfg.moe_backend)
+                    quantization=cfg.quantization, moe_backend=cfg.moe_backend,
+                    threads_per_worker=threads_per_worker(args, pp * args.tp))
 
 
 def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:

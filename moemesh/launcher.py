@@ -48,6 +48,18 @@ class MeshSpec:
     extra_env: dict = field(default_factory=dict)
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(args, workers: int) -> int:
+    """--threads, or the cores this process may use shared evenly among `workers` processes."""
+    return args.threads or max(1, available_cores() // workers)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,6 +24,7 @@ class AttentionGroup:
     block_table: torch.Tensor  # [B, L / block_size] long: KV blocks holding each context (padding: block 0)
     mask: torch.Tensor  # [B, 1, Q, L] float: 0 where the query may attend to the key, -inf elsewhere
     is_decode: bool
+    kv_len: torch.Tensor  # [B] long: keys of each sequence after this step (cached + new)
 
 
 @dataclass
@@ -104,10 +105,10 @@ def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_d
     q_pos = cs.unsqueeze(1) + q_off  # [B, Q]
     allowed = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, L]
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # additive: SDPA's fast path
-    return AttentionGroup(token_index, valid, table, mask.unsqueeze(1), is_decode)
+    return AttentionGroup(token_index, valid, table, mask.unsqueeze(1), is_decode, total)
 
 
 def _to_device(ctx: ForwardContext, device) -> ForwardContext:
     groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.block_table.to(device),
-                             g.mask.to(device), g.is_decode) for g in ctx.groups]
+                             g.mask.to(device), g.is_decode, g.kv_len.to(device)) for g in ctx.groups]
     return ForwardContext(ctx.positions.to(device), ctx.slot_mapping.to(device), groups)

@@ -155,3 +155,36 @@ def test_backend_resolution():
         resolve_backend("native", "cuda")
     with pytest.raises(BackendError, match="not one of"):
         resolve_backend("fast", "cpu")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (4, 4, 24), (6, 1, 20)])
+def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
+    g = torch.Generator().manual_seed(h * 100 + D)
+    block_size, num_blocks = 4, 48
+    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)
+    kv_len = torch.tensor([1, 5, 17, 33, 8])
+    tables = torch.randperm(num_blocks, generator=g)[:5 * 9].view(5, 9)  # scattered blocks per sequence
+    q = torch.randn(5, h, D, generator=g)
+    got = cpu_gemm.decode_attention(q, k_cache, v_cache, tables, kv_len, D ** -0.5, lib)
+    for s in range(5):
+        L = int(kv_len[s])
+        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L].float()  # [L, kvh, D]
+        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
+        want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              enable_gqa=True).squeeze(1)  # [h, D]
+        torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
+
+
+def test_models_on_cpu_resolve_to_native_everywhere(tmp_path):
+    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from stage_worker.layers.attention import PagedAttention
+    from stage_worker.loader import load_model
+
+    write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=48,
+                                   num_experts=4, vocab_size=384), tmp_path)
+    model, _ = load_model(tmp_path, progress=False)
+    assert model.backend == "native" and model.lm_head.packed is not None
+    assert all(m.backend == "native" for m in model.modules() if isinstance(m, PagedAttention))
+    assert model.model.layers["0"].mlp.experts.packed is not None

@@ -50,6 +50,7 @@
 #endif
 #define NR (2 * VW)
 #define KC 512 /* k chunk when a panel is reused by several row tiles: NR x KC weights stay in L1/L2 */
+#define INFINITY_F __builtin_inff()
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -443,4 +444,102 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
         total += part;
     }
     return total;
+}
+
+/* Decode attention over the paged KV cache: one query token per sequence.
+ *
+ * Legend: S = sequences, h = query heads, kvh = kv heads, G = h / kvh (heads sharing a kv head),
+ * D = head_dim, L_s = keys of sequence s (its cached tokens plus this step's, already written).
+ *
+ * q [S, h, D] float32 (row s: sequence s's new token), out [S, h, D] float32.
+ * k_cache, v_cache [num_blocks, block_size, kvh, D] (float32 or bfloat16, kv_type as W_*).
+ * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
+ * at slot i % block_size. kv_len [S]: L_s.
+ *
+ * For each (sequence, kv head) pair (the parallel work items): scores[g][i] = q_g . k_i * scale for
+ * the G heads at once (each key is loaded once), softmax over i (max-subtracted, vectorised exp),
+ * then out_g = sum_i p[g][i] v_i. Scores live in a per-thread buffer of G x max L floats.
+ * Returns 0, or -1 when memory runs out. */
+int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, float *out,
+                        const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
+                        const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
+                        int nthreads) {
+    const int64_t G = h / kvh;
+    int64_t max_len = 1;
+    for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
+    const int es = kv_type == W_F32 ? 4 : 2;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * kvh > 1)
+    {
+        /* scores, padded to whole vectors; then the D-wide accumulators of one head */
+        const int64_t stride = (max_len + VW - 1) / VW * VW;
+        float *sc = malloc(sizeof(float) * (G * stride + D));
+        if (!sc) {
+#pragma omp atomic write
+            rc = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < S * kvh; item++) {
+            if (!sc) continue;
+            const int64_t s = item / kvh, kh = item % kvh, L = kv_len[s];
+            const int64_t *bt = block_tables + s * max_blocks;
+            const float *qs = q + (s * h + kh * G) * D; /* the G query heads of this kv head */
+            for (int64_t i = 0; i < L; i++) {
+                const int64_t slot = (bt[i / block_size] * block_size + i % block_size) * kvh + kh;
+                const char *kp = (const char *)k_cache + slot * D * es;
+                for (int64_t g = 0; g < G; g++) {
+                    vf acc = {0};
+                    int64_t d = 0;
+                    for (; d + VW <= D; d += VW) acc += load_f(qs + g * D + d) * load_w(kp, d, kv_type);
+                    float dot = 0.0f;
+                    for (int j = 0; j < VW; j++) dot += acc[j];
+                    for (; d < D; d++) {
+                        float kv = kv_type == W_F32 ? ((const float *)kp)[d] : 0.0f;
+                        if (kv_type == W_BF16) {
+                            uint32_t bits = (uint32_t)((const uint16_t *)kp)[d] << 16;
+                            memcpy(&kv, &bits, 4);
+                        }
+                        dot += qs[g * D + d] * kv;
+                    }
+                    sc[g * stride + i] = dot * scale;
+                }
+            }
+            float *acc = sc + G * stride;
+            for (int64_t g = 0; g < G; g++) {
+                float *p = sc + g * stride;
+                float m = p[0];
+                for (int64_t i = 1; i < L; i++) m = p[i] > m ? p[i] : m;
+                for (int64_t i = L; i < (L + VW - 1) / VW * VW; i++) p[i] = -INFINITY_F;
+                vf total = {0};
+                for (int64_t i = 0; i < L; i += VW) {
+                    vf e = vexp(load_f(p + i) - splat(m));
+                    e = vselect(load_f(p + i) > splat(-INFINITY_F), e, splat(0.0f));
+                    store_f(p + i, e);
+                    total += e;
+                }
+                float sum = 0.0f;
+                for (int j = 0; j < VW; j++) sum += total[j];
+                const float inv = 1.0f / sum;
+                memset(acc, 0, sizeof(float) * D);
+                for (int64_t i = 0; i < L; i++) {
+                    const int64_t slot = (bt[i / block_size] * block_size + i % block_size) * kvh + kh;
+                    const char *vp = (const char *)v_cache + slot * D * es;
+                    const vf w = splat(p[i] * inv);
+                    int64_t d = 0;
+                    for (; d + VW <= D; d += VW) store_f(acc + d, load_f(acc + d) + w * load_w(vp, d, kv_type));
+                    for (; d < D; d++) {
+                        float vv = kv_type == W_F32 ? ((const float *)vp)[d] : 0.0f;
+                        if (kv_type == W_BF16) {
+                            uint32_t bits = (uint32_t)((const uint16_t *)vp)[d] << 16;
+                            memcpy(&vv, &bits, 4);
+                        }
+                        acc[d] += p[i] * inv * vv;
+                    }
+                }
+                memcpy(out + (s * h + kh * G + g) * D, acc, sizeof(float) * D);
+            }
+        }
+        free(sc);
+    }
+    return rc;
 }
