@@ -65,6 +65,10 @@ class _Lib:
         lib.mm_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32, i64, ptr, i64, ptr,
                                             ctypes.c_float, i32]
         lib.mm_decode_attention.restype = i32
+        lib.mm_rmsnorm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i32]
+        lib.mm_rmsnorm.restype = None
+        lib.mm_rotary.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+        lib.mm_rotary.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         self.lib = lib
@@ -251,6 +255,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if rc:
             raise MemoryError("CPU decode attention: out of memory")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+             lib: _Lib) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H] float32 (rows may be strided) -> (weight * r / rms(r), r) with r = x + residual, or
+    (weight * x / rms(x), None) without a residual."""
+    T, H = x.shape
+    assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty(T, H, dtype=torch.float32)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == torch.float32 and residual.stride(1) == 1
+        res_out = torch.empty(T, H, dtype=torch.float32)
+    if T:
+        lib.lib.mm_rmsnorm(T, H, x.data_ptr(), x.stride(0), _ptr(residual), residual.stride(0) if residual is not None
+                           else 0, _ptr(res_out), weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out, res_out
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: _Lib) -> None:
+    """In place: x [T, heads, D] float32 (heads contiguous, rows may be strided), positions [T] int64,
+    cos/sin [P, D] float32."""
+    T, heads, D = x.shape
+    assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == D
+    assert positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    if T:
+        lib.lib.mm_rotary(T, heads, D, x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr())
 
 
 def read_sum(x: torch.Tensor, lib: _Lib) -> float:

@@ -188,3 +188,31 @@ def test_models_on_cpu_resolve_to_native_everywhere(tmp_path):
     assert model.backend == "native" and model.lm_head.packed is not None
     assert all(m.backend == "native" for m in model.modules() if isinstance(m, PagedAttention))
     assert model.model.layers["0"].mlp.experts.packed is not None
+
+
+def test_rms_norm_and_rotary_match_torch():
+    from moemesh.config import RopeConfig
+    from stage_worker.layers.layernorm import RMSNorm
+    from stage_worker.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(40, 1e-5)
+    norm.weight.data = torch.randn(40, generator=g)
+    x = torch.randn(7, 50, generator=g)[:, :40]  # strided rows
+    res = torch.randn(7, 40, generator=g)
+    want_plain, (want_out, want_res) = norm(x), norm(x, res)
+    norm.backend = "native"
+    torch.testing.assert_close(norm(x), want_plain, rtol=1e-5, atol=1e-6)
+    got_out, got_res = norm(x, res)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_res, want_res)
+
+    rope = RotaryEmbedding(16, RopeConfig(theta=10000.0), 64)
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=g)
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    positions = torch.tensor([0, 3, 9, 63, 1])
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    rope.backend = "native"
+    got_q, got_k = rope(positions, q, k)
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)

@@ -543,3 +543,55 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     }
     return rc;
 }
+
+/* RMSNorm with the residual add fused (float32), as Hugging Face computes it:
+ *   r = x + residual (when residual is given, written to res_out), out = w * r / sqrt(mean(r^2) + eps)
+ * x, residual, res_out, out: [T, H] rows ld apart (res_out and out: H apart). */
+void mm_rmsnorm(int64_t T, int64_t H, const float *x, int64_t ldx, const float *residual, int64_t ldr,
+                float *res_out, const float *w, float eps, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *o = out + t * H;
+        const float *src = xr;
+        if (residual) {
+            float *ro = res_out + t * H;
+            const float *rr = residual + t * ldr;
+            for (int64_t j = 0; j < H; j++) ro[j] = xr[j] + rr[j];
+            src = ro;
+        }
+        vf acc = {0};
+        int64_t j = 0;
+        for (; j + VW <= H; j += VW) {
+            vf v = load_f(src + j);
+            acc += v * v;
+        }
+        float ss = 0.0f;
+        for (int k = 0; k < VW; k++) ss += acc[k];
+        for (; j < H; j++) ss += src[j] * src[j];
+        const float inv = 1.0f / __builtin_sqrtf(ss / (float)H + eps);
+        for (j = 0; j < H; j++) o[j] = w[j] * (src[j] * inv);
+    }
+}
+
+/* Rotary embedding (rotate-half form) in place on the heads of each row:
+ *   x[:D/2], x[D/2:] <- x1 * cos[:D/2] - x2 * sin[:D/2],  x2 * cos[D/2:] + x1 * sin[D/2:]
+ * x: [T, heads, D] float32, rows ldx apart, heads D apart; cos/sin [P, D] (halves duplicated, as
+ * Hugging Face builds them); positions [T]. */
+__attribute__((optimize("fp-contract=off"))) void mm_rotary(int64_t T, int64_t heads, int64_t D, float *x, int64_t ldx, const int64_t *positions,
+               const float *cos, const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+        for (int64_t hh = 0; hh < heads; hh++) {
+            float *x1 = x + t * ldx + hh * D, *x2 = x1 + half;
+            for (int64_t j = 0; j < half; j++) {
+                const float a = x1[j], b = x2[j];
+                const float p = a * c[j], q = b * s[j]; /* each product rounded, as torch does */
+                const float r = b * c[half + j], u = a * s[half + j];
+                x1[j] = p - q;
+                x2[j] = r + u;
+            }
+        }
+    }
+}

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_gemm
+
 from moemesh.config import RopeConfig
 
 
@@ -38,9 +40,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.backend = "torch"  # "native": float32 q/k rotated in place by kernels/cpu_gemm.c
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, heads, D]; k [T, kv_heads, D] -> rotated q, k."""
+        """positions [T]; q [T, heads, D]; k [T, kv_heads, D] -> rotated q, k (native: in place)."""
+        if self.backend == "native" and q.dtype == k.dtype == torch.float32 and self.cos.dtype == torch.float32 \
+                and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.shape[2]:
+            lib = cpu_gemm.native()
+            cpu_gemm.rotary_(q, positions, self.cos, self.sin, lib)
+            cpu_gemm.rotary_(k, positions, self.cos, self.sin, lib)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
