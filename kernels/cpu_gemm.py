@@ -69,6 +69,8 @@ class _Lib:
         lib.mm_rmsnorm.restype = None
         lib.mm_rotary.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
         lib.mm_rotary.restype = None
+        lib.mm_topk_softmax.argtypes = [i64, i64, ptr, i64, i64, i32, ptr, ptr]
+        lib.mm_topk_softmax.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         self.lib = lib
@@ -283,6 +285,21 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     if T:
         lib.lib.mm_rotary(T, heads, D, x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
                           sin.data_ptr())
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] float32, ids [T, K] int64): softmax in float32, the K
+    largest (ties: the lower expert), optionally renormalised to sum 1 (kernels.moe_torch.select_experts)."""
+    logits = logits.float()
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    if T:
+        lib.lib.mm_topk_softmax(T, E, logits.data_ptr(), logits.stride(0), top_k, int(renormalize),
+                                weights.data_ptr(), ids.data_ptr())
+    return weights, ids
 
 
 def read_sum(x: torch.Tensor, lib: _Lib) -> float:

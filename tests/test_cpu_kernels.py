@@ -216,3 +216,14 @@ def test_rms_norm_and_rotary_match_torch():
     got_q, got_k = rope(positions, q, k)
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_softmax_matches_torch(renormalize):
+    from kernels.moe_torch import select_experts
+
+    logits = torch.randn(50, 9, generator=torch.Generator().manual_seed(1)) * 3
+    want_w, want_ids = select_experts(logits, 3, renormalize)
+    got_w, got_ids = cpu_gemm.topk_softmax(logits, 3, renormalize, lib)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)

@@ -595,3 +595,34 @@ __attribute__((optimize("fp-contract=off"))) void mm_rotary(int64_t T, int64_t h
         }
     }
 }
+
+/* MoE routing: per token, softmax over the E router logits (float32), the K largest (ties: lower
+ * expert first), renormalised to sum 1 when asked. logits [T, E] rows ld apart; weights [T, K]
+ * float32, ids [T, K] int64. */
+void mm_topk_softmax(int64_t T, int64_t E, const float *logits, int64_t ld, int64_t K, int renormalize,
+                     float *weights, int64_t *ids) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * ld;
+        float m = l[0];
+        for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += __builtin_expf(l[e] - m);
+        float *w = weights + t * K;
+        int64_t *id = ids + t * K;
+        for (int64_t k = 0; k < K; k++) { /* selection: K is small */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= id[j] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[k] = best;
+            w[k] = __builtin_expf(l[best] - m) / sum;
+        }
+        if (renormalize) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += w[k];
+            for (int64_t k = 0; k < K; k++) w[k] /= s;
+        }
+    }
+}

@@ -90,6 +90,9 @@ class FusedMoE(nn.Module):
 
             topk_weights, topk_ids = topk_softmax(router_logits.contiguous(), self.top_k, self.renormalize,
                                                   ids_dtype=torch.int64)
+        elif self.backend == "native":
+            topk_weights, topk_ids = cpu_gemm.topk_softmax(router_logits, self.top_k, self.renormalize,
+                                                           cpu_gemm.native())
         else:
             topk_weights, topk_ids = moe_torch.select_experts(router_logits, self.top_k, self.renormalize)
         y = self.quant_method.apply(self, x, topk_weights, topk_ids)
