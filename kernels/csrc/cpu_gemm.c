@@ -108,6 +108,29 @@ INLINE vf load_w(const void *w, int64_t i, const int wt) {
 /* Epilogue modes of a tile. */
 enum { OUT_STORE = 0, OUT_ADD = 1, OUT_ADD_SCALED = 2 };
 
+/* A tile row's two result vectors (times the column scales and a row factor) into c[0:ncols]. */
+INLINE void put(vf r0, vf r1, vf s0, vf s1, float g, float *c, int ncols, int mode) {
+    r0 *= s0;
+    r1 *= s1;
+    if (mode == OUT_ADD_SCALED) {
+        r0 *= splat(g);
+        r1 *= splat(g);
+    }
+    if (ncols == NR) {
+        if (mode != OUT_STORE) {
+            r0 += load_f(c);
+            r1 += load_f(c + VW);
+        }
+        store_f(c, r0);
+        store_f(c + VW, r1);
+    } else {
+        float tmp[NR];
+        store_f(tmp, r0);
+        store_f(tmp + VW, r1);
+        for (int j = 0; j < ncols; j++) c[j] = mode == OUT_STORE ? tmp[j] : c[j] + tmp[j];
+    }
+}
+
 /* One MR' x NR tile (MR' = mr <= MR rows): c[i][0:ncols] (op)= sum_k a[i][k] * w[k][0:ncols].
  *
  * a[i]: row i's activations, from k = 0 of this chunk. w: the panel at k = 0 of this chunk.
@@ -146,26 +169,41 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
         s0 = load_f(scale);
         s1 = load_f(scale + VW);
     }
-    for (int i = 0; i < mr; i++) {
-        vf r0 = (acc[i][0] + acc2[i][0]) * s0, r1 = (acc[i][1] + acc2[i][1]) * s1;
-        if (mode == OUT_ADD_SCALED) {
-            vf g = splat(rowscale[i]);
-            r0 *= g;
-            r1 *= g;
-        }
-        if (ncols == NR) {
-            if (mode != OUT_STORE) {
-                r0 += load_f(c[i]);
-                r1 += load_f(c[i] + VW);
+    for (int i = 0; i < mr; i++)
+        put(acc[i][0] + acc2[i][0], acc[i][1] + acc2[i][1], s0, s1, rowscale ? rowscale[i] : 1.0f, c[i], ncols, mode);
+}
+
+/* Few rows (mr <= 3) against np panels at once. One stream through memory reaches about three
+ * quarters of the read bandwidth that four concurrent ones do on the CPUs measured
+ * (docs/benchmarks.md), and a decode step with few rows is bound by reading its weights: so the
+ * panels of a few-row product are read np at a time, np streams apart.
+ * w[j], coff[j], ncols[j], scale[j]: panel j's weights, column offset in each c[i], valid columns
+ * and int8 scales (or NULL). */
+INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const float *const *a,
+                    const char *const *w, float *const *c, const int64_t *coff, const int *ncols,
+                    const float *const *scale, const float *rowscale, int mode) {
+    vf acc[3][4][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j][0] = acc[i][j][1] = (vf){0};
+    for (int64_t k = 0; k < kc; k++) {
+        vf x[3];
+        for (int i = 0; i < mr; i++) x[i] = splat(a[i][k]);
+        for (int j = 0; j < np; j++) {
+            const vf b0 = load_w(w[j], k * NR, wt), b1 = load_w(w[j], k * NR + VW, wt);
+            for (int i = 0; i < mr; i++) {
+                acc[i][j][0] += x[i] * b0;
+                acc[i][j][1] += x[i] * b1;
             }
-            store_f(c[i], r0);
-            store_f(c[i] + VW, r1);
-        } else {
-            float tmp[NR];
-            store_f(tmp, r0);
-            store_f(tmp + VW, r1);
-            for (int j = 0; j < ncols; j++) c[i][j] = mode == OUT_STORE ? tmp[j] : c[i][j] + tmp[j];
         }
+    }
+    for (int j = 0; j < np; j++) {
+        vf s0 = splat(1.0f), s1 = splat(1.0f);
+        if (scale[j]) {
+            s0 = load_f(scale[j]);
+            s1 = load_f(scale[j] + VW);
+        }
+        for (int i = 0; i < mr; i++)
+            put(acc[i][j][0], acc[i][j][1], s0, s1, rowscale ? rowscale[i] : 1.0f, c[i] + coff[j], ncols[j], mode);
     }
 }
 
@@ -220,6 +258,64 @@ static void panel_rows(int64_t rows, int64_t K, const float *const *a, const cha
     }
 }
 
+#define FEW_ROWS 3 /* up to this many rows, panels are read several at a time (tile_np) */
+
+static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *const *a, const char *const *w,
+                             float *const *c, const int64_t *coff, const int *ncols, const float *const *scale,
+                             const float *rowscale, int mode) {
+#define NP_CASE(MRV, NPV, WT)                                                               \
+    if (mr == MRV && np == NPV) {                                                           \
+        tile_np(MRV, NPV, WT, kc, a, w, c, coff, ncols, scale, rowscale, mode);            \
+        return;                                                                             \
+    }
+#define NP_CASES(WT)                                                                                     \
+    NP_CASE(1, 1, WT) NP_CASE(1, 2, WT) NP_CASE(1, 3, WT) NP_CASE(1, 4, WT) NP_CASE(2, 1, WT)           \
+    NP_CASE(2, 2, WT) NP_CASE(3, 1, WT) NP_CASE(3, 2, WT)
+    if (wt == W_F32) {
+        NP_CASES(W_F32)
+    } else if (wt == W_BF16) {
+        NP_CASES(W_BF16)
+    } else {
+        NP_CASES(W_I8)
+    }
+}
+
+/* rows <= FEW_ROWS rows against the panels p0 .. p1 - 1 of one packed weight (K x NR panels at w):
+ * the range is cut into np runs read side by side (4 streams for one row, 2 for two or three).
+ * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. */
+static void few_rows(int rows, int64_t K, const float *const *a, const char *w, int wt, int64_t p0, int64_t p1,
+                     int64_t N, float *const *c, const float *scale, const float *rowscale, int mode) {
+    const int np = rows == 1 ? 4 : 2;
+    const int64_t n = p1 - p0, run = (n + np - 1) / np, stride = K * NR * elem_size(wt);
+    for (int64_t i = 0; i < run; i++) {
+        const char *wp[4];
+        const float *sp[4];
+        int64_t coff[4];
+        int nc[4], cnt = 0;
+        for (int j = 0; j < np; j++) {
+            const int64_t p = p0 + j * run + i;
+            if (p >= p1) break;
+            wp[cnt] = w + p * stride;
+            sp[cnt] = scale ? scale + p * NR : NULL;
+            coff[cnt] = p * NR;
+            nc[cnt] = N - p * NR < NR ? (int)(N - p * NR) : NR;
+            cnt++;
+        }
+        tile_np_dispatch(rows, cnt, wt, K, a, wp, c, coff, nc, sp, rowscale, mode);
+    }
+}
+
+/* This thread's share [lo, hi) of n items, in contiguous runs. */
+static void my_range(int64_t n, int64_t *lo, int64_t *hi) {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
 int mm_simd_width(void) { return VW; }
 int mm_panel_width(void) { return NR; }
 int mm_tile_rows(void) { return MR; }
@@ -244,6 +340,17 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     for (int64_t m = 0; m < M; m++) {
         ap[m] = x + m * ldx;
         cp[m] = y + m * ldy;
+    }
+    if (M <= FEW_ROWS) { /* bound by reading the weights: each thread a contiguous share of panels */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1)
+        {
+            int64_t lo, hi;
+            my_range(panels, &lo, &hi);
+            few_rows((int)M, K, ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL, OUT_STORE);
+        }
+        free(ap);
+        free(cp);
+        return 0;
     }
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
@@ -325,11 +432,12 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     float *h = malloc(sizeof(float) * (rows_max ? rows_max : 1) * 2 * I);
     float *act = malloc(sizeof(float) * (rows_max ? rows_max : 1) * I);
     const float **ax = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    float **hrow = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
     const float **actp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
     float **outp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
-    int64_t *items = malloc(sizeof(int64_t) * (E * p13 > 0 ? E * p13 : 1));
+    int64_t *items = malloc(sizeof(int64_t) * (E * p13 > 0 ? E * p13 : 1)); /* >= experts x chunks */
     int rc = 0;
-    if (!count || !tok || !gate_w || !h || !act || !ax || !actp || !outp || !items) {
+    if (!count || !tok || !gate_w || !h || !act || !ax || !hrow || !actp || !outp || !items) {
         rc = -1;
         goto done;
     }
@@ -360,45 +468,66 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     const int64_t rows = count[E];
     for (int64_t s = 0; s < rows; s++) {
         ax[s] = x + tok[s] * H;
+        hrow[s] = h + s * 2 * I;
         actp[s] = act + s * I;
         outp[s] = out + tok[s] * H;
     }
+    /* phase 1 items: (expert, run of CHUNK panels); a few-row expert reads its run's panels as
+     * concurrent streams (few_rows) */
+    const int64_t CHUNK = 16, chunks = (p13 + CHUNK - 1) / CHUNK;
     int64_t n_items = 0;
     for (int64_t e = 0; e < E; e++)
         if (count[e + 1] > count[e])
-            for (int64_t p = 0; p < p13; p++) items[n_items++] = e * p13 + p;
+            for (int64_t q = 0; q < chunks; q++) items[n_items++] = e * chunks + q;
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        /* phase 1: h = x W13^T per expert, one (expert, panel) at a time */
+        float *cp[MR * 8];
+        /* phase 1: h = x W13^T per expert */
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < n_items; it++) {
-            const int64_t e = items[it] / p13, p = items[it] % p13;
+            const int64_t e = items[it] / chunks, q = items[it] % chunks;
             const int64_t r0 = count[e], n = count[e + 1] - count[e];
-            float *cp[MR * 8];
-            const int ncols = 2 * I - p * NR < NR ? (int)(2 * I - p * NR) : NR;
-            for (int64_t b = 0; b < n; b += MR * 8) {
-                const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
-                for (int64_t i = 0; i < nb; i++) cp[i] = h + (r0 + b + i) * 2 * I + p * NR;
-                panel_rows(nb, H, ax + r0 + b, (const char *)w13 + (e * w13_stride + p * H * NR) * es, wt, cp,
-                           ncols, s13 ? s13 + e * p13 * NR + p * NR : NULL, NULL, OUT_STORE);
+            const int64_t pa = q * CHUNK, pb = pa + CHUNK < p13 ? pa + CHUNK : p13;
+            const char *we = (const char *)w13 + e * w13_stride * es;
+            const float *se = s13 ? s13 + e * p13 * NR : NULL;
+            if (n <= FEW_ROWS) {
+                few_rows((int)n, H, ax + r0, we, wt, pa, pb, 2 * I, hrow + r0, se, NULL, OUT_STORE);
+                continue;
+            }
+            for (int64_t p = pa; p < pb; p++) {
+                const int ncols = 2 * I - p * NR < NR ? (int)(2 * I - p * NR) : NR;
+                for (int64_t b = 0; b < n; b += MR * 8) {
+                    const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
+                    for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
+                    panel_rows(nb, H, ax + r0 + b, we + p * H * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
+                               NULL, OUT_STORE);
+                }
             }
         }
         /* act = silu(gate) * up */
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < rows; s++) silu_mul(h + s * 2 * I, h + s * 2 * I + I, act + s * I, I);
-        /* phase 2: out[t] += w * act W2^T, by column panel of out */
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < p2; p++) {
-            const int ncols = H - p * NR < NR ? (int)(H - p * NR) : NR;
-            float *cp[MR * 8];
-            for (int64_t e = 0; e < E; e++) {
-                const int64_t r0 = count[e], n = count[e + 1] - count[e];
+        for (int64_t r = 0; r < rows; r++) silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+        /* phase 2: out[t] += w * act W2^T; each thread a contiguous run of out's column panels, over
+         * every expert (no two threads write the same element) */
+        int64_t lo, hi;
+        my_range(p2, &lo, &hi);
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t r0 = count[e], n = count[e + 1] - count[e];
+            if (n == 0) continue;
+            const char *we = (const char *)w2 + e * w2_stride * es;
+            const float *se = s2 ? s2 + e * p2 * NR : NULL;
+            if (n <= FEW_ROWS) {
+                few_rows((int)n, I, actp + r0, we, wt, lo, hi, H, outp + r0, se, gate_w + r0, OUT_ADD_SCALED);
+                continue;
+            }
+            for (int64_t p = lo; p < hi; p++) {
+                const int ncols = H - p * NR < NR ? (int)(H - p * NR) : NR;
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
-                    panel_rows(nb, I, actp + r0 + b, (const char *)w2 + (e * w2_stride + p * I * NR) * es, wt, cp,
-                               ncols, s2 ? s2 + e * p2 * NR + p * NR : NULL, gate_w + r0 + b, OUT_ADD_SCALED);
+                    panel_rows(nb, I, actp + r0 + b, we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
+                               gate_w + r0 + b, OUT_ADD_SCALED);
                 }
             }
         }
@@ -410,6 +539,7 @@ done:
     free(h);
     free(act);
     free(ax);
+    free(hrow);
     free(actp);
     free(outp);
     free(items);
