@@ -264,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--num-prompts", type=positive_int, default=200)
     sb.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all "
                                                                      "at once)")
-    sb.add_argument("--prompt-len", type=positive_int, default=32)
+    sb.add_argument("--prompt-len", type=positive_int, default=32,
+                    help="prompt tokens of each request (after the shared prefix, if any)")
+    sb.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+                    help="every prompt starts with the same P random tokens (the prefix-caching workload)")
+    sb.add_argument("--model-name", default=None, help="the request's \"model\" field (some servers want one)")
     sb.add_argument("--new", type=positive_int, default=64)
     sb.add_argument("--vocab", type=positive_int, default=1000, help="prompt token ids are drawn below this")
     sb.add_argument("--seed", type=int, default=0)

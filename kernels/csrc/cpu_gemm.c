@@ -546,31 +546,27 @@ done:
     return rc;
 }
 
-/* Sum of n floats, read as a decode step reads weights (sequential streams, one per thread, vector
- * loads, several accumulators): `bench model` times it to measure the machine's read bandwidth. */
+/* Sum of n floats, read as the kernels read weights (vector loads, four concurrent sequential
+ * streams per thread, several accumulators each): `bench model` times it to measure the machine's
+ * read bandwidth for its roofline. */
 float mm_read_sum(const float *p, int64_t n, int nthreads) {
     float total = 0.0f;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1) reduction(+ : total)
     {
-        int nt = 1, t = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        const int64_t chunk = (n / nt) / (4 * VW) * (4 * VW);
-        const int64_t start = t * chunk, end = t == nt - 1 ? n : start + chunk;
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = start;
-        for (; i + 4 * VW <= end; i += 4 * VW) {
-            a0 += load_f(p + i);
-            a1 += load_f(p + i + VW);
-            a2 += load_f(p + i + 2 * VW);
-            a3 += load_f(p + i + 3 * VW);
-        }
-        vf s = a0 + a1 + a2 + a3;
+        int64_t lo, hi;
+        my_range(n, &lo, &hi);
+        const int64_t run = (hi - lo) / (4 * 2 * VW) * (2 * VW); /* four runs of whole vector pairs */
+        vf a[4][2];
+        for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = (vf){0};
+        for (int64_t i = 0; i < run; i += 2 * VW)
+            for (int j = 0; j < 4; j++) {
+                a[j][0] += load_f(p + lo + j * run + i);
+                a[j][1] += load_f(p + lo + j * run + i + VW);
+            }
+        vf v = a[0][0] + a[0][1] + a[1][0] + a[1][1] + a[2][0] + a[2][1] + a[3][0] + a[3][1];
         float part = 0.0f;
-        for (int j = 0; j < VW; j++) part += s[j];
-        for (; i < end; i++) part += p[i];
+        for (int j = 0; j < VW; j++) part += v[j];
+        for (int64_t i = lo + 4 * run; i < hi; i++) part += p[i];
         total += part;
     }
     return total;

@@ -2,7 +2,13 @@
 
 Streams `/v1/completions` requests with random token-id prompts (`ignore_eos`, so every request
 generates exactly `--new` tokens), either all at once with at most `--concurrency` in flight, or
-arriving as a Poisson process at `--request-rate` per second. Per request it records the time to
+arriving as a Poisson process at `--request-rate` per second. `--shared-prefix P` starts every
+prompt with the same P tokens (vLLM's prefix-caching benchmark workload).
+
+Any OpenAI-compatible server works (llama-server, vLLM, moemesh): every request opens its own
+connection (a server may close a kept-alive one between requests, and a reused dead connection
+would count as a failed request), and a server that sends no usage counts one token per streamed
+chunk that carries text. Per request it records the time to
 the first token (TTFT), the time per output token after the first (TPOT), and every gap between
 streamed chunks (ITL). Several concurrency levels (`--concurrency 1,8,64`) give the points of a
 latency-vs-throughput curve, which `--plot FILE.png` draws.
@@ -45,13 +51,16 @@ def summarize(results: list[dict], seconds: float) -> dict:
     return row
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], new: int, headers) -> dict:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], new: int, headers,
+                      model: str | None = None) -> dict:
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    tokens, error = 0, None
+    tokens, chunks, error = 0, 0, None
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -68,6 +77,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices"):  # one event per step that produced tokens
+                        chunks += 1
                         if first is None:
                             first = now
                         else:
@@ -76,23 +86,27 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     except aiohttp.ClientError as e:
         error = str(e)
     end = time.perf_counter()
+    if error is None and tokens == 0:  # no usage from this server: a chunk per token
+        tokens = chunks
     return {"ttft": (first or end) - start, "e2e": end - start, "itl": gaps, "tokens": tokens,
             "prompt_tokens": len(prompt), "error": error}
 
 
 async def run_level(url: str, prompts: list[list[int]], new: int, concurrency: int, rate: float | None,
-                    headers, seed: int) -> dict:
+                    headers, seed: int, model: str | None = None) -> dict:
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=max(concurrency, 1))) as session:
+    # a connection per request (force_close): servers that close idle keep-alive connections
+    # (llama-server does) would otherwise fail the next request sent on one
+    connector = aiohttp.TCPConnector(limit=max(concurrency, 1), force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", unit="req", leave=False)
 
         async def go(p, delay):
             await asyncio.sleep(delay)
             async with gate:
-                r = await one_request(session, url, p, new, headers)
+                r = await one_request(session, url, p, new, headers, model)
             bar.update(1)
             return r
 
@@ -115,14 +129,17 @@ def run_serve_bench(args) -> int:
     rng = random.Random(args.seed)
     vocab = args.vocab
     rows = []
+    if args.shared_prefix < 0:
+        raise CLIError("--shared-prefix must be 0 or more tokens")
     for level in args.concurrency:
-        prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+        prefix = [rng.randrange(4, vocab) for _ in range(args.shared_prefix)]
+        prompts = [prefix + [rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
         try:
             row = run(run_level(f"{base}/v1/completions", prompts, args.new, level, args.request_rate, headers,
-                                args.seed))
+                                args.seed, args.model_name))
         except aiohttp.ClientError as e:
             raise CLIError(f"--url {args.url}: {e}") from None
-        row = {"concurrency": level, "request_rate": args.request_rate, **row}
+        row = {"concurrency": level, "request_rate": args.request_rate, "shared_prefix": args.shared_prefix, **row}
         if row["failed"] == row["requests"]:
             raise CLIError(f"every request failed against {args.url}")
         rows.append(row)

@@ -1,0 +1,79 @@
+"""`bench serve` against a server that is not moemesh: one that closes kept-alive connections after
+each response and reports no usage (as llama-server can), and the shared-prefix workload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from moemesh.cli import main
+
+
+class FakeServer:
+    """A minimal OpenAI-style streaming server on loopback: each completion streams `max_tokens`
+    chunks of one token each (no usage), announces keep-alive and then closes the connection."""
+
+    def __init__(self):
+        self.prompts: list[list[int]] = []
+        self.handlers: set[asyncio.Task] = set()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.handlers.add(asyncio.current_task())
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            body = json.loads(await reader.readexactly(length))
+            self.prompts.append(body["prompt"])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            events = [json.dumps({"choices": [{"index": 0, "text": "x"}]}) for _ in range(body["max_tokens"])]
+            for data in [*events, "[DONE]"]:
+                payload = f"data: {data}\n\n".encode()
+                writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)  # idle keep-alive connection closed by the server
+        finally:
+            writer.close()
+
+    async def _close(self):
+        self.server.close()
+        await self.server.wait_closed()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_bench_serve_against_a_server_that_closes_connections_and_sends_no_usage(capsys):
+    server = FakeServer()
+    try:
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "4",
+                     "--num-prompts", "24", "--prompt-len", "5", "--new", "6", "--shared-prefix", "10",
+                     "--vocab", "500", "--json"]) == 0
+    finally:
+        server.stop()
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["failed"] == 0 and row["requests"] == 24 and row["shared_prefix"] == 10
+    # tokens counted from the chunks: 24 x 6 (seconds is rounded to ms)
+    assert abs(row["output_tok_per_s"] * row["seconds"] - 24 * 6) < 0.05 * 24 * 6
+    assert len(server.prompts) == 24 and all(len(p) == 15 for p in server.prompts)
+    assert len({tuple(p[:10]) for p in server.prompts}) == 1  # one shared prefix
+    assert len({tuple(p[10:]) for p in server.prompts}) == 24  # different suffixes
