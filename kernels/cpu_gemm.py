@@ -54,6 +54,34 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+class WeightDesc(ctypes.Structure):
+    """C `mm_weight`: a packed weight, its int8 scales and bias (NULL when absent)."""
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("wt", ctypes.c_int64)]
+
+
+class LayerDesc(ctypes.Structure):
+    """C `mm_layer`: every pointer and size one decoder layer's decode step needs (see cpu_gemm.c)."""
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("eps", ctypes.c_double), ("qk_eps", ctypes.c_double),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", WeightDesc), ("o", WeightDesc), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("kv_type", ctypes.c_int64), ("block_size", ctypes.c_int64), ("moe", ctypes.c_int64),
+                ("gate_up", WeightDesc), ("down", WeightDesc), ("router", WeightDesc), ("shared_gate", WeightDesc),
+                ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("expert_offset", ctypes.c_int64),
+                ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64), ("moe_wt", ctypes.c_int64),
+                ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("s13", ctypes.c_void_p), ("s2", ctypes.c_void_p)]
+
+
+def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> WeightDesc:
+    if w is None:
+        return WeightDesc()
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == w.n
+    return WeightDesc(w.data.data_ptr(), _ptr(w.scale), _ptr(bias), w.n, w.k, w.weight_type)
+
+
 class _Lib:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -62,8 +90,8 @@ class _Lib:
         lib.mm_gemm.restype = i32
         lib.mm_moe.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i32]
         lib.mm_moe.restype = i32
-        lib.mm_decode_attention.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32, i64, ptr, i64, ptr,
-                                            ctypes.c_float, i32]
+        lib.mm_decode_attention.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i32, i64, ptr, i64,
+                                            ptr, ctypes.c_float, i32]
         lib.mm_decode_attention.restype = i32
         lib.mm_rmsnorm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i32]
         lib.mm_rmsnorm.restype = None
@@ -71,6 +99,8 @@ class _Lib:
         lib.mm_rotary.restype = None
         lib.mm_topk_softmax.argtypes = [i64, i64, ptr, i64, i64, i32, ptr, ptr]
         lib.mm_topk_softmax.restype = None
+        lib.mm_decoder_layer.argtypes = [ctypes.POINTER(LayerDesc), i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i32]
+        lib.mm_decoder_layer.restype = i32
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         self.lib = lib
@@ -251,7 +281,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_table, kv_len = block_table.contiguous(), kv_len.contiguous()
     out = torch.empty(S, h, D, dtype=torch.float32)
     if S:
-        rc = lib.lib.mm_decode_attention(S, h, kvh, D, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(),
+        rc = lib.lib.mm_decode_attention(S, h, kvh, D, q.data_ptr(), h * D, out.data_ptr(), h * D, k_cache.data_ptr(),
                                          v_cache.data_ptr(), WEIGHT_TYPES[k_cache.dtype], bs, block_table.data_ptr(),
                                          block_table.shape[1], kv_len.data_ptr(), scale, torch.get_num_threads())
         if rc:
@@ -300,6 +330,22 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib)
         lib.lib.mm_topk_softmax(T, E, logits.data_ptr(), logits.stride(0), top_k, int(renormalize),
                                 weights.data_ptr(), ids.data_ptr())
     return weights, ids
+
+
+def decoder_layer(desc: LayerDesc, hidden: torch.Tensor, residual: torch.Tensor, first: bool,
+                  positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, kv_len: torch.Tensor,
+                  lib: _Lib) -> None:
+    """One decoder layer of a decode step, in place: hidden [T, H] float32 (the layer's input, then
+    its output), residual [T, H] float32 (written when `first`, else updated); positions, slots,
+    kv_len [T] int64; block_table [T, max_blocks] int64. The tensors `desc` points into must stay
+    alive (the caller keeps them)."""
+    T = hidden.shape[0]
+    assert hidden.is_contiguous() and residual.is_contiguous() and hidden.dtype == residual.dtype == torch.float32
+    rc = lib.lib.mm_decoder_layer(ctypes.byref(desc), T, hidden.data_ptr(), residual.data_ptr(), int(first),
+                                  positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+                                  kv_len.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("CPU decoder layer: out of memory")
 
 
 def read_sum(x: torch.Tensor, lib: _Lib) -> float:

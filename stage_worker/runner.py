@@ -15,6 +15,7 @@ import torch
 
 from moemesh.config import ModelConfig
 from stage_worker.context import build_context, forward_context
+from stage_worker.fused_decode import FusedDecode
 from stage_worker.layers.attention import PagedAttention
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.loader import load_model
@@ -54,6 +55,8 @@ class StageRunner:
         self.kv_cache = torch.zeros(len(attn), 2, num_blocks, block_size, kvh, D, dtype=dtype, device=device)
         for i, layer in enumerate(attn):
             layer.kv_cache = self.kv_cache[i]
+        # decode steps in one native call per layer, where every layer can take that path
+        self.fused = FusedDecode.build(self.model, tp.size, dtype)
 
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, num_layers: int, block_size: int, tp: TPGroup,
@@ -71,7 +74,10 @@ class StageRunner:
             if self.model.has_embedding:
                 flat = [t for ids in step.token_ids for t in ids]
                 hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
-            hidden, residual = self.model(hidden, residual)
+            if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
+                hidden, residual = self.fused.forward(ctx, hidden, residual)
+            else:
+                hidden, residual = self.model(hidden, residual)
         if not self.model.has_head:
             return hidden, residual
         if logit_rows is None:

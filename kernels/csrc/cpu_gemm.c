@@ -577,7 +577,8 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * Legend: S = sequences, h = query heads, kvh = kv heads, G = h / kvh (heads sharing a kv head),
  * D = head_dim, L_s = keys of sequence s (its cached tokens plus this step's, already written).
  *
- * q [S, h, D] float32 (row s: sequence s's new token), out [S, h, D] float32.
+ * q [S, h, D] float32 (row s: sequence s's new token; rows ldq apart, heads D apart), out [S, h, D]
+ * float32 (rows ldo apart).
  * k_cache, v_cache [num_blocks, block_size, kvh, D] (float32 or bfloat16, kv_type as W_*).
  * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
  * at slot i % block_size. kv_len [S]: L_s.
@@ -586,8 +587,8 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * the G heads at once (each key is loaded once), softmax over i (max-subtracted, vectorised exp),
  * then out_g = sum_i p[g][i] v_i. Scores live in a per-thread buffer of G x max L floats.
  * Returns 0, or -1 when memory runs out. */
-int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, float *out,
-                        const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
+int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
+                        int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
                         int nthreads) {
     const int64_t G = h / kvh;
@@ -609,7 +610,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
             if (!sc) continue;
             const int64_t s = item / kvh, kh = item % kvh, L = kv_len[s];
             const int64_t *bt = block_tables + s * max_blocks;
-            const float *qs = q + (s * h + kh * G) * D; /* the G query heads of this kv head */
+            const float *qs = q + s * ldq + kh * G * D; /* the G query heads of this kv head */
             for (int64_t i = 0; i < L; i++) {
                 const int64_t slot = (bt[i / block_size] * block_size + i % block_size) * kvh + kh;
                 const char *kp = (const char *)k_cache + slot * D * es;
@@ -662,7 +663,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                         acc[d] += p[i] * inv * vv;
                     }
                 }
-                memcpy(out + (s * h + kh * G + g) * D, acc, sizeof(float) * D);
+                memcpy(out + s * ldo + (kh * G + g) * D, acc, sizeof(float) * D);
             }
         }
         free(sc);
@@ -751,4 +752,137 @@ void mm_topk_softmax(int64_t T, int64_t E, const float *logits, int64_t ld, int6
             for (int64_t k = 0; k < K; k++) w[k] /= s;
         }
     }
+}
+
+/* ---- One whole decoder layer for a decode step (one new token per sequence, tensor parallel size 1)
+ *
+ * What the model files compute op by op (stage_worker/models/llama.py, moe.py), in one call: the
+ * per-op path costs ~40 torch ops and ~30 Python calls per layer, several milliseconds a step at
+ * small batches, as much as the weights take to read. Same kernels, same order of arithmetic. */
+
+typedef struct { /* a weight packed as [ceil(n / NR)][k][NR] (weight type wt), int8 scales, a bias */
+    const void *w;
+    const float *scale;
+    const float *bias;
+    int64_t n, k, wt;
+} mm_weight;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim;
+    double eps, qk_eps;
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL without q/k norms */
+    mm_weight qkv, o;
+    const float *cos, *sin; /* [positions, head_dim] */
+    void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    int64_t kv_type, block_size;
+    int64_t moe; /* 0: dense MLP (gate_up, down); 1: routed experts (+ a shared expert if gate_up.w) */
+    mm_weight gate_up, down, router, shared_gate;
+    int64_t experts, top_k, expert_offset, moe_intermediate, renormalize, moe_wt;
+    const void *w13, *w2;
+    const float *s13, *s2;
+} mm_layer;
+
+static int linear_rows(const mm_weight *m, int64_t T, const float *x, int64_t ldx, float *y, int nthreads) {
+    if (mm_gemm(T, m->n, m->k, x, ldx, m->w, (int)m->wt, m->scale, y, m->n, nthreads)) return -1;
+    if (m->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < m->n; j++) y[t * m->n + j] += m->bias[j];
+    return 0;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void kv_store(void *cache, int64_t kv_type, int64_t slot, const float *src, int64_t n) {
+    if (kv_type == W_F32) {
+        memcpy((float *)cache + slot * n, src, n * 4);
+    } else {
+        uint16_t *dst = (uint16_t *)cache + slot * n;
+        for (int64_t j = 0; j < n; j++) dst[j] = to_bf16(src[j]);
+    }
+}
+
+/* hidden [T, H]: the layer's input, overwritten with its output; residual [T, H]: the residual
+ * stream, updated (first: the layer is the stage's first and there is no residual yet).
+ * positions, slots [T]: each token's position and KV slot (block * block_size + offset);
+ * block_tables [T, max_blocks], kv_len [T] as for mm_decode_attention. */
+int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residual, int first,
+                     const int64_t *positions, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
+                     const int64_t *kv_len, int nthreads) {
+    const int64_t H = L->hidden, h = L->heads, kvh = L->kv_heads, D = L->head_dim, nq = (h + 2 * kvh) * D;
+    const int64_t I = L->moe ? (L->gate_up.w ? L->gate_up.n / 2 : 0) : L->gate_up.n / 2;
+    const int64_t wide = nq > 2 * I ? nq : 2 * I;
+    float *xn = malloc(sizeof(float) * T * H), *big = malloc(sizeof(float) * T * (wide > 0 ? wide : 1));
+    float *attn = malloc(sizeof(float) * T * (h * D > I ? h * D : I)), *side = malloc(sizeof(float) * T * H);
+    float *topw = malloc(sizeof(float) * T * (L->top_k > 0 ? L->top_k : 1) + sizeof(float) * T * L->experts);
+    int64_t *topi = malloc(sizeof(int64_t) * T * (L->top_k > 0 ? L->top_k : 1));
+    int rc = -1;
+    if (!xn || !big || !attn || !side || !topw || !topi) goto done;
+
+    /* x = norm(hidden + residual); residual = hidden + residual */
+    if (first) {
+        memcpy(residual, hidden, sizeof(float) * T * H);
+        mm_rmsnorm(T, H, hidden, H, NULL, 0, NULL, L->in_norm, (float)L->eps, xn, nthreads);
+    } else {
+        mm_rmsnorm(T, H, hidden, H, residual, H, residual, L->in_norm, (float)L->eps, xn, nthreads);
+    }
+    /* attention: qkv, q/k norms, rotary, the new K/V into the cache, attention, o_proj */
+    if (linear_rows(&L->qkv, T, xn, H, big, nthreads)) goto done;
+    if (L->q_norm)
+        for (int64_t t = 0; t < T; t++) {
+            float *q = big + t * nq;
+            mm_rmsnorm(h, D, q, D, NULL, 0, NULL, L->q_norm, (float)L->qk_eps, q, 1);
+            mm_rmsnorm(kvh, D, q + h * D, D, NULL, 0, NULL, L->k_norm, (float)L->qk_eps, q + h * D, 1);
+        }
+    mm_rotary(T, h, D, big, nq, positions, L->cos, L->sin);
+    mm_rotary(T, kvh, D, big + h * D, nq, positions, L->cos, L->sin);
+    for (int64_t t = 0; t < T; t++) {
+        kv_store(L->k_cache, L->kv_type, slots[t], big + t * nq + h * D, kvh * D);
+        kv_store(L->v_cache, L->kv_type, slots[t], big + t * nq + (h + kvh) * D, kvh * D);
+    }
+    if (mm_decode_attention(T, h, kvh, D, big, nq, attn, h * D, L->k_cache, L->v_cache, (int)L->kv_type,
+                            L->block_size, block_tables, max_blocks, kv_len, 1.0f / __builtin_sqrtf((float)D),
+                            nthreads))
+        goto done;
+    if (linear_rows(&L->o, T, attn, h * D, hidden, nthreads)) goto done;
+    /* x = norm(attn + residual); residual += attn */
+    mm_rmsnorm(T, H, hidden, H, residual, H, residual, L->post_norm, (float)L->eps, xn, nthreads);
+
+    if (!L->moe) { /* down(silu(gate) * up) */
+        if (linear_rows(&L->gate_up, T, xn, H, big, nthreads)) goto done;
+        for (int64_t t = 0; t < T; t++) silu_mul(big + t * 2 * I, big + t * 2 * I + I, attn + t * I, I);
+        if (linear_rows(&L->down, T, attn, I, hidden, nthreads)) goto done;
+    } else {
+        float *logits = topw + T * L->top_k;
+        if (linear_rows(&L->router, T, xn, H, logits, nthreads)) goto done;
+        mm_topk_softmax(T, L->experts, logits, L->experts, L->top_k, (int)L->renormalize, topw, topi);
+        if (mm_moe(T, H, L->moe_intermediate, L->top_k, xn, topi, topw, L->experts, L->expert_offset, L->w13, L->s13,
+                   L->w2, L->s2, (int)L->moe_wt, hidden, nthreads))
+            goto done;
+        if (L->gate_up.w) { /* + sigmoid(shared_gate x) * down(silu(gate) * up) */
+            if (linear_rows(&L->gate_up, T, xn, H, big, nthreads)) goto done;
+            for (int64_t t = 0; t < T; t++) silu_mul(big + t * 2 * I, big + t * 2 * I + I, attn + t * I, I);
+            if (linear_rows(&L->down, T, attn, I, side, nthreads)) goto done;
+            float g[1];
+            for (int64_t t = 0; t < T; t++) {
+                if (linear_rows(&L->shared_gate, 1, xn + t * H, H, g, 1)) goto done;
+                const float sg = 1.0f / (1.0f + __builtin_expf(-g[0]));
+                for (int64_t j = 0; j < H; j++) hidden[t * H + j] += sg * side[t * H + j];
+            }
+        }
+    }
+    rc = 0;
+done:
+    free(xn);
+    free(big);
+    free(attn);
+    free(side);
+    free(topw);
+    free(topi);
+    return rc;
 }

@@ -1,0 +1,106 @@
+"""Decode steps in one native call per decoder layer (kernels/cpu_gemm.c `mm_decoder_layer`).
+
+The model files say what a layer computes, op by op, and run every step that is not a pure decode
+(prefill chunks, tensor parallelism, other backends). A decode step of a small batch is dominated by
+what sits around the kernels, not by them: ~40 torch ops and ~30 Python calls per layer (docs/
+benchmarks.md). So when a stage runs on the native backend with one tensor rank, float32
+activations and packed weights everywhere, each decoder layer is described once to the C library
+(pointers into the layer's own packed weights, norms and KV cache) and a decode step calls it once
+per layer. It computes with the same kernels in the same order as the op-by-op path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_gemm
+from stage_worker.context import ForwardContext
+from stage_worker.layers.fused_moe import FusedMoE
+from stage_worker.models.base import CausalLM
+from stage_worker.models.llama import LlamaMLP
+
+
+def _bias(linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.data
+
+
+def _layer_desc(layer) -> cpu_gemm.LayerDesc | None:
+    """The C description of one decoder layer, or None if it has a part the fused path lacks."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.qkv_proj.packed is None or attn.o_proj.packed is None:
+        return None
+    kv = attn.attn.kv_cache
+    if kv is None or kv.dtype not in (torch.float32, torch.bfloat16) or attn.rotary_emb.cos.dtype != torch.float32:
+        return None
+    if any(n.weight.dtype != torch.float32 for n in norms):
+        return None
+    d = cpu_gemm.LayerDesc()
+    d.hidden, d.heads, d.kv_heads, d.head_dim = (layer.input_layernorm.weight.numel(), attn.num_heads,
+                                                 attn.num_kv_heads, attn.head_dim)
+    d.eps = layer.input_layernorm.eps
+    d.in_norm, d.post_norm = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+    if attn.qk_norm:
+        d.q_norm, d.k_norm, d.qk_eps = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), attn.q_norm.eps
+    d.qkv = cpu_gemm.weight_desc(attn.qkv_proj.packed, _bias(attn.qkv_proj))
+    d.o = cpu_gemm.weight_desc(attn.o_proj.packed, _bias(attn.o_proj))
+    d.cos, d.sin = attn.rotary_emb.cos.data_ptr(), attn.rotary_emb.sin.data_ptr()
+    d.k_cache, d.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+    d.kv_type, d.block_size = cpu_gemm.WEIGHT_TYPES[kv.dtype], kv.shape[2]
+    if isinstance(mlp, LlamaMLP):
+        if mlp.gate_up_proj.packed is None or mlp.down_proj.packed is None:
+            return None
+        d.moe = 0
+        d.gate_up = cpu_gemm.weight_desc(mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj))
+        d.down = cpu_gemm.weight_desc(mlp.down_proj.packed, _bias(mlp.down_proj))
+        return d
+    experts: FusedMoE = mlp.experts
+    if experts.packed is None or mlp.gate.packed is None:
+        return None
+    d.moe = 1
+    d.router = cpu_gemm.weight_desc(mlp.gate.packed, _bias(mlp.gate))
+    w13, w2 = experts.packed
+    d.experts, d.top_k, d.expert_offset = experts.num_local_experts, experts.top_k, experts.expert_offset
+    d.moe_intermediate, d.renormalize, d.moe_wt = w2.k, int(experts.renormalize), w13.weight_type
+    d.w13, d.w2 = w13.data.data_ptr(), w2.data.data_ptr()
+    d.s13, d.s2 = cpu_gemm._ptr(w13.scale), cpu_gemm._ptr(w2.scale)
+    if mlp.shared_expert is not None:
+        shared = mlp.shared_expert
+        if shared.gate_up_proj.packed is None or shared.down_proj.packed is None or \
+                mlp.shared_expert_gate.packed is None:
+            return None
+        d.gate_up = cpu_gemm.weight_desc(shared.gate_up_proj.packed, _bias(shared.gate_up_proj))
+        d.down = cpu_gemm.weight_desc(shared.down_proj.packed, _bias(shared.down_proj))
+        d.shared_gate = cpu_gemm.weight_desc(mlp.shared_expert_gate.packed, _bias(mlp.shared_expert_gate))
+    return d
+
+
+class FusedDecode:
+    """A stage's decoder layers as C descriptions; `FusedDecode.build` is None where any layer
+    cannot take the fused path (the runner then runs every step op by op)."""
+
+    def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc]):
+        self.model, self.descs = model, descs
+        self.lib = cpu_gemm.native()
+
+    @classmethod
+    def build(cls, model: CausalLM, tp_size: int, dtype: torch.dtype) -> "FusedDecode | None":
+        if model.backend != "native" or tp_size != 1 or dtype != torch.float32:
+            return None
+        descs = [_layer_desc(layer) for layer in model.model.layers.values()]
+        if any(d is None for d in descs):
+            return None
+        return cls(model, descs)
+
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
+        through every layer of the stage."""
+        group = ctx.groups[0]
+        hidden = hidden.contiguous().clone()  # the layers work in place
+        first = residual is None
+        residual = torch.empty_like(hidden) if first else residual.contiguous().clone()
+        for desc in self.descs:
+            cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
+                                   group.kv_len, self.lib)
+            first = False
+        return hidden, residual
