@@ -20,28 +20,40 @@ from stage_worker.models.base import CausalLM
 from stage_worker.models.llama import LlamaMLP
 
 
-def _bias(linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.data
+class _Float32:
+    """float32 views of a layer's small tensors (norm weights, biases), copied when the model runs
+    in bfloat16; the copies live as long as the descriptions that point at them."""
+
+    def __init__(self):
+        self.keep: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.detach().float().contiguous()
+        self.keep.append(t)
+        return t
+
+    def ptr(self, t: torch.Tensor) -> int:
+        return self(t).data_ptr()
 
 
-def _layer_desc(layer) -> cpu_gemm.LayerDesc | None:
+def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
     """The C description of one decoder layer, or None if it has a part the fused path lacks."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    _bias = lambda linear: f32(linear.bias)  # noqa: E731
     if attn.qkv_proj.packed is None or attn.o_proj.packed is None:
         return None
     kv = attn.attn.kv_cache
     if kv is None or kv.dtype not in (torch.float32, torch.bfloat16) or attn.rotary_emb.cos.dtype != torch.float32:
         return None
-    if any(n.weight.dtype != torch.float32 for n in norms):
-        return None
     d = cpu_gemm.LayerDesc()
     d.hidden, d.heads, d.kv_heads, d.head_dim = (layer.input_layernorm.weight.numel(), attn.num_heads,
                                                  attn.num_kv_heads, attn.head_dim)
     d.eps = layer.input_layernorm.eps
-    d.in_norm, d.post_norm = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+    d.in_norm, d.post_norm = f32.ptr(layer.input_layernorm.weight), f32.ptr(layer.post_attention_layernorm.weight)
     if attn.qk_norm:
-        d.q_norm, d.k_norm, d.qk_eps = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr(), attn.q_norm.eps
+        d.q_norm, d.k_norm, d.qk_eps = f32.ptr(attn.q_norm.weight), f32.ptr(attn.k_norm.weight), attn.q_norm.eps
     d.qkv = cpu_gemm.weight_desc(attn.qkv_proj.packed, _bias(attn.qkv_proj))
     d.o = cpu_gemm.weight_desc(attn.o_proj.packed, _bias(attn.o_proj))
     d.cos, d.sin = attn.rotary_emb.cos.data_ptr(), attn.rotary_emb.sin.data_ptr()
@@ -77,30 +89,35 @@ def _layer_desc(layer) -> cpu_gemm.LayerDesc | None:
 
 class FusedDecode:
     """A stage's decoder layers as C descriptions; `FusedDecode.build` is None where any layer
-    cannot take the fused path (the runner then runs every step op by op)."""
+    cannot take the fused path (the runner then runs every step op by op).
 
-    def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc]):
-        self.model, self.descs = model, descs
+    Activations are float32 inside, whatever the model dtype: a bfloat16 model keeps its weights
+    and KV cache in bfloat16 (the bytes a decode step reads) and computes in float32 between them,
+    as llama.cpp computes with BF16 weights; its hidden state leaves the stage in bfloat16."""
+
+    def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc], keep: _Float32, dtype: torch.dtype):
+        self.model, self.descs, self.keep, self.dtype = model, descs, keep, dtype
         self.lib = cpu_gemm.native()
 
     @classmethod
     def build(cls, model: CausalLM, tp_size: int, dtype: torch.dtype) -> "FusedDecode | None":
-        if model.backend != "native" or tp_size != 1 or dtype != torch.float32:
+        if model.backend != "native" or tp_size != 1 or dtype not in (torch.float32, torch.bfloat16):
             return None
-        descs = [_layer_desc(layer) for layer in model.model.layers.values()]
+        keep = _Float32()
+        descs = [_layer_desc(layer, keep) for layer in model.model.layers.values()]
         if any(d is None for d in descs):
             return None
-        return cls(model, descs)
+        return cls(model, descs, keep, dtype)
 
     def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None):
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
         through every layer of the stage."""
         group = ctx.groups[0]
-        hidden = hidden.contiguous().clone()  # the layers work in place
+        hidden = hidden.float().contiguous().clone()  # the layers work in place
         first = residual is None
-        residual = torch.empty_like(hidden) if first else residual.contiguous().clone()
+        residual = torch.empty_like(hidden) if first else residual.float().contiguous().clone()
         for desc in self.descs:
             cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
                                    group.kv_len, self.lib)
             first = False
-        return hidden, residual
+        return hidden.to(self.dtype), residual.to(self.dtype)

@@ -256,3 +256,22 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
         runner.execute(StepInput(prompts, [0, 0, 0], tables, [True] * 3))
         logits.append(runner.execute(StepInput([[11], [12], [13]], [len(p) for p in prompts], tables, [True] * 3)))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
+    """bfloat16 weights and KV cache, float32 arithmetic between them: decode logits near float32's."""
+    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from stage_worker.runner import StepInput
+
+    write_tiny_model(TinyModelSpec(arch="qwen2_moe", num_layers=2, hidden_size=64, moe_intermediate_size=48,
+                                   shared_expert_intermediate_size=64, num_experts=4, vocab_size=384), tmp_path)
+    logits = []
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16, dtype=dtype), progress=False) \
+            .stages[0].runner
+        assert runner.fused is not None
+        runner.execute(StepInput([[5, 17, 33, 2, 9]], [0], [[0]], [True]))
+        logits.append(runner.execute(StepInput([[11]], [5], [[0]], [True])))
+    err = ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()).item()
+    assert 0 < err < 0.05

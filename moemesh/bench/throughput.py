@@ -144,7 +144,7 @@ def _run_across_namespaces(args, pp: int, prompts, params) -> dict:
             for i in range(pp):
                 hosts.popen(f"s{i}", [*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(i),
                                       "--host", "0.0.0.0", "--advertise-host", hosts.address(f"s{i}"),
-                                      "--kv-memory", str(args.kv_memory)], env=_one_thread_env())
+                                      "--kv-memory", str(args.kv_memory), "--threads", "1"], env=_one_thread_env())
             json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": args.concurrency}, f)
             f.flush()
             driver = hosts.popen("front", [sys.executable, "-m", "moemesh.bench.throughput", f.name],
