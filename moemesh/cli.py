@@ -42,6 +42,28 @@ def int_list(text: str) -> list[int]:
 int_list.__name__ = "comma-separated list of integers"
 
 
+def partition_arg(text: str):
+    """--layer-partition: "auto" or layers per stage, e.g. 3,5."""
+    return "auto" if text.strip() == "auto" else int_list(text)
+
+
+partition_arg.__name__ = "auto or a comma-separated list of integers"
+
+
+def resolve_partition(value, model_dir, pp: int) -> tuple[int, ...] | None:
+    """--layer-partition as layers per stage: "auto" balances the stages' decode cost for `pp`."""
+    if value is None:
+        return None
+    if value == "auto":
+        from moemesh.config import ConfigError, ModelConfig, balanced_partition
+
+        try:
+            return balanced_partition(ModelConfig.from_dir(model_dir), pp)
+        except ConfigError as e:
+            raise CLIError(f"--layer-partition auto: {e}") from None
+    return tuple(value)
+
+
 def backend_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in ("auto", "torch", "native", "triton")]
@@ -69,8 +91,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the kernels: auto = Triton on CUDA, native C kernels on CPU (torch where no C compiler); "
                         "native: packed-weight CPU kernels for experts and linear layers; torch: torch's matmul; "
                         "triton on CPU: the interpreter")
-    p.add_argument("--layer-partition", type=int_list, default=None,
-                   help="layers per pipeline stage, e.g. 3,5")
+    p.add_argument("--layer-partition", type=partition_arg, default=None,
+                   help="layers per pipeline stage, e.g. 3,5; auto: balance the stages' decode cost (the last "
+                        "stage also carries the lm_head)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="compute threads of the engine, or of each stage worker on a mesh (default: this "
                         "machine's cores shared among the worker processes)")
@@ -143,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", required=True, help="checkpoint directory (workers read it at the same path)")
     c.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     c.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per stage")
-    c.add_argument("--layer-partition", type=int_list, default=None, help="layers per stage, e.g. 3,5")
+    c.add_argument("--layer-partition", type=partition_arg, default=None,
+                   help="layers per stage, e.g. 3,5; auto: balance the stages' decode cost")
     c.add_argument("--host", default="127.0.0.1", help="address to listen on")
     c.add_argument("--port", type=int, default=5555, help="port for stage workers (0: any free port)")
     c.add_argument("--client-port", type=int, default=5556, help="port for gateways and clients (0: any)")
@@ -238,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--pp", type=int_list, default=[1, 2], help="pipeline stages of each layout, e.g. 1,2")
     tb.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel ranks of each layout, e.g. 1,2")
     tb.add_argument("--expert-parallel", action="store_true")
+    tb.add_argument("--layer-partition", type=partition_arg, default=None,
+                    help="auto: balanced stages for every --pp; or layers per stage for the layout with that many")
     tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
     tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
     tb.add_argument("--prompt-len", type=positive_int, default=32)
@@ -369,7 +395,7 @@ def cmd_coordinator(args) -> int:
     try:
         coord = Coordinator(CoordinatorConfig(
             model=args.model, pp=args.pp, tp=args.tp,
-            layer_partition=tuple(args.layer_partition) if args.layer_partition else None,
+            layer_partition=resolve_partition(args.layer_partition, args.model, args.pp),
             host=args.host, port=args.port, client_port=args.client_port, dtype=args.dtype,
             block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_seqs,
             max_in_flight=args.max_in_flight, worker_timeout=args.worker_timeout,

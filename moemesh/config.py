@@ -244,3 +244,54 @@ def resolve_dtype(flag: str, model: ModelConfig, device: torch.device) -> torch.
     if flag not in DTYPES:
         raise ConfigError(f"--dtype {flag!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[flag]
+
+
+def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
+    """(cost of each decoder layer, cost of the head) for one decode token, in multiply-adds of the
+    weights that token uses: attention's projections and, per layer, its K routed experts plus any
+    shared expert and router (sparse) or its dense MLP; the head is the final norm and lm_head. A
+    decode step reads and multiplies these weights, so its time on a stage follows their sum (the
+    attention over the cache is small beside them at the context lengths that serve decode)."""
+    H = model.hidden_size
+    attn = H * (model.q_size + 2 * model.kv_size) + model.q_size * H
+    layers = []
+    for i in range(model.num_layers):
+        if model.is_sparse_layer(i):
+            mlp = model.top_k * 3 * H * model.moe_intermediate_size + model.num_experts * H
+            if model.shared_expert_intermediate_size:
+                mlp += 3 * H * model.shared_expert_intermediate_size + H
+        else:
+            mlp = 3 * H * model.intermediate_size
+        layers.append(float(attn + mlp))
+    return layers, float(model.vocab_size * H)
+
+
+def balanced_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
+    """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
+    largest stage's decode cost (`decode_costs`; the last stage also carries the head), so that the
+    stages of a pipeline are equally busy."""
+    layers, head = decode_costs(model)
+    n = len(layers)
+    if not 1 <= pp <= n:
+        raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
+    prefix = [0.0]
+    for c in layers:
+        prefix.append(prefix[-1] + c)
+    cost = lambda a, b, last: prefix[b] - prefix[a] + (head if last else 0.0)  # noqa: E731
+    # best[s][j]: the least possible largest stage cost of layers 0..j-1 split into s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for s in range(1, pp + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], cost(i, j, s == pp and j == n))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    counts, j = [], n
+    for s in range(pp, 0, -1):
+        i = cut[s][j]
+        counts.append(j - i)
+        j = i
+    return tuple(reversed(counts))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from moemesh.cli import CLIError
+from moemesh.cli import CLIError, resolve_partition
 from moemesh.config import ConfigError, ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
 from moemesh.launcher import threads_per_worker
@@ -41,15 +41,16 @@ def engine_config_from_args(args) -> EngineConfig:
         resolve_quantization(model_config, args.quantization)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    if args.layer_partition is not None:
+    partition = resolve_partition(args.layer_partition, model, getattr(args, "pp", None) or 1)
+    if partition is not None:
         try:
-            split_layers(model_config.num_layers, tuple(args.layer_partition))
+            split_layers(model_config.num_layers, partition)
         except ValueError as e:
             raise CLIError(f"--layer-partition: {e}") from None
     return EngineConfig(model=str(model), dtype=dtype, device=str(device), block_size=args.block_size,
                         kv_memory_bytes=args.kv_memory, max_num_batched_tokens=args.max_batched_tokens,
                         max_num_seqs=args.max_seqs, quantization=args.quantization, moe_backend=args.moe_backend,
-                        stage_layers=tuple(args.layer_partition) if args.layer_partition else None)
+                        stage_layers=partition)
 
 
 def sampling_params_from_args(args) -> SamplingParams:

@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from moemesh.cli import CLIError
+from moemesh.cli import CLIError, resolve_partition
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig, check_layout, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine
@@ -89,20 +89,24 @@ def run_throughput_bench(args) -> int:
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
     for pp, tp in [(pp, tp) for tp in args.tp for pp in args.pp]:
+        partition = None
+        if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
+            partition = resolve_partition(args.layer_partition, args.model, pp)
         spec = MeshSpec(model=args.model, pp=pp, tp=tp, dtype=args.dtype, kv_memory_bytes=args.kv_memory,
                         max_num_batched_tokens=args.max_batched_tokens, threads_per_worker=1,
-                        expert_parallel=args.expert_parallel)
+                        expert_parallel=args.expert_parallel, layer_partition=partition)
         try:
             check_layout(mc, tp, args.expert_parallel)
             if args.netns:
-                r = _run_across_namespaces(args, pp, prompts, params)
+                r = _run_across_namespaces(args, pp, prompts, params, partition)
             else:
                 with LocalMesh(spec) as mesh:
                     r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}"))
         except (LaunchError, RuntimeError, ValueError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
-        row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp, "tok_per_s": round(tps, 1),
+        row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
+               "layers": list(partition) if partition else "even", "tok_per_s": round(tps, 1),
                "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
@@ -124,7 +128,7 @@ def _emit(row: dict, as_json: bool) -> None:
     print(json.dumps(row) if as_json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
-def _run_across_namespaces(args, pp: int, prompts, params) -> dict:
+def _run_across_namespaces(args, pp: int, prompts, params, partition=None) -> dict:
     """The coordinator and the driver on one simulated host, each stage on its own (moemesh.netns)."""
     import subprocess
     import sys
@@ -139,7 +143,8 @@ def _run_across_namespaces(args, pp: int, prompts, params) -> dict:
             front = hosts.address("front")
             hosts.popen("front", [*py, "coordinator", "--model", args.model, "--pp", str(pp), "--host", "0.0.0.0",
                                   "--port", "5555", "--client-port", "5556", "--dtype", args.dtype,
-                                  "--max-batched-tokens", str(args.max_batched_tokens)],
+                                  "--max-batched-tokens", str(args.max_batched_tokens),
+                                  *(["--layer-partition", ",".join(map(str, partition))] if partition else [])],
                         stdout=subprocess.DEVNULL, env=_one_thread_env())
             for i in range(pp):
                 hosts.popen(f"s{i}", [*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(i),

@@ -1,0 +1,53 @@
+"""`--layer-partition auto`: stages balanced by their decode cost, the last one carrying the head."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from moemesh.cli import main
+from moemesh.config import ConfigError, ModelConfig, RopeConfig, balanced_partition, decode_costs
+
+
+def config(layers=8, vocab=32000, hidden=512, mlp_only=()):
+    return ModelConfig(model_type="mixtral", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=8,
+                       num_kv_heads=2, head_dim=64, intermediate_size=1024, rms_norm_eps=1e-5, rope=RopeConfig(),
+                       max_position_embeddings=64, num_experts=8, top_k=2, moe_intermediate_size=1024,
+                       mlp_only_layers=tuple(mlp_only))
+
+
+def worst_stage(model, counts):
+    layers, head = decode_costs(model)
+    out, start = [], 0
+    for i, n in enumerate(counts):
+        out.append(sum(layers[start:start + n]) + (head if i == len(counts) - 1 else 0))
+        start += n
+    return max(out)
+
+
+def test_the_benchmark_model_gives_the_last_stage_fewer_layers():
+    # 8 equal layers of ~3.8M multiply-adds per decode token; the head (32000 x 512) is ~4.3 layers
+    assert balanced_partition(config(), 1) == (8,)
+    assert balanced_partition(config(), 2) == (6, 2)
+    assert balanced_partition(config(), 8) == (1,) * 8
+    with pytest.raises(ConfigError, match="--pp 9"):
+        balanced_partition(config(), 9)
+
+
+@pytest.mark.parametrize("layers,pp,vocab,mlp_only", [(7, 3, 4000, ()), (9, 4, 20000, (1, 2)), (6, 2, 500, (0,))])
+def test_no_other_split_has_a_cheaper_busiest_stage(layers, pp, vocab, mlp_only):
+    model = config(layers, vocab, mlp_only=mlp_only)
+    got = balanced_partition(model, pp)
+    assert sum(got) == layers and min(got) >= 1 and len(got) == pp
+    splits = [c for c in itertools.product(range(1, layers + 1), repeat=pp) if sum(c) == layers]
+    assert worst_stage(model, got) == min(worst_stage(model, c) for c in splits)
+
+
+def test_generate_takes_auto(tmp_path, capsys):
+    assert main(["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path), "--layers", "4"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--max-tokens", "3",
+                 "--temperature", "0", "--layer-partition", "auto", "--json"]) == 0
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--layer-partition", "best"])
