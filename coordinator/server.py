@@ -110,6 +110,8 @@ class Coordinator:
         self.wake = asyncio.Event()
         self.started = time.monotonic()
         self.ready = asyncio.Event()
+        # what the coordinator itself costs: microbatches scheduled, its CPU time on them, schedule bytes
+        self.steps, self.step_seconds, self.schedule_bytes = 0, 0.0, 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -245,12 +247,14 @@ class Coordinator:
         if self.core is None or result.step_id not in self.core.in_flight:
             self.bad_worker(ProtocolError(f"result for step {result.step_id}, which is not in flight"), "last stage")
             return
+        started = time.thread_time()
         try:
             outputs = self.core.process_result(result)
         except ValueError as e:
             self.bad_worker(ProtocolError(str(e)), "last stage")
             return
         await self._deliver(outputs)
+        self.step_seconds += time.thread_time() - started
         self.wake.set()
 
     async def _watchdog(self) -> None:
@@ -284,12 +288,18 @@ class Coordinator:
                 continue
             limit = self.cfg.in_flight_limit
             while len(core.in_flight) < limit and core.has_work():
+                started = time.thread_time()
                 # share the active sequences among the microbatches in flight, so every stage has work
                 active = len(core.scheduler.running) + len(core.scheduler.waiting)
                 sched = core.next_schedule(max_seqs=max(1, math.ceil(active / limit)))
                 if sched is None:
                     break
-                await self._broadcast(sched)
+                frames = Codec.encode(sched)
+                self.steps += 1
+                self.schedule_bytes += sum(len(f) for f in frames)
+                self.step_seconds += time.thread_time() - started
+                for w in self.workers.values():
+                    await self.workers_sock.send_multipart([w.identity, *frames], copy=False)
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -359,7 +369,8 @@ class Coordinator:
             stage_comm_seconds=comm, stage_sent_bytes=sent,
             uptime_seconds=time.monotonic() - self.started,
             malformed_messages=self.bad_worker.count + self.bad_client.count, model=self.cfg.model,
-            max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure)
+            max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
+            steps=self.steps, coordinator_step_seconds=self.step_seconds, schedule_bytes=self.schedule_bytes)
 
 
 def _with_id(out: RequestOutput, request_id: str) -> RequestOutput:

@@ -95,6 +95,9 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     model: str = ""  # the checkpoint directory the workers load
     max_model_len: int = 0
     failure: str | None = None  # why the pipeline is down, when it is
+    steps: int = 0  # microbatches scheduled so far
+    coordinator_step_seconds: float = 0.0  # the coordinator's CPU time scheduling them and taking results
+    schedule_bytes: int = 0  # encoded size of those schedules (each sent once to every worker)
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]

@@ -68,7 +68,11 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
         comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
         sent = [b - a for a, b in zip(before.stage_sent_bytes, after.stage_sent_bytes)][:-1]  # boundaries
-        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm, "sent": sent}
+        steps = max(1, after.steps - before.steps)
+        return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm, "sent": sent,
+                "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
+                / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
+                "steps": after.steps - before.steps}
     finally:
         await client.close()
 
@@ -109,7 +113,9 @@ def run_throughput_bench(args) -> int:
                "layers": list(partition) if partition else "even", "tok_per_s": round(tps, 1),
                "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2),
-               "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]]}
+               "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]],
+               "steps": r["steps"], "coordinator_ms_per_step": round(r["coordinator_ms_per_step"], 3),
+               "schedule_bytes_per_step": round(r["schedule_bytes_per_step"])}
         if pp > 1:  # what crosses each stage boundary, per token processed (prompt and generated)
             row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + n * args.prompt_len)) for b in r["sent"]]
         if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
