@@ -266,6 +266,15 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     return out
 
 
+def check_paged(block_table: torch.Tensor, kv_len: torch.Tensor, rows: int, num_blocks: int, block_size: int) -> None:
+    """The C kernels trust block ids and lengths: refuse any that would reach outside the cache."""
+    if block_table.shape[0] != rows or kv_len.shape != (rows,):
+        raise ValueError(f"block tables {tuple(block_table.shape)} / lengths {tuple(kv_len.shape)} for {rows} rows")
+    if rows and (int(kv_len.min()) < 1 or int(kv_len.max()) > block_table.shape[1] * block_size
+                 or int(block_table.min()) < 0 or int(block_table.max()) >= num_blocks):
+        raise ValueError("a block table or context length reaches outside the KV cache")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      kv_len: torch.Tensor, scale: float, lib: _Lib) -> torch.Tensor:
     """One query token per sequence over the paged KV cache (causal: it sees all L_s keys).
@@ -279,6 +288,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         and v_cache.is_contiguous() and block_table.dtype == kv_len.dtype == torch.int64
     q = q.float().contiguous()
     block_table, kv_len = block_table.contiguous(), kv_len.contiguous()
+    check_paged(block_table, kv_len, S, nb, bs)
     out = torch.empty(S, h, D, dtype=torch.float32)
     if S:
         rc = lib.lib.mm_decode_attention(S, h, kvh, D, q.data_ptr(), h * D, out.data_ptr(), h * D, k_cache.data_ptr(),
@@ -324,6 +334,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     T, E = logits.shape
+    if not 0 < top_k <= E:
+        raise ValueError(f"top-k {top_k} of {E} experts")
     weights = torch.empty(T, top_k, dtype=torch.float32)
     ids = torch.empty(T, top_k, dtype=torch.int64)
     if T:

@@ -275,8 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")
-    fb = bsub.add_parser("fp8", help="logit error and greedy agreement of FP8 against the unquantized model")
+    fb = bsub.add_parser("fp8", help="logit error and greedy agreement of FP8 (and int8) against the unquantized "
+                                     "model")
     fb.add_argument("--model", required=True, help="the 16/32-bit checkpoint")
+    fb.add_argument("--quantization", type=lambda t: [x for x in t.split(",") if x], default=["fp8"],
+                    help="quantizations applied in place and compared: fp8, int8 or fp8,int8")
     fb.add_argument("--fp8-model", default=None, help="its FP8 checkpoint (moemesh quantize), compared as well")
     fb.add_argument("--num-prompts", type=positive_int, default=16)
     fb.add_argument("--prompt-len", type=positive_int, default=16)

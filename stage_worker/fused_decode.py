@@ -57,6 +57,7 @@ def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
     d.qkv = cpu_gemm.weight_desc(attn.qkv_proj.packed, _bias(attn.qkv_proj))
     d.o = cpu_gemm.weight_desc(attn.o_proj.packed, _bias(attn.o_proj))
     d.cos, d.sin = attn.rotary_emb.cos.data_ptr(), attn.rotary_emb.sin.data_ptr()
+    assert attn.qkv_proj.packed.n == (d.heads + 2 * d.kv_heads) * d.head_dim
     d.k_cache, d.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
     d.kv_type, d.block_size = cpu_gemm.WEIGHT_TYPES[kv.dtype], kv.shape[2]
     if isinstance(mlp, LlamaMLP):
@@ -67,8 +68,8 @@ def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
         d.down = cpu_gemm.weight_desc(mlp.down_proj.packed, _bias(mlp.down_proj))
         return d
     experts: FusedMoE = mlp.experts
-    if experts.packed is None or mlp.gate.packed is None:
-        return None
+    if experts.packed is None or mlp.gate.packed is None or mlp.gate.packed.n != experts.num_local_experts:
+        return None  # (expert parallelism: the router sees every expert, this rank holds some)
     d.moe = 1
     d.router = cpu_gemm.weight_desc(mlp.gate.packed, _bias(mlp.gate))
     w13, w2 = experts.packed
@@ -87,6 +88,12 @@ def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
     return d
 
 
+def _packed_tensors(module) -> list[torch.Tensor]:
+    packed = getattr(module, "packed", None)
+    items = packed if isinstance(packed, tuple) else (packed,) if packed is not None else ()
+    return [t for p in items for t in (p.data, p.scale) if t is not None]
+
+
 class FusedDecode:
     """A stage's decoder layers as C descriptions; `FusedDecode.build` is None where any layer
     cannot take the fused path (the runner then runs every step op by op).
@@ -98,6 +105,13 @@ class FusedDecode:
     def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc], keep: _Float32, dtype: torch.dtype):
         self.model, self.descs, self.keep, self.dtype = model, descs, keep, dtype
         self.lib = cpu_gemm.native()
+        layer0 = next(iter(model.model.layers.values())).self_attn
+        self.kv_cache = layer0.attn.kv_cache  # [2, blocks, block_size, kvh, D]: the descriptions point into it
+        self.max_positions = layer0.rotary_emb.cos.shape[0]
+        self.hidden_size = descs[0].hidden
+        # what the descriptions point into, held here as well as by the layers
+        self.pinned = [t for m in model.modules() for t in _packed_tensors(m)]
+        self.pinned += [m.attn.kv_cache for m in (layer.self_attn for layer in model.model.layers.values())]
 
     @classmethod
     def build(cls, model: CausalLM, tp_size: int, dtype: torch.dtype) -> "FusedDecode | None":
@@ -113,6 +127,17 @@ class FusedDecode:
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
         through every layer of the stage."""
         group = ctx.groups[0]
+        T = ctx.positions.shape[0]
+        # the C layers trust every index: a step that reaches outside the cache or the rotary table
+        # is refused here, as the op-by-op path's indexing would refuse it
+        if hidden.shape != (T, self.hidden_size) or (residual is not None and residual.shape != hidden.shape):
+            raise ValueError(f"activations {tuple(hidden.shape)} for a step of {T} tokens")
+        _, num_blocks, block_size = self.kv_cache.shape[:3]
+        cpu_gemm.check_paged(group.block_table, group.kv_len, T, num_blocks, block_size)
+        if ctx.slot_mapping.shape != (T,) or (T and (int(ctx.slot_mapping.min()) < 0 or int(
+                ctx.slot_mapping.max()) >= num_blocks * block_size or int(ctx.positions.min()) < 0
+                or int(ctx.positions.max()) >= self.max_positions)):
+            raise ValueError("a KV slot or position of this step is outside the cache or the rotary table")
         hidden = hidden.float().contiguous().clone()  # the layers work in place
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.float().contiguous().clone()

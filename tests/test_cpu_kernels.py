@@ -275,3 +275,57 @@ def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
         logits.append(runner.execute(StepInput([[11]], [5], [[0]], [True])))
     err = ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()).item()
     assert 0 < err < 0.05
+
+
+def test_decode_attention_keeps_a_nan_and_refuses_blocks_outside_the_cache():
+    k = torch.randn(4, 4, 1, 16)
+    v = torch.randn(4, 4, 1, 16)
+    k[1, 2, 0, 3] = float("nan")  # key 6 of the sequence below
+    q = torch.randn(1, 2, 16)
+    out = cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 1]]), torch.tensor([7]), 0.25, lib)
+    assert torch.isnan(out).all()  # as SDPA: a NaN score poisons the softmax, it is not masked away
+    out = cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 1]]), torch.tensor([6]), 0.25, lib)
+    assert torch.isfinite(out).all()  # the NaN key is past this context
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 4]]), torch.tensor([6]), 0.25, lib)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 1]]), torch.tensor([9]), 0.25, lib)
+
+
+def test_fused_decode_refuses_a_step_outside_the_cache(tmp_path):
+    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from stage_worker.runner import StepInput
+
+    write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=48,
+                                   num_experts=4, vocab_size=384), tmp_path)
+    runner = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=4, block_size=4), progress=False) \
+        .stages[0].runner
+    assert runner.fused is not None
+    runner.execute(StepInput([[5, 6, 7]], [0], [[0]], [True]))
+    with pytest.raises(ValueError, match="outside"):
+        runner.execute(StepInput([[8]], [3], [[9]], [True]))  # block 9 of a 4-block cache
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(tmp_path, monkeypatch):
+    """native() None (no C compiler): auto resolves to torch and a model still generates."""
+    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.sampling import SamplingParams
+    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+
+    write_tiny_model(TinyModelSpec(arch="qwen2_moe", num_layers=2, hidden_size=32, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=32, num_experts=4, vocab_size=384), tmp_path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False).generate([[5, 6, 7]], params)
+    monkeypatch.setattr(cpu_gemm, "native", lambda: None)
+    assert resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(BackendError, match="could not be built"):
+        resolve_backend("native", "cpu")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False)
+    assert engine.stages[0].runner.model.backend == "torch" and engine.stages[0].runner.fused is None
+    assert engine.generate([[5, 6, 7]], params)[0].token_ids == want[0].token_ids
+
+
+def test_topk_beyond_the_experts_is_refused():
+    with pytest.raises(ValueError, match="top-k 5 of 4"):
+        cpu_gemm.topk_softmax(torch.randn(2, 4), 5, False, lib)

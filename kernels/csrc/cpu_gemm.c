@@ -372,8 +372,9 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
 INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 INLINE vf vexp(vf x) {
-    x = vselect(x > splat(-87.0f), x, splat(-87.0f));
-    x = vselect(x < splat(88.0f), x, splat(88.0f));
+    /* clamped so e^x stays finite and normal; NaN compares false both ways and passes through */
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(88.0f), splat(88.0f), x);
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
     vf n = (x * splat(1.44269504088896341f) + magic) - magic;
     vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
@@ -636,11 +637,11 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 float *p = sc + g * stride;
                 float m = p[0];
                 for (int64_t i = 1; i < L; i++) m = p[i] > m ? p[i] : m;
-                for (int64_t i = L; i < (L + VW - 1) / VW * VW; i++) p[i] = -INFINITY_F;
                 vf total = {0};
                 for (int64_t i = 0; i < L; i += VW) {
                     vf e = vexp(load_f(p + i) - splat(m));
-                    e = vselect(load_f(p + i) > splat(-INFINITY_F), e, splat(0.0f));
+                    if (i + VW > L) /* the tail past the last key: masked by index (a NaN score stays NaN) */
+                        for (int64_t j = L - i; j < VW; j++) e[j] = 0.0f;
                     store_f(p + i, e);
                     total += e;
                 }

@@ -1,4 +1,4 @@
-"""`moemesh bench fp8`: how far FP8 moves a model, in the way vLLM's MoE refactor compared bf16 and
+"""`moemesh bench fp8`: how far FP8 (or int8, `--quantization fp8,int8`) moves a model, in the way vLLM's MoE refactor compared bf16 and
 fp8: logits of the same prompts (max |difference| / max |logit|) and how often greedy decoding
 picks the same tokens (the first token, every position, and the common prefix before the first
 difference), against the unquantized model in the same run."""
@@ -9,6 +9,7 @@ import json
 
 import torch
 
+from moemesh.cli import CLIError
 from moemesh.engine import EngineConfig, LLMEngine
 from moemesh.sampling import SamplingParams
 
@@ -21,7 +22,11 @@ def run_fp8_bench(args) -> int:
     prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in base.generate(prompts, params)]
-    variants = {"fp8 in place": EngineConfig(model=args.model, num_kv_blocks=1024, quantization="fp8")}
+    bad = [q for q in args.quantization if q not in ("fp8", "int8")]
+    if bad:
+        raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
+    variants = {f"{q} in place": EngineConfig(model=args.model, num_kv_blocks=1024, quantization=q)
+                for q in args.quantization}
     if args.fp8_model:
         variants["fp8 checkpoint"] = EngineConfig(model=args.fp8_model, num_kv_blocks=1024)
     for name, cfg in variants.items():
