@@ -1,6 +1,10 @@
-"""The benchmark commands run and print comparable rows (speed itself is not asserted)."""
+"""The benchmark commands run and print comparable rows (speed itself is not asserted): `bench
+model` (roofline fraction, backend ratios), `bench throughput` (layers per stage, the
+coordinator's cost per step)."""
 
 import json
+
+import pytest
 
 from moemesh.bench.model import step_cost
 from moemesh.cli import main
@@ -36,3 +40,47 @@ def test_roofline_counts_experts_hit_and_kv_reads(tmp_path):
     assert f1 == 2 * (attn + 4 * 64 + expert + 384 * 64) + 4 * 10 * 64
     b_many, _ = step_cost(mc, 1000, [0] * 1000, 4)
     assert abs(b_many / 4 - (attn + 4 * 64 + 4 * expert + 384 * 64 + 1000 * 2 * 32)) < 1  # all experts read once
+    b_int8, _ = step_cost(mc, 1, [10], 1, 4)  # int8 weights (1 byte), float32 KV cache (4)
+    assert b_int8 == (attn + 4 * 64 + 1 * expert + 384 * 64) + 4 * kv
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-tiny")
+    assert main(["make-tiny-model", "--arch", "mixtral", "--out", str(path), "--layers", "4", "--hidden", "64",
+                 "--intermediate", "96", "--experts", "4"]) == 0
+    return path
+
+
+def json_rows(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_bench_model_compares_backends_and_reports_the_roofline(tiny, capsys):
+    capsys.readouterr()
+    assert main(["bench", "model", "--model", str(tiny), "--batch", "1,4", "--new", "4", "--prompt-len", "4",
+                 "--moe-backend", "native,torch", "--quantization", "int8", "--no-transformers", "--json"]) == 0
+    out = json_rows(capsys)
+    ours = [r for r in out if r["impl"] == "moemesh"]
+    assert [(r["backend"], r["batch"]) for r in ours] == [("native", 1), ("native", 4), ("torch", 1), ("torch", 4)]
+    assert all(r["quantization"] == "int8" and r["tok_per_s"] > 0 and r["fraction_of_roofline"] > 0 for r in ours)
+    ratios = [r for r in out if r["impl"] == "ratio"]
+    assert [r["batch"] for r in ratios] == [1, 4] and all(r["native_over_torch"] > 0 for r in ratios)
+    machine = next(r for r in out if r["impl"] == "machine")
+    assert machine["read_gb_per_s"] > 0 and machine["matmul_gflops"] > 0
+
+
+def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
+    capsys.readouterr()
+    assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "4",
+                 "--new", "3", "--layer-partition", "auto", "--no-baseline", "--json"]) == 0
+    out = json_rows(capsys)
+    from moemesh.config import balanced_partition
+
+    want = list(balanced_partition(ModelConfig.from_dir(tiny), 2))
+    assert [(r["pp"], r["layers"]) for r in out] == [(1, [4]), (2, want)]
+    for r in out:
+        assert r["tok_per_s"] > 0 and r["steps"] > 0
+        assert r["coordinator_ms_per_step"] > 0 and r["schedule_bytes_per_step"] > 0
+        assert len(r["stage_busy_fraction"]) == r["pp"]
+
