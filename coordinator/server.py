@@ -253,8 +253,8 @@ class Coordinator:
         except ValueError as e:
             self.bad_worker(ProtocolError(str(e)), "last stage")
             return
+        self.step_seconds += time.thread_time() - started  # (before awaiting: other coroutines run then)
         await self._deliver(outputs)
-        self.step_seconds += time.thread_time() - started
         self.wake.set()
 
     async def _watchdog(self) -> None:

@@ -15,6 +15,9 @@ from moemesh.sampling import SamplingParams
 
 
 def run_fp8_bench(args) -> int:
+    bad = [q for q in args.quantization if q not in ("fp8", "int8")]
+    if bad or not args.quantization:
+        raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     base = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=1024), progress=None)
@@ -22,9 +25,6 @@ def run_fp8_bench(args) -> int:
     prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in base.generate(prompts, params)]
-    bad = [q for q in args.quantization if q not in ("fp8", "int8")]
-    if bad:
-        raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
     variants = {f"{q} in place": EngineConfig(model=args.model, num_kv_blocks=1024, quantization=q)
                 for q in args.quantization}
     if args.fp8_model:

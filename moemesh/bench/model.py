@@ -155,6 +155,8 @@ def run_model_bench(args) -> int:
     all_prompts = torch.randint(4, mc.vocab_size, (biggest, args.prompt_len), generator=g).tolist()
     tokens_needed = biggest * (args.prompt_len + args.new)
     rows = []
+    if len(set(args.moe_backend)) != len(args.moe_backend):
+        raise CLIError(f"--moe-backend {','.join(args.moe_backend)} names a backend twice")
     for backend in args.moe_backend:
         try:
             engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype,
@@ -173,10 +175,10 @@ def run_model_bench(args) -> int:
             _emit(rows[-1], args.json)
         del engine
     if len(args.moe_backend) > 1:  # each batch's speed-up of the first backend over the others
-        first = [r for r in rows if r["backend"] == rows[0]["backend"]]
+        first = rows[:len(args.batch)]
         for r in rows[len(first):]:
             base = next(f for f in first if f["batch"] == r["batch"])
-            _emit({"impl": "ratio", "batch": r["batch"], f"{base['backend']}_over_{r['backend']}":
+            _emit({"impl": "ratio", "batch": r["batch"], f"{args.moe_backend[0]}_over_{r['backend']}":
                    round(base["tok_per_s"] / r["tok_per_s"], 2)}, args.json)
     if not args.no_transformers:
         for batch in args.batch:

@@ -92,6 +92,8 @@ def run_throughput_bench(args) -> int:
                      "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
+    if isinstance(args.layer_partition, list) and len(args.layer_partition) not in args.pp:
+        raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     for pp, tp in [(pp, tp) for tp in args.tp for pp in args.pp]:
         partition = None
         if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
