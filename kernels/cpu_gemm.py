@@ -101,6 +101,8 @@ class _Lib:
         lib.mm_topk_softmax.restype = None
         lib.mm_decoder_layer.argtypes = [ctypes.POINTER(LayerDesc), i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i32]
         lib.mm_decoder_layer.restype = i32
+        lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
+        lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         self.lib = lib
@@ -358,6 +360,18 @@ def decoder_layer(desc: LayerDesc, hidden: torch.Tensor, residual: torch.Tensor,
                                   kv_len.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError("CPU decoder layer: out of memory")
+
+
+def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
+    """x [R, n] float32 -> [R] int64: each row's first maximum (NaN counts as the maximum), as
+    `x.max(dim=-1).indices`, in one pass over memory (torch's takes ~6x as long on [64, 32000])."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        lib.lib.mm_argmax_rows(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr())
+    return out
 
 
 def read_sum(x: torch.Tensor, lib: _Lib) -> float:

@@ -329,3 +329,15 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path, monkeypatch):
 def test_topk_beyond_the_experts_is_refused():
     with pytest.raises(ValueError, match="top-k 5 of 4"):
         cpu_gemm.topk_softmax(torch.randn(2, 4), 5, False, lib)
+
+
+def test_argmax_rows_is_torchs_first_maximum():
+    x = torch.randn(9, 1000)
+    x[2, 10] = x[2, 500] = 100.0  # a tie: the first
+    x[3, 7] = float("nan")  # NaN counts as the maximum
+    x[4, :] = float("-inf")
+    x[5, 0] = float("nan")
+    got = cpu_gemm.argmax_rows(x, lib)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert got[2] == 10 and got[3] == 7 and got[4] == 0 and got[5] == 0
+    assert torch.equal(cpu_gemm.argmax_rows(x[:, ::2], lib), x[:, ::2].max(dim=-1).indices)  # strided

@@ -887,3 +887,38 @@ done:
     free(topi);
     return rc;
 }
+
+/* Greedy sampling: the first index of each row's maximum (a NaN counts as the maximum, as in
+ * torch.max), rows of x [R, n] float32 ld apart. */
+void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *out) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * ld;
+        /* pass 1: the maximum and whether any NaN, VW lanes at a time */
+        vf mv = splat(-INFINITY_F);
+        vi nan = {0};
+        int64_t i = 0;
+        for (; i + VW <= n; i += VW) {
+            const vf v = load_f(row + i);
+            nan |= v != v;
+            mv = vselect(v > mv, v, mv);
+        }
+        float m = -INFINITY_F;
+        int any_nan = 0;
+        for (int j = 0; j < VW; j++) {
+            m = mv[j] > m ? mv[j] : m;
+            any_nan |= nan[j] != 0;
+        }
+        for (; i < n; i++) {
+            any_nan |= row[i] != row[i];
+            m = row[i] > m ? row[i] : m;
+        }
+        /* pass 2: its first index (a NaN's, if any) */
+        int64_t best = 0;
+        for (i = 0; i < n; i++)
+            if (any_nan ? row[i] != row[i] : row[i] == m) {
+                best = i;
+                break;
+            }
+        out[r] = best;
+    }
+}
