@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kernels.cpu_gemm import native
 from moemesh.bench.model import step_cost
 from moemesh.cli import main
 from moemesh.config import ModelConfig
@@ -56,6 +57,7 @@ def json_rows(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.skipif(native() is None, reason="no C compiler: the native kernels cannot be built here")
 def test_bench_model_compares_backends_and_reports_the_roofline(tiny, capsys):
     capsys.readouterr()
     assert main(["bench", "model", "--model", str(tiny), "--batch", "1,4", "--new", "4", "--prompt-len", "4",
