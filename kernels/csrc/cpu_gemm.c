@@ -320,7 +320,6 @@ int mm_simd_width(void) { return VW; }
 int mm_panel_width(void) { return NR; }
 int mm_tile_rows(void) { return MR; }
 
-#define MAX_STACK_ROWS 4096
 
 /* y[M, N] = x[M, K] @ W^T (* scale per column). x rows ldx apart, y rows ldy apart (float32).
  * w: packed [ceil(N / NR)][K][NR] of weight type wt; scale: [ceil(N / NR) * NR] or NULL. */
