@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import torch
-
 BACKENDS = ("auto", "torch", "native", "triton")
 
 
@@ -19,8 +17,11 @@ class BackendError(ValueError):
     pass
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
-    """"auto" and the device -> "torch" | "native" | "triton"; refuses what cannot run here."""
+def resolve_backend(name: str, device) -> str:
+    """"auto" and the device (a torch.device or its name) -> "torch" | "native" | "triton"; refuses
+    what cannot run here."""
+    import torch
+
     if name not in BACKENDS:
         raise BackendError(f"--moe-backend {name!r} is not one of {', '.join(BACKENDS)}")
     on_cpu = torch.device(device).type == "cpu"

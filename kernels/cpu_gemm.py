@@ -278,19 +278,22 @@ def check_paged(block_table: torch.Tensor, kv_len: torch.Tensor, rows: int, num_
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     kv_len: torch.Tensor, scale: float, lib: _Lib) -> torch.Tensor:
+                     kv_len: torch.Tensor, scale: float, lib: _Lib, checked: bool = False) -> torch.Tensor:
     """One query token per sequence over the paged KV cache (causal: it sees all L_s keys).
 
     q [S, h, D] float32; k_cache/v_cache [num_blocks, block_size, kvh, D] float32 or bfloat16 (this
     step's keys already written); block_table [S, max_blocks] int64; kv_len [S] int64 -> [S, h, D]
-    float32: softmax(q k^T * scale) v per head, heads h // (h / kvh) sharing kv head h / G."""
+    float32: softmax(q k^T * scale) v per head, heads h // (h / kvh) sharing kv head h / G.
+    checked: the caller has already bounded the block table and lengths (`check_paged`), once for
+    every layer of a step (stage_worker.context.check_bounds)."""
     S, h, D = q.shape
     nb, bs, kvh, Dk = k_cache.shape
     assert Dk == D and h % kvh == 0 and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() \
         and v_cache.is_contiguous() and block_table.dtype == kv_len.dtype == torch.int64
     q = q.float().contiguous()
     block_table, kv_len = block_table.contiguous(), kv_len.contiguous()
-    check_paged(block_table, kv_len, S, nb, bs)
+    if not checked:
+        check_paged(block_table, kv_len, S, nb, bs)
     out = torch.empty(S, h, D, dtype=torch.float32)
     if S:
         rc = lib.lib.mm_decode_attention(S, h, kvh, D, q.data_ptr(), h * D, out.data_ptr(), h * D, k_cache.data_ptr(),

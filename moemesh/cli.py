@@ -17,6 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
+from kernels.backend import BACKENDS
 from moemesh.config import DTYPES, ConfigError
 from stage_worker.loader import LoadError
 
@@ -66,9 +67,9 @@ def resolve_partition(value, model_dir, pp: int) -> tuple[int, ...] | None:
 
 def backend_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in ("auto", "torch", "native", "triton")]
+    bad = [n for n in names if n not in BACKENDS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of auto, torch, native, triton")
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(BACKENDS)}")
     return names
 
 
@@ -87,7 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
                    help="fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag); "
                         "int8: weight-only int8 with per-row scales (fast with the native CPU kernels)")
-    p.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "native", "triton"],
+    p.add_argument("--moe-backend", default="auto", choices=list(BACKENDS),
                    help="the kernels: auto = Triton on CUDA, native C kernels on CPU (torch where no C compiler); "
                         "native: packed-weight CPU kernels for experts and linear layers; torch: torch's matmul; "
                         "triton on CPU: the interpreter")
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantization", default=None, choices=["fp8", "int8"],
                    help="fp8: workers quantize the weights to float8 at load (FP8 checkpoints need no flag); "
                         "int8: weight-only int8, per-row scales")
-    c.add_argument("--moe-backend", default="auto", choices=["auto", "torch", "native", "triton"],
+    c.add_argument("--moe-backend", default="auto", choices=list(BACKENDS),
                    help="the workers' kernels (auto: Triton on CUDA, native C kernels on CPU)")
     c.add_argument("--register-timeout", type=float, default=600.0,
                    help="seconds to wait for every stage worker to register before giving up (naming the missing)")

@@ -108,6 +108,21 @@ def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_d
     return AttentionGroup(token_index, valid, table, mask.unsqueeze(1), is_decode, total)
 
 
+def check_bounds(ctx: ForwardContext, num_blocks: int, block_size: int, max_positions: int) -> None:
+    """Refuses a step whose KV slots, decode block tables or positions reach outside the cache or
+    the rotary table. The native kernels trust these indices (torch's indexing checks its own), so
+    a stage that runs them checks each step once, here, rather than in every layer."""
+    from kernels.cpu_gemm import check_paged
+
+    T = ctx.positions.shape[0]
+    if T and (int(ctx.slot_mapping.min()) < 0 or int(ctx.slot_mapping.max()) >= num_blocks * block_size
+              or int(ctx.positions.min()) < 0 or int(ctx.positions.max()) >= max_positions):
+        raise ValueError("a KV slot or position of this step is outside the cache or the rotary table")
+    for g in ctx.groups:
+        if g.is_decode:
+            check_paged(g.block_table, g.kv_len, g.block_table.shape[0], num_blocks, block_size)
+
+
 def _to_device(ctx: ForwardContext, device) -> ForwardContext:
     groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.block_table.to(device),
                              g.mask.to(device), g.is_decode, g.kv_len.to(device)) for g in ctx.groups]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moemesh.config import ModelConfig
-from stage_worker.context import build_context, forward_context
+from stage_worker.context import build_context, check_bounds, forward_context
 from stage_worker.fused_decode import FusedDecode
 from stage_worker.layers.attention import PagedAttention
 from stage_worker.layers.parallel import TPGroup
@@ -70,6 +70,8 @@ class StageRunner:
         """First stage: hidden is None. Returns (hidden, residual), or on the last stage logits
         [len(logit_rows), V] float32 (default rows: each sampling sequence's last token)."""
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
+        if self.model.backend == "native":
+            check_bounds(ctx, self.kv_cache.shape[2], self.block_size, self.config.max_position_embeddings)
         with forward_context(ctx):
             if self.model.has_embedding:
                 flat = [t for ids in step.token_ids for t in ids]

@@ -1,4 +1,6 @@
-/* CPU kernels for decode-sized products: a GEMM over pre-packed weights and a fused MoE.
+/* CPU kernels for decode-sized products: a GEMM over pre-packed weights, a fused MoE, decode
+ * attention over the paged KV cache, the norms, rotary and routing around them, and a whole
+ * decoder layer for decode steps.
  *
  * Legend: M = rows of activations (tokens), N = output features, K = input features,
  * T = tokens, E = experts on this rank, Ktop = experts per token, H = hidden, I = expert
@@ -23,8 +25,8 @@
  * resolves to torch's copy and both share one pool). Work is split by column panels, so threads
  * never write the same output element.
  *
- * Written with GCC vector extensions (no intrinsics): the same source compiles to AVX-512, AVX2 or
- * plain SSE2 code for the machine it is built on (-march=native).
+ * Written with GCC vector extensions (intrinsics only to widen bfloat16 and int8 loads): the same
+ * source compiles to AVX-512, AVX2 or plain SSE2 code for the machine it is built on (-march=native).
  */
 
 #include <stdint.h>
@@ -105,8 +107,24 @@ INLINE vf load_w(const void *w, int64_t i, const int wt) {
 #endif
 }
 
+/* One weight (or cached key/value) at element i, widened to float32 (tails of vector loops). */
+INLINE float load_w1(const void *w, int64_t i, const int wt) {
+    if (wt == W_F32) return ((const float *)w)[i];
+    if (wt == W_I8) return (float)((const int8_t *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Epilogue modes of a tile. */
 enum { OUT_STORE = 0, OUT_ADD = 1, OUT_ADD_SCALED = 2 };
+
+/* A panel's per-column scales (int8), or ones. */
+INLINE void col_scales(const float *scale, vf *s0, vf *s1) {
+    *s0 = scale ? load_f(scale) : splat(1.0f);
+    *s1 = scale ? load_f(scale + VW) : splat(1.0f);
+}
 
 /* A tile row's two result vectors (times the column scales and a row factor) into c[0:ncols]. */
 INLINE void put(vf r0, vf r1, vf s0, vf s1, float g, float *c, int ncols, int mode) {
@@ -164,11 +182,8 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
             acc[i][1] += x * b1;
         }
     }
-    vf s0 = splat(1.0f), s1 = splat(1.0f);
-    if (scale) {
-        s0 = load_f(scale);
-        s1 = load_f(scale + VW);
-    }
+    vf s0, s1;
+    col_scales(scale, &s0, &s1);
     for (int i = 0; i < mr; i++)
         put(acc[i][0] + acc2[i][0], acc[i][1] + acc2[i][1], s0, s1, rowscale ? rowscale[i] : 1.0f, c[i], ncols, mode);
 }
@@ -197,15 +212,22 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
         }
     }
     for (int j = 0; j < np; j++) {
-        vf s0 = splat(1.0f), s1 = splat(1.0f);
-        if (scale[j]) {
-            s0 = load_f(scale[j]);
-            s1 = load_f(scale[j] + VW);
-        }
+        vf s0, s1;
+        col_scales(scale[j], &s0, &s1);
         for (int i = 0; i < mr; i++)
             put(acc[i][j][0], acc[i][j][1], s0, s1, rowscale ? rowscale[i] : 1.0f, c[i] + coff[j], ncols[j], mode);
     }
 }
+
+/* CASES(WT) with the weight type as a compile-time constant. */
+#define BY_WEIGHT_TYPE(CASES) \
+    if (wt == W_F32) {        \
+        CASES(W_F32)          \
+    } else if (wt == W_BF16) { \
+        CASES(W_BF16)         \
+    } else {                  \
+        CASES(W_I8)           \
+    }
 
 /* A tile with mr and wt as compile-time constants. */
 #define TILE_CASE(MRV, WT) \
@@ -226,13 +248,7 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #else
 #define TILE_CASES_5(WT)
 #endif
-    if (wt == W_F32) {
-        TILE_SWITCH(W_F32)
-    } else if (wt == W_BF16) {
-        TILE_SWITCH(W_BF16)
-    } else {
-        TILE_SWITCH(W_I8)
-    }
+    BY_WEIGHT_TYPE(TILE_SWITCH)
 }
 
 static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
@@ -271,13 +287,7 @@ static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *co
 #define NP_CASES(WT)                                                                                     \
     NP_CASE(1, 1, WT) NP_CASE(1, 2, WT) NP_CASE(1, 3, WT) NP_CASE(1, 4, WT) NP_CASE(2, 1, WT)           \
     NP_CASE(2, 2, WT) NP_CASE(3, 1, WT) NP_CASE(3, 2, WT)
-    if (wt == W_F32) {
-        NP_CASES(W_F32)
-    } else if (wt == W_BF16) {
-        NP_CASES(W_BF16)
-    } else {
-        NP_CASES(W_I8)
-    }
+    BY_WEIGHT_TYPE(NP_CASES)
 }
 
 /* rows <= FEW_ROWS rows against the panels p0 .. p1 - 1 of one packed weight (K x NR panels at w):
@@ -367,9 +377,10 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     return 0;
 }
 
-/* SiLU(g) * u over VW lanes: x / (1 + e^-x) with e^x from Cephes' expf polynomial (about 1 ulp). */
+/* mask ? a : b, lane by lane */
 INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* e^x over VW lanes: Cephes' expf polynomial (about 1 ulp). */
 INLINE vf vexp(vf x) {
     /* clamped so e^x stays finite and normal; NaN compares false both ways and passes through */
     x = vselect(x < splat(-87.0f), splat(-87.0f), x);
@@ -389,6 +400,7 @@ INLINE vf vexp(vf x) {
     return p * (vf)e;
 }
 
+/* out = SiLU(g) * u = g / (1 + e^-g) * u */
 static void silu_mul(const float *g, const float *u, float *out, int64_t n) {
     int64_t j = 0;
     for (; j + VW <= n; j += VW) {
@@ -620,14 +632,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                     for (; d + VW <= D; d += VW) acc += load_f(qs + g * D + d) * load_w(kp, d, kv_type);
                     float dot = 0.0f;
                     for (int j = 0; j < VW; j++) dot += acc[j];
-                    for (; d < D; d++) {
-                        float kv = kv_type == W_F32 ? ((const float *)kp)[d] : 0.0f;
-                        if (kv_type == W_BF16) {
-                            uint32_t bits = (uint32_t)((const uint16_t *)kp)[d] << 16;
-                            memcpy(&kv, &bits, 4);
-                        }
-                        dot += qs[g * D + d] * kv;
-                    }
+                    for (; d < D; d++) dot += qs[g * D + d] * load_w1(kp, d, kv_type);
                     sc[g * stride + i] = dot * scale;
                 }
             }
@@ -654,14 +659,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                     const vf w = splat(p[i] * inv);
                     int64_t d = 0;
                     for (; d + VW <= D; d += VW) store_f(acc + d, load_f(acc + d) + w * load_w(vp, d, kv_type));
-                    for (; d < D; d++) {
-                        float vv = kv_type == W_F32 ? ((const float *)vp)[d] : 0.0f;
-                        if (kv_type == W_BF16) {
-                            uint32_t bits = (uint32_t)((const uint16_t *)vp)[d] << 16;
-                            memcpy(&vv, &bits, 4);
-                        }
-                        acc[d] += p[i] * inv * vv;
-                    }
+                    for (; d < D; d++) acc[d] += p[i] * inv * load_w1(vp, d, kv_type);
                 }
                 memcpy(out + s * ldo + (kh * G + g) * D, acc, sizeof(float) * D);
             }
@@ -807,6 +805,15 @@ static void kv_store(void *cache, int64_t kv_type, int64_t slot, const float *sr
     }
 }
 
+/* y = down(silu(gate) * up) for T rows: gu [T, 2I] and act [T, I] are scratch. */
+static int mlp_rows(const mm_weight *gate_up, const mm_weight *down, int64_t T, const float *x, int64_t H, float *gu,
+                    float *act, float *y, int nthreads) {
+    const int64_t I = gate_up->n / 2;
+    if (linear_rows(gate_up, T, x, H, gu, nthreads)) return -1;
+    for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+    return linear_rows(down, T, act, I, y, nthreads);
+}
+
 /* hidden [T, H]: the layer's input, overwritten with its output; residual [T, H]: the residual
  * stream, updated (first: the layer is the stage's first and there is no residual yet).
  * positions, slots [T]: each token's position and KV slot (block * block_size + offset);
@@ -819,7 +826,8 @@ int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residua
     const int64_t wide = nq > 2 * I ? nq : 2 * I;
     float *xn = malloc(sizeof(float) * T * H), *big = malloc(sizeof(float) * T * (wide > 0 ? wide : 1));
     float *attn = malloc(sizeof(float) * T * (h * D > I ? h * D : I)), *side = malloc(sizeof(float) * T * H);
-    float *topw = malloc(sizeof(float) * T * (L->top_k > 0 ? L->top_k : 1) + sizeof(float) * T * L->experts);
+    /* top-k weights [T, top_k], then router logits [T, E] (the shared expert's gate [T, 1] after them) */
+    float *topw = malloc(sizeof(float) * T * ((L->top_k > 0 ? L->top_k : 1) + L->experts + 1));
     int64_t *topi = malloc(sizeof(int64_t) * T * (L->top_k > 0 ? L->top_k : 1));
     int rc = -1;
     if (!xn || !big || !attn || !side || !topw || !topi) goto done;
@@ -853,10 +861,8 @@ int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residua
     /* x = norm(attn + residual); residual += attn */
     mm_rmsnorm(T, H, hidden, H, residual, H, residual, L->post_norm, (float)L->eps, xn, nthreads);
 
-    if (!L->moe) { /* down(silu(gate) * up) */
-        if (linear_rows(&L->gate_up, T, xn, H, big, nthreads)) goto done;
-        for (int64_t t = 0; t < T; t++) silu_mul(big + t * 2 * I, big + t * 2 * I + I, attn + t * I, I);
-        if (linear_rows(&L->down, T, attn, I, hidden, nthreads)) goto done;
+    if (!L->moe) {
+        if (mlp_rows(&L->gate_up, &L->down, T, xn, H, big, attn, hidden, nthreads)) goto done;
     } else {
         float *logits = topw + T * L->top_k;
         if (linear_rows(&L->router, T, xn, H, logits, nthreads)) goto done;
@@ -864,14 +870,12 @@ int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residua
         if (mm_moe(T, H, L->moe_intermediate, L->top_k, xn, topi, topw, L->experts, L->expert_offset, L->w13, L->s13,
                    L->w2, L->s2, (int)L->moe_wt, hidden, nthreads))
             goto done;
-        if (L->gate_up.w) { /* + sigmoid(shared_gate x) * down(silu(gate) * up) */
-            if (linear_rows(&L->gate_up, T, xn, H, big, nthreads)) goto done;
-            for (int64_t t = 0; t < T; t++) silu_mul(big + t * 2 * I, big + t * 2 * I + I, attn + t * I, I);
-            if (linear_rows(&L->down, T, attn, I, side, nthreads)) goto done;
-            float g[1];
+        if (L->gate_up.w) { /* + sigmoid(shared_gate x) * the shared expert's MLP */
+            float *g = logits + T * L->experts; /* [T, 1] */
+            if (mlp_rows(&L->gate_up, &L->down, T, xn, H, big, attn, side, nthreads)) goto done;
+            if (linear_rows(&L->shared_gate, T, xn, H, g, nthreads)) goto done;
             for (int64_t t = 0; t < T; t++) {
-                if (linear_rows(&L->shared_gate, 1, xn + t * H, H, g, 1)) goto done;
-                const float sg = 1.0f / (1.0f + __builtin_expf(-g[0]));
+                const float sg = 1.0f / (1.0f + __builtin_expf(-g[t]));
                 for (int64_t j = 0; j < H; j++) hidden[t * H + j] += sg * side[t * H + j];
             }
         }

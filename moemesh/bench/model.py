@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from moemesh.cli import CLIError
-from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.config import ModelConfig, decode_costs, resolve_dtype
 from moemesh.engine import EngineConfig, LLMEngine
 from moemesh.sampling import SamplingParams
 
@@ -65,24 +65,13 @@ def step_cost(mc: ModelConfig, batch: int, context_lens: list[int], bytes_per: f
               kv_bytes_per: float | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with these context lengths; weights
     of bytes_per bytes each, the KV cache kv_bytes_per (default the same)."""
-    H, D = mc.hidden_size, mc.head_dim
-    attn = H * (mc.q_size + 2 * mc.kv_size) + mc.q_size * H
-    w_bytes = w_flops = 0.0
-    for layer in range(mc.num_layers):
-        w_bytes += attn
-        w_flops += attn
-        if mc.is_sparse_layer(layer):
-            E, K, I = mc.num_experts, mc.top_k, mc.moe_intermediate_size
-            expert = 3 * H * I
-            hit = E * (1 - (1 - K / E) ** batch)
-            shared = 3 * H * mc.shared_expert_intermediate_size + (H if mc.shared_expert_intermediate_size else 0)
-            w_bytes += E * H + hit * expert + shared
-            w_flops += E * H + K * expert + shared
-        else:
-            w_bytes += 3 * H * mc.intermediate_size
-            w_flops += 3 * H * mc.intermediate_size
-    w_bytes += mc.vocab_size * H
-    w_flops += mc.vocab_size * H
+    layers, head = decode_costs(mc)  # multiply-adds of the weights one token uses
+    w_flops = sum(layers) + head
+    # bytes: those weights, plus the experts the batch's other tokens pick (each read once)
+    E, K = mc.num_experts, mc.top_k
+    sparse = sum(mc.is_sparse_layer(i) for i in range(mc.num_layers))
+    extra_experts = E * (1 - (1 - K / E) ** batch) - K if sparse else 0.0
+    w_bytes = w_flops + sparse * extra_experts * 3 * mc.hidden_size * mc.moe_intermediate_size
     ctx = sum(context_lens)
     kv_bytes = (ctx + batch) * mc.num_layers * 2 * mc.kv_size
     attn_flops = 4 * ctx * mc.num_layers * mc.q_size

@@ -36,7 +36,8 @@ class PagedAttention(nn.Module):
         native = self.backend == "native" and k_cache.dtype in cpu_gemm.WEIGHT_TYPES
         if native and len(ctx.groups) == 1 and ctx.groups[0].is_decode:  # all decodes: rows are q's rows
             g = ctx.groups[0]
-            o = cpu_gemm.decode_attention(q, k_cache, v_cache, g.block_table, g.kv_len, D ** -0.5, cpu_gemm.native())
+            o = cpu_gemm.decode_attention(q, k_cache, v_cache, g.block_table, g.kv_len, D ** -0.5, cpu_gemm.native(),
+                                          checked=True)  # the runner checked the step's bounds
             return o.to(q.dtype).view(-1, h * D)
         out = torch.empty_like(q)
         for g in ctx.groups:
@@ -44,7 +45,7 @@ class PagedAttention(nn.Module):
             if g.is_decode and native:
                 rows = g.token_index[:, 0]
                 o = cpu_gemm.decode_attention(q[rows], k_cache, v_cache, g.block_table, g.kv_len, D ** -0.5,
-                                              cpu_gemm.native())
+                                              cpu_gemm.native(), checked=True)
                 out[rows] = o.to(q.dtype)
                 continue
             # whole blocks at a time (contiguous copies), then [B, L, kvh, D] -> [B, kvh, L, D]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_gemm, moe_torch
-from stage_worker.layers.linear import NATIVE_DTYPES, check_shape, cpu_gemm_layout
+from stage_worker.layers.linear import check_shape, cpu_gemm_layout, native_pack
 from stage_worker.layers.parallel import TPGroup
 
 
@@ -31,14 +31,20 @@ class UnquantizedFusedMoEMethod:
         layer.w13_weight = nn.Parameter(torch.empty(E, 2 * I_p, H), requires_grad=False)
         layer.w2_weight = nn.Parameter(torch.empty(E, H, I_p), requires_grad=False)
 
+    native_weight_type: torch.dtype | None = None  # as UnquantizedLinearMethod's
+
+    @staticmethod
+    def torch_weight(w: torch.Tensor) -> torch.Tensor:
+        return w
+
     def process_weights_after_loading(self, layer: "FusedMoE") -> None:
-        if layer.backend == "native" and layer.w13_weight.dtype in NATIVE_DTYPES:
-            layer.packed = (cpu_gemm.pack_for_native(layer.w13_weight.data),
-                            cpu_gemm.pack_for_native(layer.w2_weight.data))
+        w13 = native_pack(layer.backend, layer.w13_weight.data, self.native_weight_type)
+        if w13 is not None:
+            layer.packed = (w13, native_pack(layer.backend, layer.w2_weight.data, self.native_weight_type))
             del layer.w13_weight, layer.w2_weight
             return
-        layer.w13_weight.data = cpu_gemm_layout(layer.w13_weight.data)
-        layer.w2_weight.data = cpu_gemm_layout(layer.w2_weight.data)
+        layer.w13_weight.data = cpu_gemm_layout(self.torch_weight(layer.w13_weight.data))
+        layer.w2_weight.data = cpu_gemm_layout(self.torch_weight(layer.w2_weight.data))
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

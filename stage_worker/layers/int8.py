@@ -20,11 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from kernels import cpu_gemm
 from stage_worker.layers.fused_moe import UnquantizedFusedMoEMethod
-from stage_worker.layers.linear import UnquantizedLinearMethod, cpu_gemm_layout
+from stage_worker.layers.linear import UnquantizedLinearMethod
 
 
 def fake_quantize_int8(w: torch.Tensor) -> torch.Tensor:
@@ -48,23 +46,13 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     """weight [N, K] in the model dtype while loading; after: `layer.packed` (int8 + scales, native)
     or the dequantized weight (torch)."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.backend == "native":
-            layer.packed = cpu_gemm.pack_for_native(layer.weight.data, torch.int8)
-            del layer.weight
-        else:
-            layer.weight.data = cpu_gemm_layout(fake_quantize_int8(layer.weight.data))
+    native_weight_type = torch.int8
+    torch_weight = staticmethod(fake_quantize_int8)
 
 
 class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
     """w13_weight [E, 2I, H] and w2_weight [E, H, I] in the model dtype while loading; after: packed
     int8 with a scale per expert row (native), or dequantized (torch, triton)."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.backend == "native":
-            layer.packed = (cpu_gemm.pack_for_native(layer.w13_weight.data, torch.int8),
-                            cpu_gemm.pack_for_native(layer.w2_weight.data, torch.int8))
-            del layer.w13_weight, layer.w2_weight
-            return
-        layer.w13_weight.data = cpu_gemm_layout(fake_quantize_int8(layer.w13_weight.data))
-        layer.w2_weight.data = cpu_gemm_layout(fake_quantize_int8(layer.w2_weight.data))
+    native_weight_type = torch.int8
+    torch_weight = staticmethod(fake_quantize_int8)

@@ -31,16 +31,32 @@ from stage_worker.layers.parallel import TPGroup
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes the native kernels read as they are
 
 
+def native_pack(backend: str, w: torch.Tensor, weight_type: torch.dtype | None = None) -> "cpu_gemm.PackedWeight | None":
+    """w packed for the native kernels, in `weight_type` (None: w's own dtype), when the stage runs
+    them and they read that type; else None (torch's path keeps w)."""
+    if backend == "native" and (weight_type is not None or w.dtype in NATIVE_DTYPES):
+        return cpu_gemm.pack_for_native(w, weight_type)
+    return None
+
+
 class UnquantizedLinearMethod:
+    # what a weight-only quantization changes (stage_worker.layers.int8): the type the native
+    # kernels read, and the weight torch's path multiplies by instead
+    native_weight_type: torch.dtype | None = None
+
+    @staticmethod
+    def torch_weight(w: torch.Tensor) -> torch.Tensor:
+        return w
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.backend == "native" and layer.weight.dtype in NATIVE_DTYPES:
-            layer.packed = cpu_gemm.pack_for_native(layer.weight.data)
+        layer.packed = native_pack(layer.backend, layer.weight.data, self.native_weight_type)
+        if layer.packed is not None:
             del layer.weight
         else:
-            layer.weight.data = cpu_gemm_layout(layer.weight.data)
+            layer.weight.data = cpu_gemm_layout(self.torch_weight(layer.weight.data))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed is not None:

@@ -17,8 +17,7 @@ from torch import nn
 
 from moemesh.config import ModelConfig
 from stage_worker.layers.layernorm import RMSNorm
-from kernels import cpu_gemm
-from stage_worker.layers.linear import NATIVE_DTYPES, cpu_gemm_layout
+from stage_worker.layers.linear import cpu_gemm_layout, native_pack
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -88,8 +87,8 @@ class CausalLM(nn.Module):
         if not self.has_head:
             return
         wt = self.lm_head_weight_type
-        if self.backend == "native" and (wt is not None or self.lm_head.weight.dtype in NATIVE_DTYPES):
-            self.lm_head.packed = cpu_gemm.pack_for_native(self.lm_head.weight.data, wt)
+        self.lm_head.packed = native_pack(self.backend, self.lm_head.weight.data, wt)
+        if self.lm_head.packed is not None:
             if not self.tied:
                 del self.lm_head.weight
             return
