@@ -26,11 +26,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE, quantize_fp8
 from kernels.moe_configs import get_config
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, FP8: tl.float8e4nv}
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+             FP8_DTYPE: tl.float8e4nv}
 _ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -255,7 +255,7 @@ def fused_moe_gemm(a: torch.Tensor, b: torch.Tensor, sorted_token_ids: torch.Ten
     scales: b_scale [E] when b is fp8 (per expert), a_scale [1] when a is fp8 (per tensor)."""
     assert a.dim() == 2 and a.is_contiguous(), "a must be a contiguous [rows, D] matrix"
     assert b.dim() == 3 and (b.stride(-1) == 1 or b.stride(-2) == 1), "each b[e] must be row- or column-major"
-    assert a.dtype in _ACT_DTYPES + (FP8,) and b.dtype in (a.dtype, FP8), (a.dtype, b.dtype)
+    assert a.dtype in _ACT_DTYPES + (FP8_DTYPE,) and b.dtype in (a.dtype, FP8_DTYPE), (a.dtype, b.dtype)
     E, N, D = b.shape
     assert a.shape[1] == D, (a.shape, b.shape)
     num_slots = a.shape[0] if a_per_slot else a.shape[0] * top_k
@@ -264,8 +264,8 @@ def fused_moe_gemm(a: torch.Tensor, b: torch.Tensor, sorted_token_ids: torch.Ten
     P = sorted_token_ids.numel()
     assert P % BLOCK_M == 0 and expert_ids.numel() == P // BLOCK_M, "align with block_m = config['BLOCK_M']"
     assert min(BLOCK_M, BLOCK_N, BLOCK_K) >= 16, "tl.dot needs blocks of at least 16"
-    assert (b.dtype == FP8) == (b_scale is not None), "b_scale [E] goes with (and only with) fp8 b"
-    assert (a.dtype == FP8) == (a_scale is not None), "a_scale [1] goes with (and only with) fp8 a"
+    assert (b.dtype == FP8_DTYPE) == (b_scale is not None), "b_scale [E] goes with (and only with) fp8 b"
+    assert (a.dtype == FP8_DTYPE) == (a_scale is not None), "a_scale [1] goes with (and only with) fp8 a"
     if b_scale is not None:
         assert b_scale.shape == (E,) and b_scale.dtype == torch.float32 and b_scale.is_contiguous(), b_scale
     if a_scale is not None:
@@ -333,8 +333,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T, (topk_ids.shape, topk_weights.shape)
     assert topk_weights.dtype == torch.float32, topk_weights.dtype
     K = topk_ids.shape[1]
-    quantised = w13.dtype == FP8
-    assert w2.dtype == w13.dtype and w13.dtype in (x.dtype, FP8), (x.dtype, w13.dtype, w2.dtype)
+    quantised = w13.dtype == FP8_DTYPE
+    assert w2.dtype == w13.dtype and w13.dtype in (x.dtype, FP8_DTYPE), (x.dtype, w13.dtype, w2.dtype)
     dtype_name = ("fp8_w8a8" if a13_scale is not None else "fp8_w8a16") if quantised else _DTYPE_NAME[x.dtype]
     config = block_config or get_config(E, 2 * I, H, dtype_name, _device_name(x.device), T)
 
@@ -342,26 +342,14 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, E, config["BLOCK_M"])
     align = (sorted_ids, expert_ids, num_post_padded)
 
-    a13 = _quantize_fp8(x, a13_scale) if a13_scale is not None else x
+    a13 = quantize_fp8(x, a13_scale)[0] if a13_scale is not None else x  # static: saturates at 448 * scale
     h = fused_moe_gemm(a13, w13, *align, top_k=K, a_per_slot=False, config=config, a_scale=a13_scale,
                        b_scale=w13_scale, out_dtype=x.dtype)  # [S, 2I]
     act = F.silu(h[:, :I]) * h[:, I:]  # [S, I]
-    a2 = _quantize_fp8(act, a2_scale) if a2_scale is not None else act
+    a2 = quantize_fp8(act, a2_scale)[0] if a2_scale is not None else act
     y = fused_moe_gemm(a2, w2, *align, top_k=K, a_per_slot=True, config=config, a_scale=a2_scale,
                        b_scale=w2_scale, topk_weights=topk_weights.contiguous(), out_dtype=x.dtype)  # [S, H]
     return y.view(T, K, H).sum(dim=1)
-
-
-def quantize_fp8_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, ...] -> (float8_e4m3fn weights, fp32 scales [E]) with w ~= q * scale[e] (amax / 448)."""
-    scale = w.abs().flatten(1).amax(dim=1).float().clamp(min=1e-12) / FP8_MAX  # [E]
-    q = (w.float() / scale.view(-1, *[1] * (w.dim() - 1))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
-
-
-def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Static per-tensor activation quantisation: x / scale, saturated to the e4m3 range."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
 
 
 _DTYPE_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

@@ -1,19 +1,22 @@
 """FP8 per-tensor quantization: the error bound, the FP8 checkpoint writer, and the FP8 linear and
 expert methods (per-shard scales requantized to their maximum) against dequantized references."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+import kernels.fp8
+from kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, quantize_fp8, quantize_fp8_per_expert
 from kernels.moe_torch import fused_experts, select_experts
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.quantize import quantize_checkpoint
 from moemesh.tiny_model import TinyModelSpec, write_tiny_model
-from stage_worker.layers.fp8 import (FP8_DTYPE, Fp8Config, bind_scale_loaders, dequantize_fp8, fake_quantize_fp8,
-                                     quantize_fp8)
+from stage_worker.layers.fp8 import Fp8Config, bind_scale_loaders
 from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         RowParallelLinear, load_whole)
@@ -50,6 +53,25 @@ def rel(a, b):
 
 
 # -- quantize / dequantize --------------------------------------------------------------------
+
+
+def test_fp8_numbers_import_no_triton():
+    """kernels.fp8 sits below both the Triton wrapper and the layers: torch only."""
+    tree = ast.parse(Path(kernels.fp8.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported <= {"__future__", "torch"}, imported
+
+
+def test_per_expert_quantization_is_each_expert_quantized_alone():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 5, 7, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[:, None, None]
+    w[0] = 0  # an all-zero expert still gets a positive scale
+    q, scale = quantize_fp8_per_expert(w)
+    assert q.dtype == FP8_DTYPE and scale.shape == (3,) and scale.dtype == torch.float32
+    for e in range(3):
+        q_e, scale_e = quantize_fp8(w[e])
+        assert torch.equal(q[e].float(), q_e.float()) and scale[e] == scale_e
 
 
 @pytest.mark.parametrize("seed", range(6))

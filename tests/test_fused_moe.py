@@ -5,9 +5,12 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_gemm
 from kernels.moe_torch import fused_experts, select_experts
 from moemesh.config import ModelConfig, RopeConfig
 from reference_moe import reference_moe
+from stage_worker.layers.fused_moe import FusedMoE
+from stage_worker.layers.linear import ColumnParallelLinear
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.models.moe import SparseMoeBlock
 
@@ -86,3 +89,48 @@ def test_experts_with_no_tokens_are_skipped():
     finally:
         F.linear = orig
     assert calls == [3, 3, 2, 2]  # expert 1: w13 then w2 on 3 rows; expert 4: on 2 rows
+
+
+def laid_out_experts(backend, seed=0):
+    """A FusedMoE with random weights, laid out for `backend`, and an input for it."""
+    g = torch.Generator().manual_seed(seed)
+    T, E, K, H, I = 6, 4, 2, 8, 12
+    layer = FusedMoE(E, K, H, I, renormalize=True, tp=TPGroup())
+    layer.w13_weight.data.copy_(torch.randn(E, 2 * I, H, generator=g))
+    layer.w2_weight.data.copy_(torch.randn(E, H, I, generator=g))
+    layer.backend = backend
+    layer.process_weights_after_loading()
+    return layer, torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+
+
+def test_the_backend_is_bound_when_the_weights_are_laid_out(monkeypatch):
+    """Forward calls the kernels bound by process_weights_after_loading and never reads `backend`
+    again: a layer laid out for torch computes with torch after `backend` says native."""
+    layer, x, logits = laid_out_experts("torch")
+    linear = ColumnParallelLinear(8, 16, bias=False, tp=TPGroup())
+    linear.weight.data.normal_()
+    linear.process_weights_after_loading()
+    want, want_linear = layer(x, logits), linear(x)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a native kernel ran in a layer laid out for torch")
+
+    for name in ("topk_softmax", "fused_moe", "linear"):
+        monkeypatch.setattr(cpu_gemm, name, refuse)
+    layer.backend = linear.backend = "native"
+    assert torch.equal(layer(x, logits), want) and torch.equal(linear(x), want_linear)
+
+
+def test_a_layer_laid_out_for_native_keeps_its_native_kernels(monkeypatch):
+    if cpu_gemm.native() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    layer, x, logits = laid_out_experts("native")
+    assert layer.packed is not None
+    calls = []
+    for name in ("topk_softmax", "fused_moe"):
+        kernel = getattr(cpu_gemm, name)
+        monkeypatch.setattr(cpu_gemm, name, lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1])
+    layer.backend = "torch"
+    y = layer(x, logits)
+    assert calls == ["topk_softmax", "fused_moe"]
+    torch.testing.assert_close(y, laid_out_experts("torch")[0](x, logits), rtol=1e-4, atol=1e-3)

@@ -11,6 +11,7 @@ import sys
 _IMPORTED_BEFORE = "kernels.fused_moe_triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"
 
+import ast  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
@@ -21,7 +22,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
 from kernels import fused_moe_triton as fmt  # noqa: E402
-from kernels import moe_configs  # noqa: E402
+from kernels import moe_configs, moe_tune  # noqa: E402
+from kernels.fp8 import quantize_fp8_per_expert  # noqa: E402
 from kernels.moe_torch import fused_experts, select_experts  # noqa: E402
 from reference_moe import reference_moe  # noqa: E402
 
@@ -180,7 +182,7 @@ def test_fused_moe_gemm_fp8_weights_match_dequantized_reference(act_dtype, w8a8)
     g = gen(5)
     T, E, K, N, D = 10, 5, 2, 56, 80
     a = randn(g, T, D, dtype=act_dtype)
-    b, b_scale = fmt.quantize_fp8_per_expert(randn(g, E, N, D) * torch.rand(E, 1, 1, generator=g) * 4)
+    b, b_scale = quantize_fp8_per_expert(randn(g, E, N, D) * torch.rand(E, 1, 1, generator=g) * 4)
     a_scale = None
     if w8a8:
         a_scale = torch.tensor([a.abs().max().item() / 448])
@@ -286,8 +288,8 @@ def test_fused_experts_triton_fp8_weights():
     T, E, K, H, I = 10, 6, 2, 48, 40
     x = torch.randn(T, H, generator=g)
     spread = lambda: 0.25 + 4 * torch.rand(E, 1, 1, generator=g)  # noqa: E731 - distinct scales per expert
-    (q13, s13), (q2, s2) = (fmt.quantize_fp8_per_expert(randn(g, E, 2 * I, H) * spread()),
-                            fmt.quantize_fp8_per_expert(randn(g, E, H, I) * spread()))
+    (q13, s13), (q2, s2) = (quantize_fp8_per_expert(randn(g, E, 2 * I, H) * spread()),
+                            quantize_fp8_per_expert(randn(g, E, H, I) * spread()))
     assert q13.dtype == FP8 and s13.shape == (E,)
     weights, ids = routing(g, T, E, K)
     out = fmt.fused_experts_triton(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, block_config=BIG)
@@ -305,8 +307,8 @@ def test_fused_experts_triton_fp8_w8a8():
     g = gen(41)
     T, E, K, H, I = 16, 4, 2, 48, 40
     x = torch.randn(T, H, generator=g)
-    q13, s13 = fmt.quantize_fp8_per_expert(randn(g, E, 2 * I, H))
-    q2, s2 = fmt.quantize_fp8_per_expert(randn(g, E, H, I))
+    q13, s13 = quantize_fp8_per_expert(randn(g, E, 2 * I, H))
+    q2, s2 = quantize_fp8_per_expert(randn(g, E, H, I))
     weights, ids = routing(g, T, E, K)
     qdq = lambda t, s: (t / s).clamp(-448, 448).to(FP8).float() * s  # noqa: E731 - quantise-dequantise
     deq13, deq2 = q13.float() * s13.view(E, 1, 1), q2.float() * s2.view(E, 1, 1)
@@ -348,11 +350,20 @@ def test_config_table_nearest_bucket_and_default(tmp_path):
         moe_configs.load_config_dir(tmp_path)
 
 
+def test_the_block_size_table_imports_no_kernel():
+    """The kernels look their blocks up in kernels.moe_configs, so it imports neither them nor the tuner
+    above them, not even inside a function: no import cycle."""
+    tree = ast.parse(Path(moe_configs.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if m.split(".")[0] in ("kernels", "triton")], imported
+
+
 def test_tune_needs_a_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tune() would really run")
     with pytest.raises(RuntimeError, match="CUDA"):
-        moe_configs.tune(4, 64, 32, "bf16", [1], out_dir=tmp_path)
+        moe_tune.tune(4, 64, 32, "bf16", [1], out_dir=tmp_path)
     assert not list(tmp_path.iterdir())
 
 

@@ -32,56 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_per_expert
 from moemesh.config import ConfigError, ModelConfig
 from stage_worker.layers.linear import cpu_gemm_layout
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-FP8_MIN_NORMAL = 2.0 ** -6  # below it (times the scale) values are subnormal: spacing 2^-9, absolute error
-MIN_AMAX = 1e-12  # an all-zero tensor still gets a positive scale (AutoFP8 clamps the same way)
-
 # a fused module here -> the checkpoint modules it is made of (CausalLM.packed_modules)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-# -- per-tensor quantization ------------------------------------------------------------------
-
-
-def fp8_scale(t: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale that maps t's largest magnitude to 448: float32, 0-dim."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.float32, device=t.device)
-    return t.detach().abs().amax().float().clamp(min=MIN_AMAX) / FP8_MAX
-
-
-def quantize_fp8(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """t -> (q float8_e4m3fn, scale float32) with t ~ q * scale; scale per tensor (amax / 448) unless given
-    (any shape that broadcasts against t, e.g. [E, 1, 1] for one scale per expert).
-
-    q = clamp(t / scale, -448, 448) rounded to nearest (ties to even). Error of q * scale against t,
-    for each element x = t / scale:
-    - |x| >= 2^-6 (normal e4m3): 3 mantissa bits, so the spacing within [2^k, 2^(k+1)) is 2^(k-3) and
-      rounding to nearest is off by at most half of it, 2^(k-4) <= 2^-4 |x|: relative error <= 2^-4 = 6.25%.
-    - |x| < 2^-6 (subnormal): fixed spacing 2^-9, absolute error <= 2^-10 * scale; |x| <= 2^-10 flushes
-      to zero.
-    So everywhere |q * scale - t| <= 2^-4 |t| + 2^-10 * scale (plus float32 rounding of t / scale, ~2^-24
-    relative). Zero stays exactly zero. With the default scale nothing clamps; with a given one (static
-    activations) larger values saturate at +-448 * scale.
-    """
-    scale = fp8_scale(t) if scale is None else scale.float()
-    q = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale in float32 (every e4m3 value is exact there), then cast to dtype."""
-    return (q.float() * scale.float()).to(dtype)
-
-
-def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x through fp8 and back, in float32: the activation an fp8 GEMM sees (static scale if given, else
-    dynamic per tensor)."""
-    return dequantize_fp8(*quantize_fp8(x, scale))
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -266,6 +222,7 @@ class Fp8FusedMoEMethod:
 
     def __init__(self, config: Fp8Config):
         self.config = config
+        self.experts = self.dequantized_experts  # process_weights_after_loading binds the backend's
 
     def create_weights(self, layer: nn.Module) -> None:
         E, H, I = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_partition
@@ -291,8 +248,8 @@ class Fp8FusedMoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.config.checkpoint_is_fp8:
             # one scale per expert; w1 and w3 share it (the amax over both halves)
-            w13_q, w13_scale = quantize_fp8(layer.w13_weight.data, _expert_scales(layer.w13_weight.data))
-            w2_q, w2_scale = quantize_fp8(layer.w2_weight.data, _expert_scales(layer.w2_weight.data))
+            w13_q, w13_scale = quantize_fp8_per_expert(layer.w13_weight.data)
+            w2_q, w2_scale = quantize_fp8_per_expert(layer.w2_weight.data)
         else:
             I = layer.intermediate_size_per_partition
             scales = _check_loaded(layer, "w13_weight_scale")  # [E, 2]
@@ -308,9 +265,31 @@ class Fp8FusedMoEMethod:
                 layer.w2_input_scale = _param(_check_loaded(layer, "w2_input_scale").max())
         layer.w13_weight, layer.w13_weight_scale = _param(cpu_gemm_layout(w13_q)), _param(w13_scale.reshape(-1))
         layer.w2_weight, layer.w2_weight_scale = _param(cpu_gemm_layout(w2_q)), _param(w2_scale.reshape(-1))
+        # "native" has no fp8 kernels: its experts dequantize, as torch's do
+        self.experts = self.bind_triton() if layer.backend == "triton" else self.dequantized_experts
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_* [T, K] -> [T, H] in x's dtype, by the kernel bound for the layer's backend."""
+        return self.experts(layer, x, topk_weights, topk_ids)
+
+    def bind_triton(self):
+        """The Triton kernel on the fp8 operands: w8a8 with the static input scales, else the weights
+        dequantized in the kernel (w8a16)."""
+        from kernels.fused_moe_triton import fused_experts_triton
+
+        static = self.config.static_activations
+
+        def experts(layer, x, topk_weights, topk_ids):
+            return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                        expert_offset=layer.expert_offset, w13_scale=layer.w13_weight_scale,
+                                        w2_scale=layer.w2_weight_scale,
+                                        a13_scale=layer.w13_input_scale.reshape(1) if static else None,
+                                        a2_scale=layer.w2_input_scale.reshape(1) if static else None)
+        return experts
+
+    def dequantized_experts(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_* [T, K] -> [T, H] in x's dtype. For each local expert e and its routed rows:
             h = silu(xq @ w1_e^T) * (xq @ w3_e^T)    [n, I]   xq: x through fp8 (w13_input_scale, or dynamic)
             y = hq @ w2_e^T                           [n, H]   hq: h through fp8 (w2_input_scale, or dynamic
@@ -318,15 +297,6 @@ class Fp8FusedMoEMethod:
         Not `moe_torch.fused_experts`: it has no place to quantize h. Experts are numbered globally;
         those of other ranks (expert parallelism) are skipped."""
         static = self.config.static_activations
-        if getattr(layer, "uses_triton", None) is not None and layer.uses_triton(x):
-            from kernels.fused_moe_triton import fused_experts_triton
-
-            # fp8 operands in the kernel: w8a8 with the static input scales, else weights dequantized (w8a16)
-            return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                        expert_offset=layer.expert_offset, w13_scale=layer.w13_weight_scale,
-                                        w2_scale=layer.w2_weight_scale,
-                                        a13_scale=layer.w13_input_scale.reshape(1) if static else None,
-                                        a2_scale=layer.w2_input_scale.reshape(1) if static else None)
         xq = fake_quantize_fp8(x, layer.w13_input_scale if static else None)  # [T, H] float32
         local_ids = topk_ids - layer.expert_offset  # [T, K]
         routed = []  # (tokens [n], their routing weights [n], e, h [n, I])
@@ -343,20 +313,14 @@ class Fp8FusedMoEMethod:
         if static:
             h_scale = layer.w2_input_scale
         else:
-            h_scale = torch.stack([h.abs().amax() for *_, h in routed]).amax().clamp(min=MIN_AMAX) / FP8_MAX
+            h_scale = fp8_scale(torch.stack([h.abs().amax() for *_, h in routed]))  # over every routed row
         for tokens, weights, e, h in routed:
             w2 = dequantize_fp8(layer.w2_weight[e], layer.w2_weight_scale[e])  # [H, I]
             out.index_add_(0, tokens, F.linear(fake_quantize_fp8(h, h_scale), w2) * weights[:, None])
         return out.to(x.dtype)
 
 
-def _expert_scales(w: torch.Tensor) -> torch.Tensor:
-    """[E, rows, cols] -> [E, 1, 1]: each expert's amax / 448."""
-    return w.detach().abs().amax(dim=(1, 2), keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
-
-
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Config", "Fp8FusedMoEMethod", "Fp8LinearMethod", "bind_scale_loaders",
-           "dequantize_fp8", "fake_quantize_fp8", "fp8_scale", "quantize_fp8"]
+__all__ = ["Fp8Config", "Fp8FusedMoEMethod", "Fp8LinearMethod", "bind_scale_loaders"]
 
 
 QUANTIZATIONS = ("fp8", "int8")

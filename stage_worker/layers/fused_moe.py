@@ -10,12 +10,20 @@ weights are stored and multiplied is the business of a method object (`Unquantiz
 or what `quant.moe_method()` returns); another method (FP8) creates other parameters and computes
 differently, with no change to the layer or the model files.
 
+The backend (kernels.backend: "torch", "native", "triton"; `layer.backend`, set by
+`CausalLM.set_backend`) is chosen once: `process_weights_after_loading` lays the weights out for it and
+binds its routing (`layer.route`) and its expert computation (`quant_method.experts`); forward calls
+them and never looks at the backend's name. A layer not yet laid out computes with torch.
+
 Tensor parallelism splits I: each rank holds a column slice of every expert's w1/w3 and the matching
 row slice of w2, and the partial sums meet in one all-reduce (the model may defer it to add a shared
 expert first). With `tp.expert_parallel`, each rank instead holds whole experts E/tp.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,8 +32,50 @@ from kernels import cpu_gemm, moe_torch
 from stage_worker.layers.linear import check_shape, cpu_gemm_layout, native_pack
 from stage_worker.layers.parallel import TPGroup
 
+# router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (layer, x [T, H], topk_weights [T, K], topk_ids [T, K]) -> [T, H] in x's dtype
+Experts = Callable[["FusedMoE", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def bind_router(backend: str, top_k: int, renormalize: bool) -> Router:
+    """The backend's routing: softmax in float32, the top K, renormalized if asked (the three agree)."""
+    if backend == "triton":
+        from kernels.fused_moe_triton import topk_softmax
+
+        return lambda logits: topk_softmax(logits.contiguous(), top_k, renormalize, ids_dtype=torch.int64)
+    if backend == "native":
+        lib = cpu_gemm.native()
+        return lambda logits: cpu_gemm.topk_softmax(logits, top_k, renormalize, lib)
+    return functools.partial(moe_torch.select_experts, top_k=top_k, renormalize=renormalize)
+
+
+def bind_experts(backend: str) -> Experts:
+    """The backend's expert computation on unquantized (or dequantized) weights: "native" reads
+    `layer.packed`, the others `layer.w13_weight` and `layer.w2_weight`."""
+    if backend == "native":
+        lib = cpu_gemm.native()
+
+        def experts(layer, x, topk_weights, topk_ids):
+            w13, w2 = layer.packed
+            return cpu_gemm.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, layer.expert_offset, lib).to(x.dtype)
+    elif backend == "triton":
+        from kernels.fused_moe_triton import fused_experts_triton
+
+        def experts(layer, x, topk_weights, topk_ids):
+            return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                        expert_offset=layer.expert_offset)
+    else:
+        def experts(layer, x, topk_weights, topk_ids):
+            return moe_torch.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                           expert_offset=layer.expert_offset)
+    return experts
+
 
 class UnquantizedFusedMoEMethod:
+    def __init__(self):
+        self.experts: Experts = bind_experts("torch")  # process_weights_after_loading binds the backend's
+
     def create_weights(self, layer: "FusedMoE") -> None:
         E, H, I_p = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_partition
         layer.w13_weight = nn.Parameter(torch.empty(E, 2 * I_p, H), requires_grad=False)
@@ -42,23 +92,17 @@ class UnquantizedFusedMoEMethod:
         if w13 is not None:
             layer.packed = (w13, native_pack(layer.backend, layer.w2_weight.data, self.native_weight_type))
             del layer.w13_weight, layer.w2_weight
+            self.experts = bind_experts("native")
             return
         layer.w13_weight.data = cpu_gemm_layout(self.torch_weight(layer.w13_weight.data))
         layer.w2_weight.data = cpu_gemm_layout(self.torch_weight(layer.w2_weight.data))
+        # "native" with weights its kernels do not read as they are (e.g. float16): torch's experts
+        self.experts = bind_experts("triton" if layer.backend == "triton" else "torch")
 
     def apply(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        if layer.packed is not None:
-            w13, w2 = layer.packed
-            y = cpu_gemm.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, layer.expert_offset, cpu_gemm.native())
-            return y.to(x.dtype)
-        if layer.uses_triton(x):
-            from kernels.fused_moe_triton import fused_experts_triton
-
-            return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                        expert_offset=layer.expert_offset)
-        return moe_torch.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                       expert_offset=layer.expert_offset)
+        """x [T, H], topk_* [T, K] -> [T, H], by the kernel bound for the layer's backend."""
+        return self.experts(layer, x, topk_weights, topk_ids)
 
 
 class FusedMoE(nn.Module):
@@ -82,7 +126,8 @@ class FusedMoE(nn.Module):
         self.checkpoint_names = dict(zip(("w1", "w3", "w2"), checkpoint_names))
         self.reduce_results = reduce_results
         # "torch" | "native" | "triton" (kernels.backend); the loader sets it before process_weights_after_loading
-        self.backend = "auto"
+        self.backend = "torch"
+        self.route: Router = bind_router(self.backend, top_k, renormalize)
         self.packed: tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight] | None = None  # (w13, w2), native
         self.quant_method = quant.moe_method() if quant is not None else UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self)
@@ -91,25 +136,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] -> [T, H]."""
-        if self.uses_triton(x):
-            from kernels.fused_moe_triton import topk_softmax
-
-            topk_weights, topk_ids = topk_softmax(router_logits.contiguous(), self.top_k, self.renormalize,
-                                                  ids_dtype=torch.int64)
-        elif self.backend == "native":
-            topk_weights, topk_ids = cpu_gemm.topk_softmax(router_logits, self.top_k, self.renormalize,
-                                                           cpu_gemm.native())
-        else:
-            topk_weights, topk_ids = moe_torch.select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.route(router_logits)  # [T, K] each
         y = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return self.tp.all_reduce(y) if self.reduce_results else y
 
     def process_weights_after_loading(self) -> None:
+        """Lays the weights out for `self.backend` and binds its kernels; the backend is fixed from here."""
         self.quant_method.process_weights_after_loading(self)
-
-    def uses_triton(self, x: torch.Tensor) -> bool:
-        """auto: the Triton kernels on CUDA, vectorised torch on CPU."""
-        return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        self.route = bind_router(self.backend, self.top_k, self.renormalize)
 
     # -- loading -------------------------------------------------------------------------------
 

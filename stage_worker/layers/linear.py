@@ -14,8 +14,9 @@ returns when the model is built with a quantization config; a quantized method c
 parameters and computes differently, with no change to the layers or the model files.
 
 `layer.backend` ("torch" or "native", set by the loader before `process_weights_after_loading`)
-says which kernels compute: with "native" the weight is packed once for kernels/cpu_gemm.c
-(`layer.packed`) and the [out, in] parameter is dropped.
+says which kernels compute, and is read once there: with "native" the weight is packed once for
+kernels/cpu_gemm.c (`layer.packed`), the [out, in] parameter is dropped and the method binds the
+native GEMM (`kernel`); forward calls the bound kernel.
 """
 
 from __future__ import annotations
@@ -39,10 +40,21 @@ def native_pack(backend: str, w: torch.Tensor, weight_type: torch.dtype | None =
     return None
 
 
+def torch_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, layer.weight, bias)
+
+
+def native_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_gemm.linear(x, layer.packed, bias)
+
+
 class UnquantizedLinearMethod:
     # what a weight-only quantization changes (stage_worker.layers.int8): the type the native
     # kernels read, and the weight torch's path multiplies by instead
     native_weight_type: torch.dtype | None = None
+
+    def __init__(self):
+        self.kernel = torch_linear  # (layer, x [T, in], bias) -> [T, out]; process_weights_after_loading binds
 
     @staticmethod
     def torch_weight(w: torch.Tensor) -> torch.Tensor:
@@ -55,13 +67,13 @@ class UnquantizedLinearMethod:
         layer.packed = native_pack(layer.backend, layer.weight.data, self.native_weight_type)
         if layer.packed is not None:
             del layer.weight
+            self.kernel = native_linear
         else:
             layer.weight.data = cpu_gemm_layout(self.torch_weight(layer.weight.data))
+            self.kernel = torch_linear
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed is not None:
-            return cpu_gemm.linear(x, layer.packed, bias)
-        return F.linear(x, layer.weight, bias)
+        return self.kernel(layer, x, bias)
 
 
 def cpu_gemm_layout(w: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,8 @@ class CausalLM(nn.Module):
 
     def set_backend(self, backend: str) -> None:
         """Which kernels every layer computes with ("torch" | "native" | "triton", kernels.backend);
-        before `process_weights_after_loading`, which lays out the weights for them."""
+        before `process_weights_after_loading`, which lays out the weights for them and binds the
+        linear and MoE layers' kernels once."""
         for module in self.modules():
             if hasattr(module, "backend"):
                 module.backend = backend
