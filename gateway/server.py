@@ -33,21 +33,10 @@ from moemesh.config import ModelConfig
 from moemesh.log import get_logger
 from moemesh.protocol import RequestOutput, TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
+from moemesh.settings import GatewaySettings
 from moemesh.tokenizer import TextTokenizer
 
 log = get_logger("gateway")
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    coordinator: str  # the coordinator's client address, tcp://HOST:PORT
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None  # checkpoint directory for the tokenizer (default: what the coordinator serves)
-    served_model_name: str | None = None  # the name clients use (default: the directory's name)
-    api_key: str | None = None  # guards /v1/*; also from MOEMESH_API_KEY
-    max_pending: int = 1024  # requests in this gateway at once; more get 429
-    max_body_bytes: int = 8 << 20
 
 
 class HTTPError(Exception):
@@ -76,7 +65,7 @@ class Choice:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewaySettings):
         self.cfg = cfg
         self.client: CoordinatorClient | None = None
         self.status = None
@@ -535,7 +524,7 @@ def _text_content(content) -> str:
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 
 
-async def run_gateway(cfg: GatewayConfig, ready: asyncio.Event | None = None) -> None:
+async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     """Serves until cancelled."""
     gw = Gateway(cfg)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

@@ -1,5 +1,5 @@
 import sys
 
-from moemesh.cli import main
+from moemesh.entrypoints.cli import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from moemesh.errors import ConfigError
 
 # model_type -> the architecture name in config.json's `architectures`
 SUPPORTED_ARCHITECTURES = {
@@ -23,10 +23,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(ValueError):
-    """A checkpoint or flag the system cannot run, with a message meant for the user."""
 
 
 @dataclass(frozen=True)
@@ -211,87 +207,58 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def check_layout(model: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
-    """Refuses a tensor-parallel layout the model cannot take, before anything loads weights."""
-    problems = []
-    if model.num_heads % tp:
-        problems.append(f"{model.num_heads} attention heads")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        problems.append(f"{model.num_kv_heads} key/value heads (neither divides the other)")
-    dense = [i for i in range(model.num_layers) if not model.is_sparse_layer(i)]
-    if dense and model.intermediate_size % tp:
-        problems.append(f"intermediate_size {model.intermediate_size}")
-    if model.num_experts:
-        if expert_parallel and model.num_experts % tp:
-            problems.append(f"{model.num_experts} experts (with --expert-parallel)")
-        if not expert_parallel and model.moe_intermediate_size % tp:
-            problems.append(f"expert intermediate size {model.moe_intermediate_size}")
-        if model.shared_expert_intermediate_size % tp:
-            problems.append(f"shared expert intermediate size {model.shared_expert_intermediate_size}")
-    elif expert_parallel:
-        raise ConfigError(f"--expert-parallel needs a mixture-of-experts model; {model.architecture} is dense")
-    if problems:
-        raise ConfigError(f"--tp {tp} does not divide the model's " + ", ".join(problems))
+DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes, by name (stage_worker.tensors maps them to torch)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(flag: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(flag: str, model: ModelConfig, device: str = "cpu") -> str:
     """`--dtype auto`: float32 on CPU (bf16 matmul is half speed there), the checkpoint's dtype on GPU."""
     if flag == "auto":
-        return DTYPES.get(model.checkpoint_dtype, torch.float32) if device.type == "cuda" else torch.float32
+        on_gpu = device.startswith("cuda")
+        return model.checkpoint_dtype if on_gpu and model.checkpoint_dtype in DTYPES else "float32"
     if flag not in DTYPES:
         raise ConfigError(f"--dtype {flag!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[flag]
+    return flag
 
 
-def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
-    """(cost of each decoder layer, cost of the head) for one decode token, in multiply-adds of the
-    weights that token uses: attention's projections and, per layer, its K routed experts plus any
-    shared expert and router (sparse) or its dense MLP; the head is the final norm and lm_head. A
-    decode step reads and multiplies these weights, so its time on a stage follows their sum (the
-    attention over the cache is small beside them at the context lengths that serve decode)."""
-    H = model.hidden_size
-    attn = H * (model.q_size + 2 * model.kv_size) + model.q_size * H
-    layers = []
-    for i in range(model.num_layers):
-        if model.is_sparse_layer(i):
-            mlp = model.top_k * 3 * H * model.moe_intermediate_size + model.num_experts * H
-            if model.shared_expert_intermediate_size:
-                mlp += 3 * H * model.shared_expert_intermediate_size + H
-        else:
-            mlp = 3 * H * model.intermediate_size
-        layers.append(float(attn + mlp))
-    return layers, float(model.vocab_size * H)
+QUANTIZATIONS = ("fp8", "int8")
+MOE_BACKENDS = ("auto", "torch", "native", "triton")  # kernels.backend.resolve_backend says what each means
 
 
-def balanced_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
-    """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
-    largest stage's decode cost (`decode_costs`; the last stage also carries the head), so that the
-    stages of a pipeline are equally busy."""
-    layers, head = decode_costs(model)
-    n = len(layers)
-    if not 1 <= pp <= n:
-        raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
-    prefix = [0.0]
-    for c in layers:
-        prefix.append(prefix[-1] + c)
-    cost = lambda a, b, last: prefix[b] - prefix[a] + (head if last else 0.0)  # noqa: E731
-    # best[s][j]: the least possible largest stage cost of layers 0..j-1 split into s stages
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
-    for s in range(1, pp + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], cost(i, j, s == pp and j == n))
-                if v < best[s][j]:
-                    best[s][j], cut[s][j] = v, i
-    counts, j = [], n
-    for s in range(pp, 0, -1):
-        i = cut[s][j]
-        counts.append(j - i)
-        j = i
-    return tuple(reversed(counts))
+def check_quantization(model: ModelConfig, flag: str | None) -> str | None:
+    """The quantization a model runs with: the checkpoint's own (an AutoFP8 checkpoint), or `flag`
+    ("fp8": quantize 16/32-bit weights at load; "int8": weight-only int8, per-row scales), or None.
+    Refuses, before anything loads, what cannot run; the workers build the method from the answer
+    (stage_worker.layers.fp8.resolve_quantization)."""
+    if flag is not None and flag not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization {flag!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if flag == "int8" and model.quantization is not None:
+        raise ConfigError(f"--quantization int8 needs a 16/32-bit checkpoint; this one is already {model.quantization}")
+    if model.quantization is not None:
+        config = dict(model.quantization_config)
+        check_fp8_checkpoint(config)
+        odd = [n for n in config.get("ignored_layers") or () if n != "lm_head" and not n.endswith(_NEVER_QUANTIZED)]
+        if odd:
+            raise ConfigError(f"ignored_layers {odd[:3]} of this FP8 checkpoint name layers moemesh would quantize; "
+                              "only lm_head and router gates can be left out")
+        return model.quantization
+    return flag
+
+
+_NEVER_QUANTIZED = (".gate", ".shared_expert_gate")  # router gates: never quantized anyway
+
+
+def check_fp8_checkpoint(quantization_config: dict) -> None:
+    """config.json's `quantization_config` as AutoFP8 writes it: {"quant_method": "fp8",
+    "activation_scheme": "dynamic" | "static", "ignored_layers": [...]}; another method or format is
+    refused (which layers a checkpoint may leave out is `check_quantization`'s business)."""
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"quantization method {method!r} is not supported (only fp8, per tensor)")
+    if quantization_config.get("weight_block_size") is not None:
+        raise ConfigError(f"block-wise FP8 (weight_block_size={quantization_config['weight_block_size']}) "
+                          "is not supported; only per-tensor scales")
+    if quantization_config.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"FP8 format {quantization_config['fmt']!r} is not supported (only e4m3)")
+    scheme = quantization_config.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError(f"FP8 activation_scheme {scheme!r} is not one of dynamic, static")

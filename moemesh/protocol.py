@@ -8,17 +8,18 @@ Links (socket pattern, direction):
 - activation link (stage s PUSH -> stage s+1 PULL, same tensor rank): `Activations` + tensor frames.
 
 A multipart message is [msgpack header, tensor frame, tensor frame, ...]; the header names each
-tensor's dtype and shape. Decoding takes the frames as they arrived (no copy for tensors). Nothing
-here can execute code on decode: msgspec builds only the Structs below (no pickle anywhere).
+tensor's dtype and shape. Decoding takes the frames as they arrived (no copy for tensors) and checks
+each frame's size against its declared dtype and shape; turning a frame into a tensor is the worker's
+business (`stage_worker.tensors`), so this module, and everything that only routes messages, needs
+no torch. Nothing here can execute code on decode: msgspec builds only the Structs below (no pickle
+anywhere).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Union
 
 import msgspec
-import torch
 
 from moemesh.sampling import SamplingParams
 
@@ -29,9 +30,7 @@ class ProtocolError(ValueError):
 
 # -- tensors ------------------------------------------------------------------------------------
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int64": torch.int64, "int32": torch.int32}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+TENSOR_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}  # dtype name -> bytes
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -217,12 +216,13 @@ class Codec:
         self._decoder = msgspec.msgpack.Decoder(expected)
 
     @staticmethod
-    def encode(msg, tensors: list[torch.Tensor] = ()) -> list:
-        """-> [header, *tensor buffers]; tensor buffers are zero-copy views (keep tensors alive
-        until sent: pyzmq's copy=False holds the buffer for us)."""
-        return [_encoder.encode(msg), *(_tensor_buffer(t) for t in tensors)]
+    def encode(msg, buffers=()) -> list:
+        """-> [header, *buffers]; each buffer holds one tensor's bytes as `msg.tensors` describes it
+        (pyzmq's copy=False sends them without a copy and holds them until sent)."""
+        return [_encoder.encode(msg), *buffers]
 
-    def decode(self, frames: list) -> tuple[object, list[torch.Tensor]]:
+    def decode(self, frames: list) -> tuple[object, list]:
+        """-> (message, its tensor frames as buffers), each frame checked against its TensorMeta."""
         if not frames:
             raise ProtocolError("empty message")
         try:
@@ -232,39 +232,26 @@ class Codec:
         metas = getattr(msg, "tensors", [])
         if len(frames) - 1 != len(metas):
             raise ProtocolError(f"message declares {len(metas)} tensors but carries {len(frames) - 1} frames")
-        return msg, [_tensor(m, _buffer(f)) for m, f in zip(metas, frames[1:])]
+        buffers = [_buffer(f) for f in frames[1:]]
+        for meta, buf in zip(metas, buffers):
+            check_frame(meta, buf)
+        return msg, buffers
 
 
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(_NAMES[t.dtype], list(t.shape))
-
-
-def _tensor_buffer(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _buffer(frame):
-    return frame.buffer if hasattr(frame, "buffer") else frame
-
-
-def _tensor(meta: TensorMeta, buf) -> torch.Tensor:
-    dtype = _DTYPES.get(meta.dtype)
-    if dtype is None:
+def check_frame(meta: TensorMeta, buf) -> None:
+    """Refuses a frame whose dtype is unknown or whose size is not what its shape needs."""
+    size = TENSOR_ITEM_SIZES.get(meta.dtype)
+    if size is None:
         raise ProtocolError(f"unknown tensor dtype {meta.dtype!r}")
     numel = 1
     for d in meta.shape:
         if not 0 <= d < 1 << 40:
             raise ProtocolError(f"tensor shape {meta.shape} has a dimension outside [0, 2^40)")
         numel *= d
-    if len(buf) != numel * dtype.itemsize:
+    if len(buf) != numel * size:
         raise ProtocolError(f"tensor frame holds {len(buf)} bytes, shape {meta.shape} of {meta.dtype} "
-                            f"needs {numel * dtype.itemsize}")
-    if numel == 0:
-        try:
-            return torch.empty(meta.shape, dtype=dtype)
-        except (RuntimeError, TypeError, ValueError) as e:
-            raise ProtocolError(f"tensor shape {meta.shape}: {e}") from None
-    with warnings.catch_warnings():  # received frames are read-only; these tensors are only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).view(meta.shape)
+                            f"needs {numel * size}")
+
+
+def _buffer(frame):
+    return frame.buffer if hasattr(frame, "buffer") else frame

@@ -32,6 +32,9 @@ class StageExecutor:
         self.runner = runner
         self.is_last = runner.model.has_head
         self.eos_token_ids = eos_token_ids
+        if generator is None and self.is_last:  # for requests without a seed: different in every process
+            generator = torch.Generator(device=runner.device)
+            generator.seed()
         self.generator = generator
         self.seqs: dict[int, SeqState] = {}
         self.busy_seconds = 0.0

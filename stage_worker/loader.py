@@ -20,13 +20,10 @@ from tqdm import tqdm
 
 from kernels.backend import resolve_backend
 from moemesh.config import ConfigError, ModelConfig
+from moemesh.errors import LoadError
 from stage_worker.layers.linear import load_whole
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.models import CausalLM, model_class
-
-
-class LoadError(ValueError):
-    pass
 
 
 @dataclass

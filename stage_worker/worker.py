@@ -18,7 +18,6 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -30,33 +29,19 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
-                              Ready, Register, Schedule, Shutdown, Start, WorkerFailed, tensor_meta)
+                              Ready, Register, Schedule, Shutdown, Start, WorkerFailed)
+from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.runner import StageRunner
+from stage_worker.tensors import frames_of, from_frame, torch_dtype
 
 log = get_logger("stage_worker")
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    coordinator: str  # tcp://host:port of the coordinator's worker socket
-    pp_rank: int
-    tp_rank: int = 0
-    bind_host: str = "127.0.0.1"  # where the activation socket listens
-    advertise_host: str | None = None  # how other workers reach it (default: bind_host)
-    port: int = 0  # 0: any free port
-    kv_memory_bytes: int = 1 << 30
-    device: str = "cpu"
-    threads: int = 1
-    heartbeat_interval: float = 0.5
-    record_dir: str | None = None  # write the first `record_steps` steps' inputs and outputs here
-    record_steps: int = 16
-
-
 class StageWorker:
-    def __init__(self, cfg: WorkerConfig):
+    def __init__(self, cfg: WorkerSettings):
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.ctrl = self.ctx.socket(zmq.DEALER)
@@ -72,23 +57,23 @@ class StageWorker:
         self.activations: asyncio.Queue = asyncio.Queue()
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute",
-                                          initializer=torch.set_num_threads, initargs=(cfg.threads,))
+                                          initializer=torch.set_num_threads, initargs=(cfg.threads or 1,))
         self.executor: StageExecutor | None = None
         self.stopping = asyncio.Event()
         self.recorder = None
         self.sent_bytes = 0
-        if cfg.record_dir:
+        if cfg.record:
             from stage_worker.standalone import Recorder
 
-            self.recorder = Recorder(cfg.record_dir, cfg.record_steps)
+            self.recorder = Recorder(cfg.record, cfg.record_steps)
 
     async def run(self) -> int:
         cfg = self.cfg
-        torch.set_num_threads(cfg.threads)
-        port = bind(self.pull, cfg.bind_host, cfg.port)
-        host = cfg.advertise_host or cfg.bind_host
+        torch.set_num_threads(cfg.threads or 1)
+        port = bind(self.pull, cfg.host, cfg.port)
+        host = cfg.advertise_host or cfg.host
         address = f"tcp://{host}:{port}"
-        rendezvous = f"tcp://{host}:{_free_port(cfg.bind_host)}"
+        rendezvous = f"tcp://{host}:{_free_port(cfg.host)}"
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
@@ -123,11 +108,11 @@ class StageWorker:
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg
         mc = ModelConfig.from_dir(a.model)
-        dtype = resolve_dtype(a.dtype, mc, torch.device(cfg.device))
+        dtype = torch_dtype(resolve_dtype(a.dtype, mc, cfg.device))
         layers = range(a.layer_start, a.layer_end)
         per_block = StageRunner.kv_bytes_per_block(mc, len(layers), a.block_size, TPGroup(cfg.tp_rank, a.tp_size),
                                                    dtype)
-        num_blocks = max(1, cfg.kv_memory_bytes // per_block)
+        num_blocks = cfg.kv_blocks(per_block)  # the same rule as the in-process engine
 
         def build():
             group = None
@@ -154,8 +139,8 @@ class StageWorker:
             self.push.connect(a.next_address)
         return num_blocks
 
-    async def _send(self, msg, tensors=()) -> None:
-        await self.ctrl.send_multipart(Codec.encode(msg, tensors), copy=False)
+    async def _send(self, msg) -> None:
+        await self.ctrl.send_multipart(Codec.encode(msg), copy=False)
 
     async def _expect(self, kind):
         """Waits for a control message of one kind (others before it are malformed here)."""
@@ -190,9 +175,10 @@ class StageWorker:
         while True:
             frames = await self.pull.recv_multipart(copy=False)
             try:
-                msg, tensors = self.act_codec.decode(frames)
-                if len(tensors) != 2:
-                    raise ProtocolError(f"activations carry {len(tensors)} tensors, expected 2")
+                msg, buffers = self.act_codec.decode(frames)
+                if len(buffers) != 2:
+                    raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 2")
+                tensors = [from_frame(m, b) for m, b in zip(msg.tensors, buffers)]
             except ProtocolError as e:
                 self.bad(e, "previous stage")
                 continue
@@ -216,9 +202,8 @@ class StageWorker:
             if self.recorder is not None:
                 self.recorder.record(sched, (hidden, residual), out)
             if self.push is not None:
-                h, r = out
-                msg = Activations(sched.step_id, [tensor_meta(h), tensor_meta(r)])
-                frames = Codec.encode(msg, [h, r])
+                metas, buffers = frames_of(out)
+                frames = Codec.encode(Activations(sched.step_id, metas), buffers)
                 self.sent_bytes += sum(len(f) for f in frames)
                 await self.push.send_multipart(frames, copy=False)
             elif self.cfg.tp_rank == 0:

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kernels.cpu_gemm import native
-from moemesh.bench.model import step_cost
-from moemesh.cli import main
+from moemesh.entrypoints.bench.model import step_cost
+from moemesh.entrypoints.cli import main
 from moemesh.config import ModelConfig
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 
 
 def test_bench_model_json_rows(tmp_path, capsys):
@@ -77,7 +77,7 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
     assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "4",
                  "--new", "3", "--layer-partition", "auto", "--no-baseline", "--json"]) == 0
     out = json_rows(capsys)
-    from moemesh.config import balanced_partition
+    from moemesh.layout import balanced_partition
 
     want = list(balanced_partition(ModelConfig.from_dir(tiny), 2))
     assert [(r["pp"], r["layers"]) for r in out] == [(1, [4]), (2, want)]

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 
-from moemesh.cli import main
+from moemesh.entrypoints.cli import main
 
 
 class FakeServer:

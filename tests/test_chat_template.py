@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.chat import ChatTemplate, TemplateError
-from moemesh.tiny_model import BOS, ENDOFTEXT, TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import BOS, ENDOFTEXT, TinyModelSpec, write_tiny_model
 
 SPEC = TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=32, num_heads=2,
                      num_kv_heads=1, num_experts=2, top_k=1, vocab_size=600)

@@ -14,9 +14,9 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from moemesh.cli import main
+from moemesh.entrypoints.cli import main
 from moemesh.config import ModelConfig
-from moemesh.tiny_model import ARCHS, DEFAULT_SPEC
+from moemesh.entrypoints.tiny_model import ARCHS, DEFAULT_SPEC
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = ["--layers", "2", "--hidden", "64", "--intermediate", "64", "--heads", "4", "--kv-heads", "2",

@@ -178,7 +178,7 @@ def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
 
 
 def test_models_on_cpu_resolve_to_native_everywhere(tmp_path):
-    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
     from stage_worker.layers.attention import PagedAttention
     from stage_worker.loader import load_model
 
@@ -233,16 +233,17 @@ def test_topk_softmax_matches_torch(renormalize):
 def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
     """Decode steps through mm_decoder_layer (one call per layer) against the model files' op-by-op
     path on the same native kernels: the same tokens, logits within float noise."""
-    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
     from moemesh.sampling import SamplingParams
-    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
     from stage_worker.runner import StepInput
 
     write_tiny_model(TinyModelSpec(arch=arch, num_layers=3, hidden_size=64, intermediate_size=96, head_dim=24,
                                    moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=6,
                                    vocab_size=384, mlp_only_layers=(1,) if arch == "qwen3_moe" else ()), tmp_path)
-    fused = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
-    plain = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
+    fused = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
+    plain = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
     assert fused.stages[0].runner.fused is not None
     plain.stages[0].runner.fused = None
     prompts = [[5, 17, 33, 2, 9], [7], list(range(30, 52))]
@@ -260,15 +261,16 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
 
 def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
     """bfloat16 weights and KV cache, float32 arithmetic between them: decode logits near float32's."""
-    from moemesh.engine import EngineConfig, LLMEngine
-    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
     from stage_worker.runner import StepInput
 
     write_tiny_model(TinyModelSpec(arch="qwen2_moe", num_layers=2, hidden_size=64, moe_intermediate_size=48,
                                    shared_expert_intermediate_size=64, num_experts=4, vocab_size=384), tmp_path)
     logits = []
-    for dtype in (torch.float32, torch.bfloat16):
-        runner = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16, dtype=dtype), progress=False) \
+    for dtype in ("float32", "bfloat16"):
+        runner = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=16, dtype=dtype), progress=False) \
             .stages[0].runner
         assert runner.fused is not None
         runner.execute(StepInput([[5, 17, 33, 2, 9]], [0], [[0]], [True]))
@@ -293,13 +295,14 @@ def test_decode_attention_keeps_a_nan_and_refuses_blocks_outside_the_cache():
 
 
 def test_fused_decode_refuses_a_step_outside_the_cache(tmp_path):
-    from moemesh.engine import EngineConfig, LLMEngine
-    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
     from stage_worker.runner import StepInput
 
     write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=48,
                                    num_experts=4, vocab_size=384), tmp_path)
-    runner = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=4, block_size=4), progress=False) \
+    runner = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=4, block_size=4), progress=False) \
         .stages[0].runner
     assert runner.fused is not None
     runner.execute(StepInput([[5, 6, 7]], [0], [[0]], [True]))
@@ -309,19 +312,20 @@ def test_fused_decode_refuses_a_step_outside_the_cache(tmp_path):
 
 def test_without_a_compiler_auto_falls_back_to_torch(tmp_path, monkeypatch):
     """native() None (no C compiler): auto resolves to torch and a model still generates."""
-    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
     from moemesh.sampling import SamplingParams
-    from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 
     write_tiny_model(TinyModelSpec(arch="qwen2_moe", num_layers=2, hidden_size=32, moe_intermediate_size=24,
                                    shared_expert_intermediate_size=32, num_experts=4, vocab_size=384), tmp_path)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    want = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False).generate([[5, 6, 7]], params)
+    want = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=16), progress=False).generate([[5, 6, 7]], params)
     monkeypatch.setattr(cpu_gemm, "native", lambda: None)
     assert resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(BackendError, match="could not be built"):
         resolve_backend("native", "cpu")
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False)
+    engine = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=16), progress=False)
     assert engine.stages[0].runner.model.backend == "torch" and engine.stages[0].runner.fused is None
     assert engine.generate([[5, 6, 7]], params)[0].token_ids == want[0].token_ids
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moemesh.cli import build_parser
+from moemesh.entrypoints.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {"HOST_A": "192.0.2.10", "HOST_B": "192.0.2.11", "MOEMESH_MODEL": "/models/m"}
@@ -68,3 +68,31 @@ def test_flags_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("MOEMESH_PP", "two")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["coordinator"])
+
+
+SHARED = {"MOEMESH_MODEL", "MOEMESH_LOG_LEVEL"}  # set for every service by the files' common block
+
+
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.host-a.yml", "deploy/compose.host-b.yml"])
+def test_every_variable_a_service_sets_is_a_flag_of_its_command(path, monkeypatch):
+    """The compose files configure processes through the settings classes' MOEMESH_* variables: each
+    variable a service sets reaches its command's flag with the same value."""
+    from moemesh.settings import render
+
+    out = subprocess.run([str(compose_binary()), "-f", str(REPO / path), "config"], env={**os.environ, **ENV},
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    for name, svc in yaml.safe_load(out.stdout)["services"].items():
+        command = svc["command"][1:]  # after "moemesh"
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items() if k.startswith("MOEMESH_")}
+        for var in [v for v in os.environ if v.startswith("MOEMESH_")]:
+            monkeypatch.delenv(var)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        args = build_parser().parse_args(command)
+        for var, value in env.items():
+            dest = var.removeprefix("MOEMESH_").lower()
+            if var in SHARED and not hasattr(args, dest):
+                continue
+            assert hasattr(args, dest), f"{path} {name}: {var} is no flag of `moemesh {command[0]}`"
+            assert render(getattr(args, dest)) == value, f"{path} {name}: {var}"

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.detokenizer import IncrementalDetokenizer
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from moemesh.tokenizer import TextTokenizer
 
 SPEC = TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=32, intermediate_size=32, num_heads=2,

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from moemesh.cli import main
+from moemesh.entrypoints.cli import main
 from moemesh.config import ConfigError, ModelConfig
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.linear import UnquantizedLinearMethod
 from test_model_parity import all_logits
@@ -35,7 +36,7 @@ def checkpoints(request, tmp_path_factory):
 
 
 def engine(path, **kw):
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, **kw), progress=False)
+    return LLMEngine(EngineSettings(model=str(path), num_kv_blocks=64, **kw), progress=False)
 
 
 def rel(a, b):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 
 openai = pytest.importorskip("openai")
 
@@ -85,10 +85,11 @@ def client(server):
 
 
 def engine_greedy(model, prompt_ids, n):
-    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
     from moemesh.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=64), progress=False)
+    engine = LLMEngine(EngineSettings(model=str(model), num_kv_blocks=64), progress=False)
     return engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
 
 
@@ -284,7 +285,7 @@ def _cmdline(pid) -> bytes:
 
 
 def test_bench_serve_prints_rows_and_plots(server, tmp_path, capsys):
-    from moemesh.cli import main
+    from moemesh.entrypoints.cli import main
 
     png = tmp_path / "curve.png"
     assert main(["bench", "serve", "--url", server.url, "--concurrency", "1,4", "--num-prompts", "4",

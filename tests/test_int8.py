@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from moemesh.config import ConfigError, ModelConfig
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from stage_worker.layers.fp8 import resolve_quantization
 from kernels.cpu_gemm import native
 from stage_worker.layers.int8 import Int8Config
@@ -30,7 +31,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def engine(path, **kw):
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, **kw), progress=False)
+    return LLMEngine(EngineSettings(model=str(path), num_kv_blocks=64, **kw), progress=False)
 
 
 def rel(a, b):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import build_hf_model
 from moemesh.config import ConfigError, ModelConfig
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.loader import LoadError, load_model
@@ -30,8 +31,8 @@ def test_sharded_checkpoint_loads_and_matches_single_file(sharded, tmp_path):
     assert len(set(index["weight_map"].values())) > 3
     build_hf_model("qwen2_moe", tmp_path)  # same seed, one file
     assert not (tmp_path / "model.safetensors.index.json").exists()
-    a = LLMEngine(EngineConfig(model=str(sharded), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
-    b = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
+    a = LLMEngine(EngineSettings(model=str(sharded), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
+    b = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=16), progress=False).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hf_models import build_hf_model, hf_greedy, hf_logits
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from stage_worker.sampler import SampleRow, _apply_penalties
@@ -30,7 +31,7 @@ def checkpoint(tmp_path_factory):
 
 
 def make_engine(path, **cfg) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, **cfg), progress=False)
+    return LLMEngine(EngineSettings(model=str(path), num_kv_blocks=64, **cfg), progress=False)
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], first_step=None):
@@ -118,7 +119,7 @@ def test_sampled_logprobs_are_of_the_model_distribution(checkpoint):
 @pytest.mark.parametrize("budget", [512, 5, 3], ids=["one-chunk", "chunks-of-5", "chunks-of-3"])
 def test_prompt_logprobs_match_transformers(checkpoint, budget):
     path, hf = checkpoint
-    engine = make_engine(path, max_num_batched_tokens=budget)
+    engine = make_engine(path, max_batched_tokens=budget)
     # a decoding neighbour shares the steps with the prompt's chunks
     prompt = PROMPT + OTHER
     first_step = {}
@@ -145,7 +146,7 @@ def test_logprobs_survive_preemption_and_recomputation(checkpoint):
     """A pool too small for four sequences: they are preempted and recomputed from their prompts,
     and neither the prompt logprobs nor the per-token logprobs are lost, doubled or shifted."""
     path, hf = checkpoint
-    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=6, block_size=4, max_num_batched_tokens=8),
+    engine = LLMEngine(EngineSettings(model=str(path), num_kv_blocks=6, block_size=4, max_batched_tokens=8),
                        progress=False)
     prompts = {f"r{i}": list(range(10 + 7 * i, 23 + 7 * i)) for i in range(4)}
     n = 6

@@ -10,8 +10,9 @@ import zmq
 
 from hf_models import build_hf_model, hf_greedy
 from moemesh.client import CoordinatorClient
-from moemesh.engine import EngineConfig, LLMEngine
-from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
+from moemesh.entrypoints.launcher import LocalMesh
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 
@@ -31,7 +32,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     path, hf = model
-    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=256), progress=False)
+    engine = LLMEngine(EngineSettings(model=str(path), num_kv_blocks=256), progress=False)
     in_process = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
     transformers = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     assert in_process == transformers
@@ -53,7 +54,7 @@ def mesh_for(model_dir, **kw) -> LocalMesh:
     """One running mesh per layout, shared by the tests of this module."""
     key = tuple(sorted(kw.items()))
     if key not in _meshes:
-        mesh = LocalMesh(MeshSpec(model=str(model_dir), kv_memory_bytes=kw.pop("kv_memory_bytes", KV), **kw))
+        mesh = LocalMesh.of(EngineSettings(model=str(model_dir), kv_memory=kw.pop("kv_memory", KV), **kw))
         mesh.start()
         _meshes[key] = mesh
     return _meshes[key]
@@ -80,7 +81,7 @@ async def generate_all(mesh: LocalMesh, prompts, params):
 
 
 @pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=2), dict(pp=4),
-                                    dict(pp=2, layer_partition=(1, 3), max_num_batched_tokens=8)],
+                                    dict(pp=2, layer_partition=(1, 3), max_batched_tokens=8)],
                          ids=["pp1", "pp2", "pp4", "pp2-uneven-chunked"])
 def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, reference, layout):
     results, status = run(generate_all(mesh_for(model[0], **layout), PROMPTS, GREEDY))
@@ -107,7 +108,7 @@ def test_seeded_sampling_is_the_same_in_any_layout_and_batch(model):
 def test_preemption_with_a_small_kv_pool(model, reference):
     # 64 requests; the pool holds far fewer at once: sequences are preempted and recomputed
     prompts = [PROMPTS[i % 16] for i in range(64)]
-    mesh = mesh_for(model[0], pp=2, kv_memory_bytes=160 * 1024, block_size=4)
+    mesh = mesh_for(model[0], pp=2, kv_memory=160 * 1024, block_size=4)
     results, status = run(generate_all(mesh, prompts, GREEDY))
     assert [t for t, _ in results] == [reference[i % 16] for i in range(64)]
     assert status.num_preemptions > 0
@@ -174,7 +175,7 @@ def test_malformed_messages_do_not_crash_any_process(model, reference):
 
 def test_a_killed_stage_worker_ends_every_request_with_an_error(model):
     async def scenario():
-        mesh = LocalMesh(MeshSpec(model=str(model[0]), pp=2, kv_memory_bytes=KV, worker_timeout=2.0))
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=2, kv_memory=KV), worker_timeout=2.0)
         mesh.start()
         client = CoordinatorClient(mesh.client_address)
         try:

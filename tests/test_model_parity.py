@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from hf_models import build_hf_model, hf_greedy, hf_logits
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
-from moemesh.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "llama"]
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 250, 251, 3, 4, 77, 78, 79, 80],
@@ -67,7 +68,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_prefill_logits_match(reference):
-    engine = LLMEngine(EngineConfig(model=str(reference.path), num_kv_blocks=64), progress=False)
+    engine = LLMEngine(EngineSettings(model=str(reference.path), num_kv_blocks=64), progress=False)
     for prompt in PROMPTS:
         assert rel_err(all_logits(engine, prompt), hf_logits(reference.hf, prompt)) < 1e-4
 
@@ -76,10 +77,10 @@ def test_prefill_logits_match(reference):
 def test_greedy_matches_transformers(reference, layout):
     cfg = {
         "default": dict(block_size=16, num_kv_blocks=64),
-        "chunked": dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=7),  # prompts in chunks
+        "chunked": dict(block_size=16, num_kv_blocks=64, max_batched_tokens=7),  # prompts in chunks
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
     }[layout]
-    engine = LLMEngine(EngineConfig(model=str(reference.path), **cfg), progress=False)
+    engine = LLMEngine(EngineSettings(model=str(reference.path), **cfg), progress=False)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
@@ -90,8 +91,8 @@ def test_greedy_matches_transformers(reference, layout):
 @pytest.mark.parametrize("stages", [(2, 2), (1, 3), (1, 1, 2)], ids=lambda s: "+".join(map(str, s)))
 def test_stage_split_matches_unsplit(tmp_path, arch, stages):
     build_hf_model(arch, tmp_path)
-    whole = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64), progress=False)
-    split = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, stage_layers=stages), progress=False)
+    whole = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64), progress=False)
+    split = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, layer_partition=stages), progress=False)
     assert [s.runner.model.layer_range for s in split.stages] == [range(a, a + n) for a, n in
                                                           zip([0, *torch.tensor(stages).cumsum(0).tolist()], stages)]
     assert split.stages[0].runner.model.has_embedding and not split.stages[0].runner.model.has_head

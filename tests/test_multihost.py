@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from hf_models import build_hf_model
-from moemesh.engine import EngineConfig, LLMEngine
-from moemesh.netns import Hosts, NetnsUnavailable, leftover_namespaces
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
+from moemesh.entrypoints.netns import Hosts, NetnsUnavailable, leftover_namespaces
 from moemesh.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ run(main(sys.argv[1], json.loads(sys.argv[2])))
 
 def test_greedy_across_namespaces_equals_one_process(tmp_path):
     build_hf_model("mixtral", tmp_path)
-    want = [o.token_ids for o in LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=64), progress=False)
+    want = [o.token_ids for o in LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64), progress=False)
             .generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
     py = [sys.executable, "-m", "moemesh"]
     try:

@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from moemesh.cli import main
-from moemesh.config import ConfigError, ModelConfig, RopeConfig, balanced_partition, decode_costs
+from moemesh.entrypoints.cli import main
+from moemesh.config import ConfigError, ModelConfig, RopeConfig
+from moemesh.layout import balanced_partition, decode_costs
 
 
 def config(layers=8, vocab=32000, hidden=512, mlp_only=()):

@@ -21,8 +21,9 @@ from moemesh.protocol import (OutputBatch, AbortRequest, Activations, Assignment
                               CoordinatorReply, GenerateRequest, Heartbeat, PromptLogprobs, ProtocolError, Ready,
                               Register, RequestOutput, SampledToken, Schedule, SeqWork, Shutdown, Start,
                               StatusReply, StatusRequest, StepResult, TokenLogprobs, WorkerFailed,
-                              WorkerMessage, tensor_meta)
+                              WorkerMessage)
 from moemesh.sampling import SamplingParams
+from stage_worker.tensors import frames_of, from_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,14 +151,21 @@ TENSORS = [
 
 
 def _activations(tensors) -> list:
-    return Codec.encode(Activations(9, [tensor_meta(t) for t in tensors]), tensors)
+    metas, buffers = frames_of(tensors)
+    return Codec.encode(Activations(9, metas), buffers)
+
+
+def _decode(frames):
+    """The activation link as a worker reads it: the codec checks the frames, the worker makes tensors."""
+    msg, buffers = Codec(Activations).decode(frames)
+    return msg, [from_frame(m, b) for m, b in zip(msg.tensors, buffers)]
 
 
 @pytest.mark.parametrize("as_type", [bytes, bytearray, zmq.Frame])
 def test_tensors_survive_exactly(as_type):
     frames = _activations(TENSORS)
     assert len(frames) == 1 + len(TENSORS)
-    msg, got = Codec(Activations).decode([as_type(bytes(f)) for f in frames])
+    msg, got = _decode([as_type(bytes(f)) for f in frames])
     assert msg.step_id == 9
     assert len(got) == len(TENSORS)
     for sent, recv in zip(TENSORS, got):
@@ -170,14 +178,14 @@ def test_tensors_survive_exactly(as_type):
 
 def test_non_contiguous_tensor_is_sent_in_logical_order():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # a transposed view
-    _, (got,) = Codec(Activations).decode(_bytes(_activations([t])))
+    _, (got,) = _decode(_bytes(_activations([t])))
     assert got.shape == (4, 3)
     assert torch.equal(got, t)
 
 
 def test_scalar_tensor_round_trip():
     t = torch.tensor(3.5)
-    _, (got,) = Codec(Activations).decode(_bytes(_activations([t])))
+    _, (got,) = _decode(_bytes(_activations([t])))
     assert got.shape == () and got.item() == 3.5
 
 
@@ -197,7 +205,7 @@ def test_encode_does_not_copy_tensors():
 def test_decoded_tensors_share_the_received_frame(as_type):
     sent = [torch.randn(4, 8), torch.randn(6, 2).to(torch.bfloat16)]
     frames = [as_type(bytes(f)) for f in _activations(sent)]
-    _, got = Codec(Activations).decode(frames)
+    _, got = _decode(frames)
     for frame, t in zip(frames[1:], got):
         start, end = _address_range(frame.buffer if isinstance(frame, zmq.Frame) else frame)
         ptr = t.untyped_storage().data_ptr()
@@ -206,7 +214,7 @@ def test_decoded_tensors_share_the_received_frame(as_type):
 
 def test_decoded_tensor_sees_writes_to_its_frame():
     frames = [bytearray(f) for f in _activations([torch.zeros(2, 3)])]
-    _, (t,) = Codec(Activations).decode(frames)
+    _, (t,) = _decode(frames)
     assert t.sum().item() == 0
     ctypes.memmove((ctypes.c_char * 4).from_buffer(frames[1], 4 * 4), np.float32(2.5).tobytes(), 4)
     assert t[1, 1].item() == 2.5
@@ -300,7 +308,7 @@ BAD_ACTIVATIONS = {
 
 
 def test_good_activations_header_is_accepted():
-    msg, (t,) = Codec(Activations).decode([_act_header(META_F32_2x2), b"\x00" * 16])
+    msg, (t,) = _decode([_act_header(META_F32_2x2), b"\x00" * 16])
     assert msg.step_id == 1 and t.shape == (2, 2) and t.dtype == torch.float32
 
 
@@ -313,7 +321,7 @@ def test_malformed_activations_are_a_protocol_error(name):
 @pytest.mark.parametrize("shape", [[2**63, 0], [2**40, 2**40, 0]])
 def test_empty_tensor_with_huge_dimension_is_a_protocol_error(shape):
     with pytest.raises(ProtocolError):
-        Codec(Activations).decode([_act_header(["float32", shape]), b""])
+        _decode([_act_header(["float32", shape]), b""])
 
 
 @pytest.mark.parametrize("link", list(LINKS.values()), ids=list(LINKS))

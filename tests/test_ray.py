@@ -21,12 +21,12 @@ def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
     for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                        "RAY_USAGE_STATS_ENABLED": "0"}.items():
         monkeypatch.setenv(key, value)
-    from moemesh.launcher import MeshSpec
-    from moemesh.ray_launcher import RayMesh
+    from moemesh.settings import EngineSettings
+    from moemesh.entrypoints.ray_launcher import RayMesh
 
     hf = build_hf_model("mixtral", tmp_path)
     want = [hf_greedy(hf, p, 6) for p in PROMPTS]
-    mesh = RayMesh(MeshSpec(model=str(tmp_path), pp=2, tp=2, kv_memory_bytes=8 << 20))
+    mesh = RayMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20))
     try:
         mesh.start()
         results, status = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=6, temperature=0,

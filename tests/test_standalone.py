@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from hf_models import build_hf_model
-from moemesh.cli import main
-from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.entrypoints.cli import main
+from moemesh.entrypoints.launcher import LocalMesh
+from moemesh.settings import EngineSettings
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 from test_mesh import generate_all
@@ -24,7 +25,7 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
     model = tmp_path / "m"
     build_hf_model("mixtral", model)
     rec = tmp_path / "rec"
-    with LocalMesh(MeshSpec(model=str(model), pp=2, kv_memory_bytes=8 << 20, record_dir=str(rec))) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
     assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]
@@ -44,7 +45,7 @@ def test_a_replay_that_differs_is_reported(tmp_path, capsys):
     other = tmp_path / "other"
     build_hf_model("mixtral", other, seed=1)  # different weights
     rec = tmp_path / "rec"
-    with LocalMesh(MeshSpec(model=str(model), pp=2, kv_memory_bytes=8 << 20, record_dir=str(rec))) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
         run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
     assert main(["stage-worker", "--standalone", "--model", str(other), "--layers", "0:2",
                  "--replay", str(rec / "pp0-tp0")]) == 1

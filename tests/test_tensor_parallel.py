@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hf_models import build_hf_model, hf_greedy
-from moemesh.config import ConfigError, ModelConfig, check_layout
-from moemesh.launcher import LocalMesh, MeshSpec
+from moemesh.config import ConfigError, ModelConfig
+from moemesh.layout import check_layout
+from moemesh.entrypoints.launcher import LocalMesh
+from moemesh.settings import EngineSettings
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 from stage_worker.layers.parallel import TPGroup
@@ -29,7 +31,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def run_layout(path, **layout):
-    with LocalMesh(MeshSpec(model=str(path), kv_memory_bytes=8 << 20, **layout)) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(path), kv_memory=8 << 20, **layout)) as mesh:
         results, status = run(generate_all(mesh, PROMPTS, GREEDY))
     assert status.num_free_blocks == status.num_blocks
     return [t for t, _ in results]
@@ -84,7 +86,7 @@ def test_layouts_the_model_cannot_take_are_refused():
 
 
 def test_the_coordinator_refuses_a_bad_layout_before_any_worker_starts(tmp_path, capsys):
-    from moemesh.cli import main
+    from moemesh.entrypoints.cli import main
 
     build_hf_model("mixtral", tmp_path)  # 4 heads, 2 kv heads, 4 experts
     with pytest.raises(SystemExit) as exit_info:

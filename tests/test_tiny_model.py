@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from moemesh.tiny_model import (
+from moemesh.entrypoints.tiny_model import (
     ARCHS, BENCH_SPEC, CHAT_TEMPLATE, DEFAULT_SPEC, SPECIAL_TOKENS, TinyModelSpec, hf_config,
     random_state_dict, write_tiny_model, write_tokenizer,
 )
@@ -193,7 +193,7 @@ def test_deterministic_and_seeded(tmp_path):
 
 def test_tokenizer_is_identical_across_processes(tmp_path):
     write_tokenizer(tmp_path / "here", 512)
-    code = "import sys; from moemesh.tiny_model import write_tokenizer; write_tokenizer(sys.argv[1], 512)"
+    code = "import sys; from moemesh.entrypoints.tiny_model import write_tokenizer; write_tokenizer(sys.argv[1], 512)"
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True,
                    env={"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PATH": ""})
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -386,7 +386,8 @@ def test_whole_model_with_the_triton_backend_matches_the_torch_backend(tmp_path)
 
     sys.path.insert(0, str(Path(__file__).parent))
     from hf_models import build_hf_model
-    from moemesh.engine import EngineConfig, LLMEngine
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
     from moemesh.sampling import SamplingParams
 
     for arch in ("mixtral", "qwen2_moe"):
@@ -396,6 +397,6 @@ def test_whole_model_with_the_triton_backend_matches_the_torch_backend(tmp_path)
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         outs = {}
         for backend in ("torch", "triton"):
-            engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, moe_backend=backend), progress=False)
+            engine = LLMEngine(EngineSettings(model=str(path), num_kv_blocks=32, moe_backend=backend), progress=False)
             outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
         assert outs["triton"] == outs["torch"], arch

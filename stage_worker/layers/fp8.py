@@ -4,7 +4,7 @@ Legend: S = checkpoint tensors fused into one linear (q/k/v: 3, gate/up: 2, othe
 E = experts on this rank (`num_local_experts`), H = hidden, I = this rank's expert intermediate size.
 
 A weight is stored as q (float8_e4m3fn) and a float32 scale, w ~ q * scale. Two kinds of checkpoint:
-- FP8 (`quantization_config.quant_method == "fp8"`, from AutoFP8 or `moemesh.quantize`): every
+- FP8 (`quantization_config.quant_method == "fp8"`, from AutoFP8 or `moemesh.entrypoints.quantize`): every
   quantized Linear has `weight` (fp8) and a scalar `weight_scale`, plus a scalar `input_scale` when
   activations are static.
 - 16/32-bit: weights load in the model dtype and are quantized here, after loading (scale = amax / 448).
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_per_expert
-from moemesh.config import ConfigError, ModelConfig
+from moemesh.config import ConfigError, ModelConfig, check_fp8_checkpoint, check_quantization
 from stage_worker.layers.linear import cpu_gemm_layout
 
 # a fused module here -> the checkpoint modules it is made of (CausalLM.packed_modules)
@@ -70,14 +70,7 @@ class Fp8Config:
     def from_hf(cls, quantization_config: dict) -> "Fp8Config":
         """From config.json's `quantization_config` as AutoFP8 writes it:
         {"quant_method": "fp8", "activation_scheme": "dynamic" | "static", "ignored_layers": [...]}."""
-        method = quantization_config.get("quant_method")
-        if method != "fp8":
-            raise ConfigError(f"quantization method {method!r} is not supported (only fp8, per tensor)")
-        if quantization_config.get("weight_block_size") is not None:
-            raise ConfigError(f"block-wise FP8 (weight_block_size={quantization_config['weight_block_size']}) "
-                              "is not supported; only per-tensor scales")
-        if quantization_config.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"FP8 format {quantization_config['fmt']!r} is not supported (only e4m3)")
+        check_fp8_checkpoint(quantization_config)
         return cls(activation_scheme=quantization_config.get("activation_scheme", "dynamic"),
                    checkpoint_is_fp8=True,
                    ignored_layers=tuple(quantization_config.get("ignored_layers") or ()))
@@ -323,34 +316,16 @@ class Fp8FusedMoEMethod:
 __all__ = ["Fp8Config", "Fp8FusedMoEMethod", "Fp8LinearMethod", "bind_scale_loaders"]
 
 
-QUANTIZATIONS = ("fp8", "int8")
-
-
 def resolve_quantization(model: ModelConfig, flag: str | None):
-    """The quantization a model runs with: the checkpoint's own (an AutoFP8 checkpoint), or `flag`
-    ("fp8": quantize 16/32-bit weights in place at load, dynamic activation scales; "int8": weight-only
-    int8 with per-row scales, stage_worker.layers.int8), or none.
-    Refuses what cannot run before anything loads."""
-    if flag is not None and flag not in QUANTIZATIONS:
-        raise ConfigError(f"--quantization {flag!r} is not one of {', '.join(QUANTIZATIONS)}")
-    if flag == "int8":
-        if model.quantization is not None:
-            raise ConfigError(f"--quantization int8 needs a 16/32-bit checkpoint; this one is already "
-                              f"{model.quantization}")
+    """The quantization method a stage builds its layers with (moemesh.config.check_quantization
+    decides which, and refuses what cannot run): an Fp8Config for an FP8 checkpoint or `--quantization
+    fp8` (16/32-bit weights quantized in place at load, dynamic activation scales), an Int8Config for
+    `--quantization int8` (stage_worker.layers.int8), or None."""
+    method = check_quantization(model, flag)
+    if method == "int8":
         from stage_worker.layers.int8 import Int8Config
 
         return Int8Config()
     if model.quantization is not None:
-        config = Fp8Config.from_hf(dict(model.quantization_config))
-        allowed = {"lm_head"}
-        odd = [n for n in config.ignored_layers if n not in allowed and not n.endswith(_NEVER_QUANTIZED)]
-        if odd:
-            raise ConfigError(f"ignored_layers {odd[:3]} of this FP8 checkpoint name layers moemesh would quantize; "
-                              "only lm_head and router gates can be left out")
-        return config
-    if flag == "fp8":
-        return Fp8Config("dynamic", checkpoint_is_fp8=False)
-    return None
-
-
-_NEVER_QUANTIZED = (".gate", ".shared_expert_gate")  # router gates: never quantized anyway
+        return Fp8Config.from_hf(dict(model.quantization_config))
+    return Fp8Config("dynamic", checkpoint_is_fp8=False) if method == "fp8" else None

@@ -16,36 +16,16 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import dataclasses
 
 from moemesh.log import get_logger
+from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings
 
 log = get_logger("launcher")
 
 
 class LaunchError(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class MeshSpec:
-    model: str
-    pp: int = 1
-    tp: int = 1
-    layer_partition: tuple[int, ...] | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_memory_bytes: int = 1 << 30  # per worker
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    max_in_flight: int | None = None
-    threads_per_worker: int = 1
-    worker_timeout: float = 5.0
-    expert_parallel: bool = False
-    record_dir: str | None = None  # workers record their first steps under DIR/pp{p}-tp{t}
-    quantization: str | None = None
-    moe_backend: str = "auto"
-    extra_env: dict = field(default_factory=dict)
 
 
 def available_cores() -> int:
@@ -55,9 +35,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_worker(args, workers: int) -> int:
+def threads_per_worker(threads: int | None, workers: int) -> int:
     """--threads, or the cores this process may use shared evenly among `workers` processes."""
-    return args.threads or max(1, available_cores() // workers)
+    return threads or max(1, available_cores() // workers)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -70,16 +50,35 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class LocalMesh:
-    """with LocalMesh(spec) as mesh: ... mesh.client_address ..."""
+    """with LocalMesh.of(EngineSettings(model=..., pp=2)) as mesh: ... mesh.client_address ...
 
-    def __init__(self, spec: MeshSpec, startup_timeout: float = 300.0):
-        self.spec, self.startup_timeout = spec, startup_timeout
+    The children are `moemesh coordinator` and pp x tp `moemesh stage-worker` processes, each started
+    with its settings rendered to flags (`Settings.to_argv`)."""
+
+    def __init__(self, coordinator: CoordinatorSettings, worker: WorkerSettings, extra_env: dict | None = None,
+                 startup_timeout: float = 300.0):
+        self.coordinator, self.worker = coordinator, worker
+        self.extra_env, self.startup_timeout = extra_env or {}, startup_timeout
         self.procs: dict[str, subprocess.Popen] = {}
         self.client_address: str | None = None
         self.worker_address: str | None = None
         self.died: str | None = None  # set by the watcher when a child exits on its own
         self._stopping = False
         self._watcher: threading.Thread | None = None
+
+    @classmethod
+    def of(cls, engine: EngineSettings, extra_env: dict | None = None, **changes) -> "LocalMesh":
+        """The mesh that runs `engine` (its model a directory; threads default to the cores shared
+        among the workers): the coordinator on free ports, every worker on loopback. `changes` are
+        further coordinator or worker settings (worker_timeout=2.0, record=DIR, ...)."""
+        mine = {f.name for c in (CoordinatorSettings, WorkerSettings) for f in dataclasses.fields(c)}
+        if set(changes) - mine:
+            raise TypeError(f"neither coordinator nor worker settings have {', '.join(sorted(set(changes) - mine))}")
+        pick = lambda c: {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(c)}}  # noqa: E731
+        coordinator = CoordinatorSettings.derive(engine, port=0, client_port=0, **pick(CoordinatorSettings))
+        worker = WorkerSettings.derive(engine, threads=threads_per_worker(engine.threads, engine.pp * engine.tp),
+                                       **pick(WorkerSettings))
+        return cls(coordinator, worker, extra_env)
 
     def __enter__(self) -> "LocalMesh":
         try:
@@ -93,8 +92,8 @@ class LocalMesh:
         self.stop()
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        threads = str(self.spec.threads_per_worker)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.spec.extra_env}
+        threads = str(self.worker.threads or 1)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
@@ -102,36 +101,23 @@ class LocalMesh:
         return proc
 
     def start(self) -> None:
-        s = self.spec
-        args = ["coordinator", "--model", s.model, "--pp", str(s.pp), "--tp", str(s.tp), "--dtype", s.dtype,
-                "--block-size", str(s.block_size), "--max-batched-tokens", str(s.max_num_batched_tokens),
-                "--max-seqs", str(s.max_num_seqs), "--worker-timeout", str(s.worker_timeout),
-                "--port", "0", "--client-port", "0"]
-        if s.layer_partition:
-            args += ["--layer-partition", ",".join(map(str, s.layer_partition))]
-        if s.max_in_flight:
-            args += ["--max-in-flight", str(s.max_in_flight)]
-        if s.expert_parallel:
-            args += ["--expert-parallel"]
-        if s.quantization:
-            args += ["--quantization", s.quantization]
-        if s.moe_backend != "auto":
-            args += ["--moe-backend", s.moe_backend]
-        coord = self._spawn("coordinator", args)
+        coord = self._spawn("coordinator", ["coordinator", *self.coordinator.to_argv()])
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
         self._start_workers(addresses["workers"])
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 
+    def worker_settings(self, coordinator: str, pp_rank: int, tp_rank: int, **changes) -> WorkerSettings:
+        record = self.worker.record and f"{self.worker.record}/pp{pp_rank}-tp{tp_rank}"
+        return WorkerSettings.derive(self.worker, coordinator=coordinator, pp_rank=pp_rank, tp_rank=tp_rank,
+                                     record=record, **changes)
+
     def _start_workers(self, coordinator: str) -> None:
-        s = self.spec
-        for p in range(s.pp):
-            for t in range(s.tp):
-                self._spawn(f"stage-worker pp={p} tp={t}", [
-                    "stage-worker", "--coordinator", coordinator, "--pp-rank", str(p), "--tp-rank", str(t),
-                    "--kv-memory", str(s.kv_memory_bytes), "--threads", str(s.threads_per_worker),
-                    *(["--record", f"{s.record_dir}/pp{p}-tp{t}"] if s.record_dir else [])])
+        for p in range(self.coordinator.pp):
+            for t in range(self.coordinator.tp):
+                w = self.worker_settings(coordinator, p, t)
+                self._spawn(f"stage-worker pp={p} tp={t}", ["stage-worker", *w.to_argv()])
 
     def _read_announcement(self, coord: subprocess.Popen) -> dict:
         deadline = time.monotonic() + 60
@@ -180,22 +166,21 @@ class LocalMesh:
                 proc.stdout.close()
 
 
-def run_stage(worker_args: list[str], pp_rank: int, tp: int, device: str) -> int:
+def run_stage(stage: StageSettings) -> int:
     """`moemesh stage`: the tp workers of one pipeline stage on this host (a container's entry point),
     worker i on `cuda:i` when the device is cuda. Returns when any of them exits: its status (after
     stopping the others), so the container's restart policy takes over."""
     procs = []
     try:
-        for t in range(tp):
-            dev = f"cuda:{t}" if device == "cuda" else device
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "moemesh", "stage-worker", *worker_args, "--pp-rank", str(pp_rank),
-                 "--tp-rank", str(t), "--device", dev], stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+        for t in range(stage.tp):
+            worker = WorkerSettings.derive(stage, tp_rank=t, device=f"cuda:{t}" if stage.device == "cuda" else stage.device)
+            procs.append(subprocess.Popen([sys.executable, "-m", "moemesh", "stage-worker", *worker.to_argv()],
+                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
         while True:
             for proc in procs:
                 code = proc.poll()
                 if code is not None:
-                    log.error("stage worker exited", extra={"fields": {"pp_rank": pp_rank, "status": code}})
+                    log.error("stage worker exited", extra={"fields": {"pp_rank": stage.pp_rank, "status": code}})
                     return code or 1
             time.sleep(0.2)
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.log import get_logger
 
 log = get_logger("ray")
@@ -27,25 +27,34 @@ def _worker_actor():
         def node_ip(self) -> str:
             return ray.util.get_node_ip_address()
 
-        def run(self, cfg: dict) -> int:
+        def run(self, argv: list[str]) -> int:
+            """`argv`: the worker's settings as flags (WorkerSettings.to_argv), as a process would get them."""
             import torch
 
             from moemesh.netutil import run
-            from stage_worker.worker import StageWorker, WorkerConfig
+            from moemesh.settings import WorkerSettings
+            from stage_worker.worker import StageWorker
 
-            torch.set_num_threads(cfg["threads"])
-            return run(StageWorker(WorkerConfig(**cfg)).run())
+            settings = WorkerSettings.from_argv(argv)
+            torch.set_num_threads(settings.threads or 1)
+            return run(StageWorker(settings).run())
 
     return StageWorkerActor
 
 
 class RayMesh(LocalMesh):
-    def __init__(self, spec: MeshSpec, ray_address: str | None = None, device: str = "cpu",
+    def __init__(self, coordinator, worker, extra_env=None, ray_address: str | None = None, device: str = "cpu",
                  startup_timeout: float = 300.0):
-        super().__init__(spec, startup_timeout)
+        super().__init__(coordinator, worker, extra_env, startup_timeout)
         self.ray_address, self.device = ray_address, device
         self.actors, self.runs, self.groups = [], {}, []
         self._started_ray = False
+
+    @classmethod
+    def of(cls, engine, extra_env=None, ray_address: str | None = None, **changes) -> "RayMesh":
+        mesh = super().of(engine, extra_env, **changes)
+        mesh.ray_address = ray_address
+        return mesh
 
     def _start_workers(self, coordinator: str) -> None:
         try:
@@ -60,25 +69,24 @@ class RayMesh(LocalMesh):
                      **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
             self._started_ray = True
         actor_cls = _worker_actor()
-        s = self.spec
+        pp, tp = self.coordinator.pp, self.coordinator.tp
         gpu = 1 if self.device == "cuda" else 0
-        for p in range(s.pp):
-            group = placement_group([{"CPU": 0.01, **({"GPU": 1} if gpu else {})}] * s.tp, strategy="STRICT_PACK")
+        for p in range(pp):
+            group = placement_group([{"CPU": 0.01, **({"GPU": 1} if gpu else {})}] * tp, strategy="STRICT_PACK")
             if not group.wait(timeout_seconds=120):
-                raise LaunchError(f"Ray could not place stage {p}'s {s.tp} workers on one node")
+                raise LaunchError(f"Ray could not place stage {p}'s {tp} workers on one node")
             self.groups.append(group)
-            for t in range(s.tp):
+            for t in range(tp):
                 actor = actor_cls.options(
                     num_cpus=0.01, num_gpus=gpu,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
                 ).remote()
                 host = ray.get(actor.node_ip.remote())
-                cfg = dict(coordinator=coordinator, pp_rank=p, tp_rank=t, bind_host="0.0.0.0", advertise_host=host,
-                           kv_memory_bytes=s.kv_memory_bytes, device=f"cuda:0" if gpu else "cpu",
-                           threads=s.threads_per_worker)
+                worker = self.worker_settings(coordinator, p, t, host="0.0.0.0", advertise_host=host,
+                                              device="cuda:0" if gpu else "cpu")
                 self.actors.append(actor)
-                self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(cfg)
-        log.info("ray actors started", extra={"fields": {"actors": len(self.actors), "stages": s.pp}})
+                self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(worker.to_argv())
+        log.info("ray actors started", extra={"fields": {"actors": len(self.actors), "stages": pp}})
 
     def _check_children(self) -> str | None:
         died = super()._check_children()

@@ -9,22 +9,24 @@ from pathlib import Path
 
 import torch
 
-from moemesh.cli import CLIError, resolve_partition
-from moemesh.config import ConfigError, ModelConfig, check_layout, resolve_dtype
-from moemesh.engine import EngineConfig, LLMEngine, Output, split_layers
-from moemesh.launcher import threads_per_worker
-from moemesh.netutil import run
-from stage_worker.layers.fp8 import resolve_quantization
+from moemesh.config import ModelConfig
+from moemesh.entrypoints.engine import LLMEngine, Output
+from moemesh.entrypoints.launcher import threads_per_worker
+from moemesh.errors import CLIError, ConfigError
+from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
+from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
+from moemesh.settings import EngineSettings
 
 log = get_logger("generate")
 
 
-def engine_config_from_args(args) -> EngineConfig:
-    """--model, --dtype, KV and batching flags -> EngineConfig (the built-in model without --model)."""
+def engine_settings_from_args(args) -> EngineSettings:
+    """The engine flags as EngineSettings: the model a directory (the built-in one without --model),
+    the layout resolved and checked (`resolve_layout`) before any process starts or loads weights."""
     if args.model is None:
-        from moemesh.default_model import default_model_dir
+        from moemesh.entrypoints.default_model import default_model_dir
 
         model = default_model_dir()
     else:
@@ -35,22 +37,15 @@ def engine_config_from_args(args) -> EngineConfig:
         model_config = ModelConfig.from_dir(model)
     except ConfigError as e:
         raise CLIError(f"--model {model}: {e}") from None
-    device = torch.device("cpu")
+    settings = EngineSettings.from_args(args, model=str(model))
+    pp = settings.pp or (len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else 1)
     try:
-        dtype = resolve_dtype(args.dtype, model_config, device)
-        resolve_quantization(model_config, args.quantization)
-    except ValueError as e:
+        layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
+                                settings.quantization)
+    except ConfigError as e:
         raise CLIError(str(e)) from None
-    partition = resolve_partition(args.layer_partition, model, getattr(args, "pp", None) or 1)
-    if partition is not None:
-        try:
-            split_layers(model_config.num_layers, partition)
-        except ValueError as e:
-            raise CLIError(f"--layer-partition: {e}") from None
-    return EngineConfig(model=str(model), dtype=dtype, device=str(device), block_size=args.block_size,
-                        kv_memory_bytes=args.kv_memory, max_num_batched_tokens=args.max_batched_tokens,
-                        max_num_seqs=args.max_seqs, quantization=args.quantization, moe_backend=args.moe_backend,
-                        stage_layers=partition)
+    return EngineSettings.derive(settings, pp=pp, layer_partition=layout.stage_layers if settings.layer_partition
+                                 else None)
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -96,9 +91,10 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
 
 
 def run_generate(args) -> int:
-    if not args.pp and args.tp == 1:
-        torch.set_num_threads(threads_per_worker(args, 1))
-    cfg = engine_config_from_args(args)
+    on_mesh = args.pp is not None or args.tp > 1
+    if not on_mesh:
+        torch.set_num_threads(threads_per_worker(args.threads, 1))
+    cfg = engine_settings_from_args(args)
     params = sampling_params_from_args(args)
     tokenizer = None
 
@@ -115,12 +111,7 @@ def run_generate(args) -> int:
 
     prompts = read_prompts(args, get_tokenizer)
     start = time.perf_counter()
-    if args.pp is None and args.tp == 1:
-        if args.expert_parallel:
-            raise CLIError("--expert-parallel needs --tp above 1")
-        results = _run_in_process(cfg, prompts, params)
-    else:
-        results = _run_on_mesh(args, cfg, prompts, params)
+    results = _run_on_mesh(cfg, prompts, params) if on_mesh else _run_in_process(cfg, prompts, params)
     elapsed = time.perf_counter() - start
     n_out = sum(len(r.token_ids) for r in results)
     log.info("generated", extra={"fields": {"prompts": len(results), "tokens": n_out, "seconds": round(elapsed, 3)}})
@@ -135,7 +126,7 @@ def run_generate(args) -> int:
     return 0
 
 
-def _run_in_process(cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
+def _run_in_process(cfg: EngineSettings, prompts, params: SamplingParams) -> list[Output]:
     engine = LLMEngine(cfg)
     seqs = []
     for ids, origin in prompts:
@@ -148,35 +139,12 @@ def _run_in_process(cfg: EngineConfig, prompts, params: SamplingParams) -> list[
     return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]
 
 
-def mesh_spec_from_args(args, cfg: EngineConfig, pp: int):
-    """The layout flags (--pp, --tp, --expert-parallel, ...) as a MeshSpec, refusing a layout the
-    model cannot take before any process starts."""
-    from moemesh.launcher import MeshSpec
-
-    model = ModelConfig.from_dir(cfg.model)
-    if cfg.stage_layers is not None and len(cfg.stage_layers) != pp:
-        raise CLIError(f"--layer-partition has {len(cfg.stage_layers)} stages but --pp is {pp}")
-    if pp > model.num_layers:
-        raise CLIError(f"--pp {pp} is more stages than the model has layers ({model.num_layers})")
-    try:
-        check_layout(model, args.tp, args.expert_parallel)
-    except ConfigError as e:
-        raise CLIError(str(e)) from None
-    return MeshSpec(model=cfg.model, pp=pp, tp=args.tp, layer_partition=cfg.stage_layers, dtype=args.dtype,
-                    block_size=cfg.block_size, kv_memory_bytes=cfg.kv_memory_bytes,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                    max_in_flight=args.max_in_flight, expert_parallel=args.expert_parallel,
-                    quantization=cfg.quantization, moe_backend=cfg.moe_backend,
-                    threads_per_worker=threads_per_worker(args, pp * args.tp))
-
-
-def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> list[Output]:
+def _run_on_mesh(cfg: EngineSettings, prompts, params: SamplingParams) -> list[Output]:
     """All prompts at once through a local mesh of processes, which is shut down afterwards."""
-    from moemesh.launcher import LaunchError, LocalMesh
+    from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 
-    spec = mesh_spec_from_args(args, cfg, args.pp or 1)
     try:
-        with LocalMesh(spec) as mesh:
+        with LocalMesh.of(cfg) as mesh:
             return run(drive_mesh(mesh, prompts, params))
     except LaunchError as e:
         raise CLIError(str(e)) from None
@@ -184,7 +152,7 @@ def _run_on_mesh(args, cfg: EngineConfig, prompts, params: SamplingParams) -> li
 
 async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
     from moemesh.client import CoordinatorClient
-    from moemesh.launcher import LaunchError
+    from moemesh.entrypoints.launcher import LaunchError
 
     client = CoordinatorClient(mesh.client_address)
 

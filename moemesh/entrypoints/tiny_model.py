@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from moemesh.config import DTYPES, SUPPORTED_ARCHITECTURES
@@ -217,6 +215,10 @@ def hf_config(spec: TinyModelSpec) -> dict:
 
 def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     """Hub-named weights in module order, drawn in float32 from `spec.seed`, cast to `spec.dtype`."""
+    import torch  # here, not at the top: the CLI builds its flags from TinyModelSpec without loading torch
+
+    from stage_worker.tensors import torch_dtype
+
     gen = torch.Generator().manual_seed(spec.seed)
     H, D, V = spec.hidden_size, spec.resolved_head_dim, spec.vocab_size
 
@@ -271,11 +273,13 @@ def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
     sd["model.norm.weight"] = norm(H)
     if not spec.tie_word_embeddings:
         sd["lm_head.weight"] = linear(V, H)
-    dtype = DTYPES[spec.dtype]
+    dtype = torch_dtype(spec.dtype)
     return {k: v.to(dtype).contiguous() for k, v in sd.items()}
 
 
 def _write_weights(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None) -> None:
+    from safetensors.torch import save_file
+
     """One model.safetensors, or save_pretrained-style shards + model.safetensors.index.json."""
     metadata = {"format": "pt"}
     if max_shard_bytes is None:

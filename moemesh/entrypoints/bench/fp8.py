@@ -9,8 +9,9 @@ import json
 
 import torch
 
-from moemesh.cli import CLIError
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.errors import CLIError
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
 
 
@@ -20,15 +21,15 @@ def run_fp8_bench(args) -> int:
         raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    base = LLMEngine(EngineConfig(model=args.model, num_kv_blocks=1024), progress=None)
+    base = LLMEngine(EngineSettings(model=args.model, num_kv_blocks=1024), progress=None)
     vocab = base.model_config.vocab_size
     prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in base.generate(prompts, params)]
-    variants = {f"{q} in place": EngineConfig(model=args.model, num_kv_blocks=1024, quantization=q)
+    variants = {f"{q} in place": EngineSettings(model=args.model, num_kv_blocks=1024, quantization=q)
                 for q in args.quantization}
     if args.fp8_model:
-        variants["fp8 checkpoint"] = EngineConfig(model=args.fp8_model, num_kv_blocks=1024)
+        variants["fp8 checkpoint"] = EngineSettings(model=args.fp8_model, num_kv_blocks=1024)
     for name, cfg in variants.items():
         engine = LLMEngine(cfg, progress=None)
         err = max(_rel_error(engine.prompt_logits(p), base.prompt_logits(p)) for p in prompts[:4])

@@ -25,9 +25,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from moemesh.cli import CLIError
-from moemesh.config import ModelConfig, decode_costs, resolve_dtype
-from moemesh.engine import EngineConfig, LLMEngine
+from moemesh.errors import CLIError
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.layout import decode_costs
+from stage_worker.tensors import torch_dtype
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
 
 
@@ -82,7 +85,7 @@ def step_cost(mc: ModelConfig, batch: int, context_lens: list[int], bytes_per: f
 def weight_bytes_per(engine: LLMEngine) -> float:
     """Bytes the kernels read per weight: int8 only where the native kernels read int8."""
     native = engine.stages[0].runner.model.backend == "native"
-    return 1 if engine.cfg.quantization == "int8" and native else engine.cfg.dtype.itemsize
+    return 1 if engine.settings.quantization == "int8" and native else engine.dtype.itemsize
 
 
 def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine: dict) -> dict:
@@ -105,7 +108,7 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
             if decoding:
                 decode_time += dt
                 tokens += len(ctx)
-                nbytes, flops = step_cost(mc, len(ctx), ctx, bytes_per, engine.cfg.dtype.itemsize)
+                nbytes, flops = step_cost(mc, len(ctx), ctx, bytes_per, engine.dtype.itemsize)
                 roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
     assert all(len(s.output_ids) == new for s in seqs)
     return {"tok_per_s": tokens / decode_time, "roofline_tok_per_s": tokens / roof_time}
@@ -137,7 +140,7 @@ def run_model_bench(args) -> int:
         raise CLIError("--batch needs positive batch sizes, e.g. 1,8,32,64")
     torch.set_num_threads(args.threads)
     mc = ModelConfig.from_dir(args.model)
-    dtype = resolve_dtype(args.dtype, mc, torch.device("cpu"))
+    dtype = torch_dtype(resolve_dtype(args.dtype, mc))
     machine = measure_machine(dtype)
     biggest = max(args.batch)
     g = torch.Generator().manual_seed(0)
@@ -148,10 +151,10 @@ def run_model_bench(args) -> int:
         raise CLIError(f"--moe-backend {','.join(args.moe_backend)} names a backend twice")
     for backend in args.moe_backend:
         try:
-            engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype,
-                                            num_kv_blocks=-(-tokens_needed // 16) + biggest, max_num_seqs=biggest,
-                                            max_num_batched_tokens=max(512, biggest * args.prompt_len),
-                                            quantization=args.quantization, moe_backend=backend), progress=None)
+            engine = LLMEngine(EngineSettings(model=args.model, dtype=str(dtype).removeprefix("torch."),
+                                              num_kv_blocks=-(-tokens_needed // 16) + biggest, max_seqs=biggest,
+                                              max_batched_tokens=max(512, biggest * args.prompt_len),
+                                              quantization=args.quantization, moe_backend=backend), progress=None)
         except ValueError as e:
             raise CLIError(str(e)) from None
         for batch in args.batch:

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from stage_worker.layers.fp8 import quantize_fp8
+from kernels.fp8 import quantize_fp8
 
 INDEX = "model.safetensors.index.json"
 # the Linear modules of a decoder layer that are quantized, by their last name component

@@ -6,31 +6,28 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.server import GatewayConfig, run_gateway
-from moemesh.cli import CLIError
-from moemesh.generate import engine_config_from_args, mesh_spec_from_args
-from moemesh.launcher import LaunchError, LocalMesh
+from gateway.server import run_gateway
+from moemesh.entrypoints.generate import engine_settings_from_args
+from moemesh.entrypoints.launcher import LaunchError, LocalMesh
+from moemesh.errors import CLIError
 from moemesh.log import get_logger
 from moemesh.netutil import run
+from moemesh.settings import GatewaySettings
 
 log = get_logger("serve")
 
 
 def run_serve(args) -> int:
-    cfg = engine_config_from_args(args)
-    spec = mesh_spec_from_args(args, cfg, args.pp)
+    cfg = engine_settings_from_args(args)
     if args.launcher == "ray":
-        from moemesh.ray_launcher import RayMesh
+        from moemesh.entrypoints.ray_launcher import RayMesh
 
-        make_mesh = lambda: RayMesh(spec, ray_address=args.ray_address)  # noqa: E731
+        make_mesh = lambda: RayMesh.of(cfg, ray_address=args.ray_address)  # noqa: E731
     else:
-        make_mesh = lambda: LocalMesh(spec)  # noqa: E731
+        make_mesh = lambda: LocalMesh.of(cfg)  # noqa: E731
     try:
         with make_mesh() as mesh:
-            gw = GatewayConfig(coordinator=mesh.client_address, host=args.host, port=args.port, model=cfg.model,
-                               served_model_name=args.served_model_name, api_key=args.api_key,
-                               max_pending=args.max_pending)
-            run(_serve(mesh, gw))
+            run(_serve(mesh, GatewaySettings.from_args(args, coordinator=mesh.client_address, model=cfg.model)))
     except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
     except OSError as e:  # e.g. the port is taken
@@ -38,7 +35,7 @@ def run_serve(args) -> int:
     return 0
 
 
-async def _serve(mesh: LocalMesh, cfg: GatewayConfig) -> None:
+async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
     ready = asyncio.Event()
     server = asyncio.ensure_future(run_gateway(cfg, ready))
 

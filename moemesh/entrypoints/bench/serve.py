@@ -25,7 +25,7 @@ import time
 import aiohttp
 from tqdm import tqdm
 
-from moemesh.cli import CLIError
+from moemesh.errors import CLIError
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -17,13 +17,16 @@ import time
 import torch
 from tqdm import tqdm
 
-from moemesh.cli import CLIError, resolve_partition
+from moemesh.errors import CLIError
 from moemesh.client import CoordinatorClient
-from moemesh.config import ModelConfig, check_layout, resolve_dtype
-from moemesh.engine import EngineConfig, LLMEngine
-from moemesh.launcher import LaunchError, LocalMesh, MeshSpec
+from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
+from moemesh.layout import resolve_layout
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
+from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
 
 
 def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -31,10 +34,9 @@ def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[li
     return torch.randint(4, vocab_size, (n, length), generator=g).tolist()
 
 
-def bench_in_process(model: str, dtype: torch.dtype, prompts, params, args) -> dict:
+def bench_in_process(settings: EngineSettings, prompts, params) -> dict:
     torch.set_num_threads(1)
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_memory_bytes=args.kv_memory,
-                                    max_num_batched_tokens=args.max_batched_tokens), progress=None)
+    engine = LLMEngine(settings, progress=None)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -79,36 +81,38 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
 
 def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
-    dtype = resolve_dtype(args.dtype, mc, torch.device("cpu"))
+    base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
+                                   max_batched_tokens=args.max_batched_tokens, threads=1)
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len)
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     rows = []
     base = None
     if not args.no_baseline:
-        r = bench_in_process(args.model, dtype, prompts, params, args)
+        r = bench_in_process(base_settings, prompts, params)
         base = r["tokens"] / r["seconds"]
         rows.append({"impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
                      "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
-    if isinstance(args.layer_partition, list) and len(args.layer_partition) not in args.pp:
+    if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     for pp, tp in [(pp, tp) for tp in args.tp for pp in args.pp]:
         partition = None
         if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
-            partition = resolve_partition(args.layer_partition, args.model, pp)
-        spec = MeshSpec(model=args.model, pp=pp, tp=tp, dtype=args.dtype, kv_memory_bytes=args.kv_memory,
-                        max_num_batched_tokens=args.max_batched_tokens, threads_per_worker=1,
-                        expert_parallel=args.expert_parallel, layer_partition=partition)
+            partition = args.layer_partition
         try:
-            check_layout(mc, tp, args.expert_parallel)
+            expert_parallel = args.expert_parallel and tp > 1
+            layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
+            partition = layout.stage_layers if partition else None
+            settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
+                                             layer_partition=partition)
             if args.netns:
-                r = _run_across_namespaces(args, pp, prompts, params, partition)
+                r = _run_across_namespaces(settings, prompts, params, args.concurrency)
             else:
-                with LocalMesh(spec) as mesh:
+                with LocalMesh.of(settings) as mesh:
                     r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}"))
-        except (LaunchError, RuntimeError, ValueError) as e:
+        except (LaunchError, RuntimeError, ValueError, ConfigError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
         row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
@@ -136,31 +140,32 @@ def _emit(row: dict, as_json: bool) -> None:
     print(json.dumps(row) if as_json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
-def _run_across_namespaces(args, pp: int, prompts, params, partition=None) -> dict:
-    """The coordinator and the driver on one simulated host, each stage on its own (moemesh.netns)."""
+def _run_across_namespaces(settings: EngineSettings, prompts, params, concurrency: int) -> dict:
+    """The coordinator and the driver on one simulated host, each stage on its own (moemesh.entrypoints.netns)."""
     import subprocess
     import sys
     import tempfile
 
-    from moemesh.netns import Hosts, NetnsUnavailable
+    from moemesh.entrypoints.netns import Hosts, NetnsUnavailable
 
+    pp = settings.pp
+    if settings.tp > 1:
+        raise CLIError("--netns runs one worker per stage host; leave --tp at 1")
     names = ["front", *(f"s{i}" for i in range(pp))]
     py = [sys.executable, "-m", "moemesh"]
+    coordinator = CoordinatorSettings.derive(settings, host="0.0.0.0", port=5555, client_port=5556)
     try:
         with Hosts(names) as hosts, tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             front = hosts.address("front")
-            hosts.popen("front", [*py, "coordinator", "--model", args.model, "--pp", str(pp), "--host", "0.0.0.0",
-                                  "--port", "5555", "--client-port", "5556", "--dtype", args.dtype,
-                                  "--max-batched-tokens", str(args.max_batched_tokens),
-                                  *(["--layer-partition", ",".join(map(str, partition))] if partition else [])],
-                        stdout=subprocess.DEVNULL, env=_one_thread_env())
+            hosts.popen("front", [*py, "coordinator", *coordinator.to_argv()], stdout=subprocess.DEVNULL,
+                        env=_one_thread_env())
             for i in range(pp):
-                hosts.popen(f"s{i}", [*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(i),
-                                      "--host", "0.0.0.0", "--advertise-host", hosts.address(f"s{i}"),
-                                      "--kv-memory", str(args.kv_memory), "--threads", "1"], env=_one_thread_env())
-            json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": args.concurrency}, f)
+                worker = WorkerSettings.derive(settings, coordinator=f"tcp://{front}:5555", pp_rank=i, host="0.0.0.0",
+                                               advertise_host=hosts.address(f"s{i}"), threads=1)
+                hosts.popen(f"s{i}", [*py, "stage-worker", *worker.to_argv()], env=_one_thread_env())
+            json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": concurrency}, f)
             f.flush()
-            driver = hosts.popen("front", [sys.executable, "-m", "moemesh.bench.throughput", f.name],
+            driver = hosts.popen("front", [sys.executable, "-m", "moemesh.entrypoints.bench.throughput", f.name],
                                  stdout=subprocess.PIPE)
             out, _ = driver.communicate(timeout=3600)
             if driver.returncode:

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from moemesh.tiny_model import DEFAULT_SPEC, write_tiny_model
+from moemesh.entrypoints.tiny_model import DEFAULT_SPEC, write_tiny_model
 
 
 def default_model_dir() -> Path:

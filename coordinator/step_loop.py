@@ -1,0 +1,70 @@
+"""The scheduling loop, one for every engine: the mesh coordinator and the in-process `LLMEngine`
+both run it against a `Pipeline` (ZeroMQ to stage workers, or the stages in this process).
+
+    for sched in loop.issue():        up to `limit` microbatches in flight, the active sequences
+        pipeline.send(sched)          shared among them so that every stage has work
+    ... the last stage's StepResult comes back (in issue order) ...
+    outputs = loop.take(result)       tokens appended, requests finished, blocks freed
+
+It also counts what the coordinator itself costs: microbatches issued and its CPU time on them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterator, Protocol
+
+from coordinator.core import EngineCore
+from coordinator.scheduler import SchedulerConfig
+from moemesh.config import ModelConfig
+from moemesh.protocol import RequestOutput, Schedule, StepResult
+from moemesh.settings import SchedulerSettings
+
+
+class Pipeline(Protocol):
+    """Where schedules go: every stage gets each one; the last stage's StepResult comes back to
+    `StepLoop.take` (the ZeroMQ transport through its worker socket, the in-process one from `poll`)."""
+
+    def send(self, sched: Schedule): ...
+
+
+def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) -> EngineCore:
+    """The EngineCore of a pipeline whose smallest stage pool holds `num_blocks` (block ids are shared
+    across stages)."""
+    config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
+                                       model.max_position_embeddings)
+    return EngineCore(config, num_blocks, settings.block_size, model.eos_token_ids, model.vocab_size)
+
+
+class StepLoop:
+    def __init__(self, core: EngineCore, limit: int):
+        self.core, self.limit = core, max(1, limit)
+        self.steps = 0  # microbatches issued
+        self.step_seconds = 0.0  # CPU time scheduling them and taking their results
+
+    def issue(self) -> Iterator[Schedule]:
+        """The schedules to send now: until `limit` microbatches are in flight or nothing can run."""
+        core = self.core
+        while len(core.in_flight) < self.limit and core.has_work():
+            started = time.thread_time()
+            active = len(core.scheduler.running) + len(core.scheduler.waiting)
+            sched = core.next_schedule(max_seqs=max(1, math.ceil(active / self.limit)))
+            self.step_seconds += time.thread_time() - started
+            if sched is None:
+                return
+            self.steps += 1
+            yield sched
+
+    def take(self, result: StepResult) -> list[RequestOutput]:
+        """A step's result -> the outputs it produced. ValueError for a result that is not in flight
+        or lacks a sampled sequence (nothing changes then)."""
+        started = time.thread_time()
+        try:
+            return self.core.process_result(result)
+        finally:
+            self.step_seconds += time.thread_time() - started
+
+    def stalled(self) -> bool:
+        """Work waits but nothing is in flight or can be issued: the KV cache is too small for any of it."""
+        return self.core.has_work() and not self.core.in_flight

@@ -1,0 +1,92 @@
+"""The in-process engine: the coordinator's scheduling loop (`StepLoop`, the same EngineCore, the same
+in-flight rule and KV sizing) driving every stage of the model in this process through the pipeline
+interface the mesh implements over ZeroMQ. `moemesh generate` without `--pp` runs on it, and it is
+the baseline the mesh is measured against.
+
+    for sched in loop.issue(): pipeline.send(sched)     up to max_in_flight (default: stages) microbatches
+    outputs = loop.take(pipeline.poll())                the oldest runs through every stage; tokens appended
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.sequence import Sequence
+from coordinator.step_loop import StepLoop, make_core
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.layout import resolve_layout
+from moemesh.protocol import RequestOutput
+from moemesh.sampling import SamplingParams
+from moemesh.settings import EngineSettings
+from stage_worker.in_process import InProcessPipeline
+from stage_worker.runner import StepInput
+from stage_worker.tensors import torch_dtype
+
+
+@dataclass
+class Output:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str = "cpu"):
+        self.settings = settings
+        self.model_config = mc = ModelConfig.from_dir(settings.model)
+        pp = len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else settings.pp
+        self.layout = resolve_layout(mc, pp, 1, settings.layer_partition, False, settings.quantization)
+        self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
+        num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
+        self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
+                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
+        self.core = make_core(settings, mc, num_blocks)
+        self.loop = StepLoop(self.core, settings.max_in_flight or self.layout.pp)
+        self._ids = itertools.count()
+
+    @property
+    def stages(self):
+        return self.pipeline.stages
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def blocks(self):
+        return self.core.blocks
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        return self.core.add(request_id or str(next(self._ids)), prompt_ids, params)
+
+    def step(self) -> list[RequestOutput]:
+        """Fills the pipeline, runs its oldest microbatch through every stage; the requests' new outputs."""
+        for sched in self.loop.issue():
+            self.pipeline.send(sched)
+        if self.loop.stalled():
+            raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+        if not self.core.in_flight:
+            return []
+        return self.loop.take(self.pipeline.poll())
+
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Logits [len(prompt), V] at every prompt position, through every stage, for tests and
+        benchmarks; the engine must be idle (its first blocks serve as scratch)."""
+        blocks = -(-len(prompt) // self.settings.block_size)
+        if self.core.has_work() or blocks > self.blocks.num_blocks:
+            raise RuntimeError("prompt_logits needs an idle engine with room for the prompt")
+        step = StepInput([prompt], [0], [list(range(blocks))], [True])
+        out = (None, None)
+        for stage in self.stages:
+            out = stage.runner.execute(step, *out, logit_rows=list(range(len(prompt))))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.core.has_work():
+            self.step()
+        return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]

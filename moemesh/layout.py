@@ -1,0 +1,136 @@
+"""The layout of a pipeline: how many stages, which layers each runs, how many tensor ranks per
+stage, whether experts are split among them, and the quantization. `resolve_layout` is the one place
+that decides and checks it (from flags, before any process starts or loads weights); the coordinator,
+`generate`, the in-process engine and the benchmarks all call it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from moemesh.config import ModelConfig, check_quantization
+from moemesh.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    stage_layers: tuple[int, ...]  # decoder layers per pipeline stage, in order
+    tp: int = 1
+    expert_parallel: bool = False
+    quantization: str | None = None  # the method the workers build: "fp8", "int8" or None
+
+    @property
+    def pp(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def stages(self) -> list[range]:
+        starts = list(itertools.accumulate(self.stage_layers, initial=0))
+        return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None, expert_parallel: bool = False,
+                   quantization: str | None = None) -> Layout:
+    """Flags -> a Layout the model can take, or a ConfigError naming the flag. `partition` is None
+    (even split, earlier stages taking the remainder), "auto" (balanced decode cost) or layers per stage."""
+    n = model.num_layers
+    if not 1 <= pp <= n:
+        raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
+    if partition is None:
+        counts = even_partition(n, pp)
+    elif partition == "auto":
+        counts = balanced_partition(model, pp)
+    else:
+        counts = tuple(partition)
+        if len(counts) != pp:
+            raise ConfigError(f"--layer-partition has {len(counts)} stages but --pp is {pp}")
+        if sum(counts) != n or min(counts) < 1:
+            raise ConfigError(f"--layer-partition {','.join(map(str, counts))} must be positive counts summing "
+                              f"to the model's {n} layers")
+    if tp < 1:
+        raise ConfigError(f"--tp {tp} must be at least 1")
+    if expert_parallel and tp == 1:
+        raise ConfigError("--expert-parallel needs --tp above 1")
+    check_layout(model, tp, expert_parallel)
+    return Layout(counts, tp, expert_parallel, check_quantization(model, quantization))
+
+
+def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage, as even as possible, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if i < extra else 0) for i in range(pp))
+
+
+def check_layout(model: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Refuses a tensor-parallel layout the model cannot take, before anything loads weights."""
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"{model.num_heads} attention heads")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        problems.append(f"{model.num_kv_heads} key/value heads (neither divides the other)")
+    dense = [i for i in range(model.num_layers) if not model.is_sparse_layer(i)]
+    if dense and model.intermediate_size % tp:
+        problems.append(f"intermediate_size {model.intermediate_size}")
+    if model.num_experts:
+        if expert_parallel and model.num_experts % tp:
+            problems.append(f"{model.num_experts} experts (with --expert-parallel)")
+        if not expert_parallel and model.moe_intermediate_size % tp:
+            problems.append(f"expert intermediate size {model.moe_intermediate_size}")
+        if model.shared_expert_intermediate_size % tp:
+            problems.append(f"shared expert intermediate size {model.shared_expert_intermediate_size}")
+    elif expert_parallel:
+        raise ConfigError(f"--expert-parallel needs a mixture-of-experts model; {model.architecture} is dense")
+    if problems:
+        raise ConfigError(f"--tp {tp} does not divide the model's " + ", ".join(problems))
+
+
+def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
+    """(cost of each decoder layer, cost of the head) for one decode token, in multiply-adds of the
+    weights that token uses: attention's projections and, per layer, its K routed experts plus any
+    shared expert and router (sparse) or its dense MLP; the head is the final norm and lm_head. A
+    decode step reads and multiplies these weights, so its time on a stage follows their sum (the
+    attention over the cache is small beside them at the context lengths that serve decode)."""
+    H = model.hidden_size
+    attn = H * (model.q_size + 2 * model.kv_size) + model.q_size * H
+    layers = []
+    for i in range(model.num_layers):
+        if model.is_sparse_layer(i):
+            mlp = model.top_k * 3 * H * model.moe_intermediate_size + model.num_experts * H
+            if model.shared_expert_intermediate_size:
+                mlp += 3 * H * model.shared_expert_intermediate_size + H
+        else:
+            mlp = 3 * H * model.intermediate_size
+        layers.append(float(attn + mlp))
+    return layers, float(model.vocab_size * H)
+
+
+def balanced_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
+    """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
+    largest stage's decode cost (`decode_costs`; the last stage also carries the head), so that the
+    stages of a pipeline are equally busy."""
+    layers, head = decode_costs(model)
+    n = len(layers)
+    if not 1 <= pp <= n:
+        raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
+    prefix = [0.0]
+    for c in layers:
+        prefix.append(prefix[-1] + c)
+    cost = lambda a, b, last: prefix[b] - prefix[a] + (head if last else 0.0)  # noqa: E731
+    # best[s][j]: the least possible largest stage cost of layers 0..j-1 split into s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for s in range(1, pp + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], cost(i, j, s == pp and j == n))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    counts, j = [], n
+    for s in range(pp, 0, -1):
+        i = cut[s][j]
+        counts.append(j - i)
+        j = i
+    return tuple(reversed(counts))

@@ -1,0 +1,285 @@
+"""Every setting of every process, each declared once: its flag, type, default, help and `MOEMESH_*`
+variable all come from one dataclass field.
+
+    class WorkerSettings(WorkerResources):
+        coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
+        ...
+
+A settings class builds its argparse flags (`add_arguments`, defaults from `MOEMESH_<FLAG>` where
+set), is built back from the parsed flags (`from_args`), and renders itself into argv (`to_argv`) or
+environment variables (`to_env`) for a child process: the local launcher, `moemesh stage`, the Ray
+launcher and the namespace benchmark start every child that way, so a field added here reaches the
+command line, the environment, the compose files and every child with no other edit.
+
+The classes, one per process role, share groups of fields by inheritance:
+
+    ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
+    LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
+    SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight
+    WorkerResources    kv_memory, threads                            what each stage worker may use
+    CoordinatorSettings = Model + Layout + Scheduler + its sockets and timeouts
+    WorkerSettings      = WorkerResources + its coordinator, ranks, sockets, device, recording
+    StageSettings       = WorkerSettings + tp (`moemesh stage` starts tp workers)
+    GatewaySettings       the HTTP front: coordinator, host, port, model, names, keys, limits
+    EngineSettings      = Model + Layout + Scheduler + WorkerResources (generate, serve, LLMEngine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
+
+
+# -- flag types ---------------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+positive_int.__name__ = "positive integer"
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+int_list.__name__ = "comma-separated list of integers"
+
+
+def partition_arg(text: str):
+    """--layer-partition: "auto" or layers per stage, e.g. 3,5."""
+    return "auto" if text.strip() == "auto" else tuple(int_list(text))
+
+
+partition_arg.__name__ = "auto or a comma-separated list of integers"
+
+
+# -- declaring ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Flag:
+    help: str
+    parse: Callable[[str], Any] | None = None  # text -> value; None: the text itself
+    choices: tuple | None = None
+    metavar: str | None = None
+
+
+def flag(default, help: str, *, parse=None, choices=None, metavar=None):
+    """A settings field that is also a command-line flag (--field-name) and MOEMESH_FIELD_NAME."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, parse, choices, metavar)})
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "MOEMESH_" + name.upper()
+
+
+def render(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    @classmethod
+    def flags(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, environ=None, **overrides) -> None:
+        """Adds a flag per field. `overrides[field]` changes its default, help or required-ness for
+        this command (a dict), or leaves it out (None). `MOEMESH_<FIELD>` in the environment sets
+        the default (a flag on the command line still wins); a bad value names both."""
+        environ = os.environ if environ is None else environ
+        for f in cls.flags():
+            change = overrides.get(f.name, {})
+            if change is None:
+                continue
+            spec: Flag = f.metadata["flag"]
+            default, required = change.get("default", f.default), change.get("required", False)
+            var = env_name(f.name)
+            if var in environ:
+                default, required = _from_env(parser, f, spec, var, environ[var]), False
+            kwargs = dict(dest=f.name, default=default, help=change.get("help", spec.help))
+            if f.type in (bool, "bool"):
+                parser.add_argument(option_name(f.name), action="store_true", **kwargs)
+                continue
+            if spec.parse is not None:
+                kwargs["type"] = spec.parse
+            if spec.choices is not None:
+                kwargs["choices"] = list(spec.choices)
+            if spec.metavar:
+                kwargs["metavar"] = spec.metavar
+            parser.add_argument(option_name(f.name), required=required, **kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **changes):
+        """The settings in a parsed namespace (fields the command left out keep their defaults)."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **changes})
+
+    @classmethod
+    def from_argv(cls, argv: list[str], environ=None):
+        parser = argparse.ArgumentParser(prog=cls.__name__)
+        cls.add_arguments(parser, environ={} if environ is None else environ)
+        return cls.from_args(parser.parse_args(argv))
+
+    @classmethod
+    def derive(cls, *sources, **changes):
+        """Settings of this class from others' same-named fields (later sources win), then `changes`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {}
+        for source in sources:
+            values.update({f.name: getattr(source, f.name) for f in dataclasses.fields(source) if f.name in names})
+        unknown = set(changes) - names
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
+        return cls(**{**values, **changes})
+
+    def to_argv(self) -> list[str]:
+        """Flags that rebuild these settings in a child (a flag for every field not None or False)."""
+        argv = []
+        for f in self.flags():
+            value = getattr(self, f.name)
+            if value is None or value is False:
+                continue
+            argv += [option_name(f.name)] if value is True else [option_name(f.name), render(value)]
+        return argv
+
+    def to_env(self) -> dict[str, str]:
+        """The same as MOEMESH_* variables (a container's way)."""
+        env = {}
+        for f in self.flags():
+            value = getattr(self, f.name)
+            if value is not None and value is not False:
+                env[env_name(f.name)] = "1" if value is True else render(value)
+        return env
+
+
+def _from_env(parser, f, spec: Flag, var: str, raw: str):
+    if f.type in (bool, "bool"):
+        return raw.lower() in ("1", "true", "yes", "on")
+    try:
+        value = spec.parse(raw) if spec.parse else raw
+    except (TypeError, ValueError):
+        parser.error(f"{var}={raw!r} is not a valid value for {option_name(f.name)}")
+    if spec.choices and value not in spec.choices:
+        parser.error(f"{var}={raw!r} is not one of {', '.join(map(str, spec.choices))} ({option_name(f.name)})")
+    return value
+
+
+# -- the settings -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSettings(Settings):
+    model: str | None = flag(None, "checkpoint directory (default: the built-in tiny model)")
+    dtype: str = flag("auto", "auto: float32 on CPU, the checkpoint's dtype on GPU", choices=("auto", *DTYPES))
+    quantization: str | None = flag(
+        None, "fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag); int8: weight-only "
+              "int8 with per-row scales (fast with the native CPU kernels)", choices=QUANTIZATIONS)
+    moe_backend: str = flag(
+        "auto", "the kernels: auto = Triton on CUDA, native C kernels on CPU (torch where no C compiler); "
+                "native: packed-weight CPU kernels for experts and linear layers; torch: torch's matmul; "
+                "triton on CPU: the interpreter", choices=MOE_BACKENDS)
+
+
+@dataclass(frozen=True)
+class LayoutSettings(Settings):
+    pp: int = flag(1, "pipeline stages", parse=positive_int)
+    tp: int = flag(1, "tensor-parallel ranks per stage", parse=positive_int)
+    layer_partition: tuple[int, ...] | str | None = flag(
+        None, "layers per pipeline stage, e.g. 3,5; auto: balance the stages' decode cost (the last stage also "
+              "carries the lm_head)", parse=partition_arg)
+    expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
+                                        "instead of slicing each")
+
+
+@dataclass(frozen=True)
+class SchedulerSettings(Settings):
+    block_size: int = flag(16, "tokens per KV-cache block", parse=positive_int)
+    max_batched_tokens: int = flag(512, "token budget of one step (one microbatch)", parse=positive_int)
+    max_seqs: int = flag(256, "sequences in one step at most", parse=positive_int)
+    max_in_flight: int | None = flag(None, "microbatches in the pipeline at once (default: pp)", parse=positive_int)
+    max_model_len: int | None = None  # the model's max_position_embeddings unless set (API and tests)
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or getattr(self, "pp", 1) or 1
+
+
+@dataclass(frozen=True)
+class WorkerResources(Settings):
+    kv_memory: int = flag(1 << 30, "bytes of KV cache (default 1 GiB): per stage worker on a mesh, for all "
+                                   "layers in one process", parse=positive_int)
+    threads: int | None = flag(None, "compute threads of the engine, or of each stage worker on a mesh "
+                                     "(default: this machine's cores shared among the worker processes)",
+                               parse=positive_int)
+    num_kv_blocks: int | None = None  # a fixed pool instead of one sized from kv_memory (tests, benchmarks)
+
+    def kv_blocks(self, bytes_per_block: int) -> int:
+        """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all
+        layers, one pool): the blocks that kv_memory holds, at least one."""
+        return self.num_kv_blocks or max(1, self.kv_memory // bytes_per_block)
+
+
+@dataclass(frozen=True)
+class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerResources):
+    """The whole system on this machine: `generate`, `serve`, `LLMEngine`, `LocalMesh.of`."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings):
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(0, "port for stage workers (0: any free port)", parse=int)
+    client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=int)
+    worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead", parse=float)
+    register_timeout: float = flag(600.0, "seconds to wait for every stage worker to register before giving up "
+                                          "(naming the missing)", parse=float)
+    ready_timeout: float = flag(1800.0, "seconds to wait for the registered workers to load their layers and "
+                                        "report ready", parse=float)
+
+
+@dataclass(frozen=True)
+class WorkerSettings(WorkerResources):
+    coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
+    pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=int)
+    tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=int)
+    host: str = flag("127.0.0.1", "address the activation socket listens on")
+    advertise_host: str | None = flag(None, "address other workers use to reach this one (default: --host)")
+    port: int = flag(0, "activation port (0: any free port)", parse=int)
+    device: str = flag("cpu", "cpu, cuda or cuda:N")
+    record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
+    record_steps: int = flag(16, "steps --record writes", parse=positive_int)
+    heartbeat_interval: float = 0.5
+
+
+@dataclass(frozen=True)
+class StageSettings(WorkerSettings):
+    """`moemesh stage`: the --tp workers of one pipeline stage on one host (worker i gets tp rank i)."""
+    tp: int = flag(1, "workers (tensor ranks) of this stage", parse=positive_int)
+
+
+@dataclass(frozen=True)
+class GatewaySettings(Settings):
+    coordinator: str | None = flag(None, "the coordinator's client address, tcp://HOST:PORT")
+    host: str = flag("127.0.0.1", "HTTP address to listen on")
+    port: int = flag(8000, "HTTP port", parse=int)
+    model: str | None = flag(None, "checkpoint directory for the tokenizer (default: the coordinator's, at the "
+                                   "same path)")
+    served_model_name: str | None = flag(None, "the model name clients use (default: the checkpoint "
+                                               "directory's name)")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
+    max_body_bytes: int = 8 << 20

@@ -1,0 +1,221 @@
+"""The coordinator's parts: the worker registry (phases, refusals, silence), the step loop every
+engine runs, the coordinator's phase deadlines against a scripted worker on real sockets, and the
+in-process engine running the same loop with several microbatches in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.registry import Phase, WorkerRegistry
+from coordinator.server import Coordinator
+from coordinator.step_loop import StepLoop
+from moemesh.protocol import (Assignment, ClientMessage, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat,
+                              ProtocolError, Register, StatusRequest)
+from moemesh.sampling import SamplingParams
+from moemesh.settings import CoordinatorSettings, EngineSettings
+from test_core import FakeLastStage, make_core, prompt
+
+
+def reg(p, t):
+    return Register(p, t, f"tcp://127.0.0.1:{7000 + 10 * p + t}", "cpu", 1, "tcp://127.0.0.1:1")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+def test_registry_moves_through_its_phases_and_names_the_missing():
+    r = WorkerRegistry(pp=2, tp=2)
+    for key in [(0, 0), (1, 1), (0, 1)]:
+        r.register(f"w{key}".encode(), reg(*key))
+    assert r.missing() == [(1, 0)] and not r.all_registered.is_set()
+    r.register(b"w10", reg(1, 0))
+    assert r.all_registered.is_set() and r.phase is Phase.REGISTERING
+    r.enter(Phase.LOADING)
+    for w in r.workers.values():
+        r.assigned(w)
+    for key, blocks in [((0, 0), 30), ((0, 1), 20), ((1, 0), 40)]:
+        r.ready(r.workers[key], blocks)
+    assert not r.all_ready.is_set() and r.not_ready() == [(1, 1)]
+    r.ready(r.workers[(1, 1)], 50)
+    assert r.all_ready.is_set() and r.num_blocks() == 20
+    assert r.get(b"w10").rank == (1, 0)
+
+
+def test_registry_refuses_ranks_outside_the_layout_and_late_registrations():
+    r = WorkerRegistry(pp=2, tp=1)
+    with pytest.raises(ProtocolError, match="outside pp=2 tp=1"):
+        r.register(b"x", reg(2, 0))
+    with pytest.raises(ProtocolError, match="outside"):
+        r.register(b"x", reg(0, 1))
+    r.register(b"a", reg(0, 0))
+    r.register(b"b", reg(0, 0))  # while registering, a rank may come again (a restarted worker)
+    assert r.get(b"a") is None and r.get(b"b").rank == (0, 0)
+    r.enter(Phase.LOADING)
+    with pytest.raises(ProtocolError, match="while the pipeline is loading"):
+        r.register(b"c", reg(1, 0))
+
+
+def test_registry_finds_the_silent_worker_and_when_to_look_next():
+    clock = Clock()
+    r = WorkerRegistry(pp=2, tp=1, clock=clock)
+    a, b = r.register(b"a", reg(0, 0)), r.register(b"b", reg(1, 0))
+    clock.now += 3
+    r.seen(a)
+    assert r.silent(5.0) is None and r.next_silence(5.0) == pytest.approx(2.0)  # b was last heard at 100
+    clock.now += 2.5
+    assert r.silent(5.0) is b
+    r.down(b)
+    assert b.phase is Phase.DOWN and r.phase is Phase.DOWN and r.went_down.is_set()
+
+
+# -- the step loop ------------------------------------------------------------------------------
+
+def test_step_loop_fills_the_pipeline_and_shares_the_sequences():
+    core = make_core(budget=64, max_seqs=16)
+    loop = StepLoop(core, limit=2)
+    for i in range(4):
+        core.add(f"r{i}", prompt(3, base=10 + i), SamplingParams(max_tokens=4, ignore_eos=True))
+    first = list(loop.issue())
+    assert len(first) == 2 and [len(s.seqs) for s in first] == [2, 2]  # ceil(4 active / 2 in flight)
+    assert list(loop.issue()) == []  # the pipeline is full
+    stage = FakeLastStage()
+    loop.take(stage(first[0]))
+    assert len(list(loop.issue())) == 1 and loop.steps == 3 and loop.step_seconds > 0
+
+
+def test_step_loop_refuses_a_result_not_in_flight():
+    core = make_core()
+    loop = StepLoop(core, limit=1)
+    core.add("r", prompt(3), SamplingParams(max_tokens=2))
+    (sched,) = loop.issue()
+    result = FakeLastStage()(sched)
+    loop.take(result)
+    with pytest.raises(ValueError, match="not in flight"):
+        loop.take(result)
+
+
+# -- the coordinator's deadlines, against a scripted worker ------------------------------------
+
+async def _status(address: str):
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        await sock.send_multipart(Codec.encode(StatusRequest()))
+        frames = await asyncio.wait_for(sock.recv_multipart(), 5)
+        return Codec(CoordinatorReply).decode(frames)[0]
+    finally:
+        sock.close(linger=0)
+
+
+async def _scripted_worker(address: str, ready: asyncio.Event):
+    """Registers as the only rank, heartbeats, takes its assignment, and never reports Ready."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        await sock.send_multipart(Codec.encode(reg(0, 0)))
+
+        async def beat():
+            while True:
+                await sock.send_multipart(Codec.encode(Heartbeat(0, 0, 0.0)))
+                await asyncio.sleep(0.1)
+
+        beats = asyncio.ensure_future(beat())
+        msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+        assert isinstance(msg, Assignment) and (msg.layer_start, msg.layer_end) == (0, 2)
+        ready.set()
+        await asyncio.sleep(3600)
+    finally:
+        beats.cancel()
+        sock.close(linger=0)
+
+
+def _coordinator(model_dir, **kw) -> Coordinator:
+    return Coordinator(CoordinatorSettings(model=str(model_dir), **kw))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+
+    return write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=2, vocab_size=384),
+                            tmp_path_factory.mktemp("m"))
+
+
+def test_a_worker_that_never_loads_brings_the_pipeline_down_at_the_ready_deadline(tiny):
+    async def scenario():
+        coord = _coordinator(tiny, ready_timeout=0.6, worker_timeout=30)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        assigned = asyncio.Event()
+        worker = asyncio.ensure_future(_scripted_worker(coord.addresses["workers"], assigned))
+        await asyncio.wait_for(assigned.wait(), 5)
+        assert coord.registry.phase is Phase.LOADING
+        before = await _status(coord.addresses["clients"])
+        await asyncio.sleep(1.0)
+        after = await _status(coord.addresses["clients"])
+        worker.cancel()
+        task.cancel()
+        await asyncio.gather(task, worker, return_exceptions=True)
+        return before, after, coord.registry.phase
+
+    before, after, phase = asyncio.run(scenario())
+    assert before.failure is None and not before.serving
+    assert "(0, 0)" in after.failure and "--ready-timeout" in after.failure and phase is Phase.DOWN
+
+
+def test_nobody_registering_brings_the_pipeline_down_at_the_register_deadline(tiny):
+    async def scenario():
+        coord = _coordinator(tiny, pp=2, register_timeout=0.3)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.6)
+        status = await _status(coord.addresses["clients"])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return status
+
+    status = asyncio.run(scenario())
+    assert "(0, 0), (1, 0)" in status.failure and "register" in status.failure
+
+
+def test_client_messages_decode_as_the_client_link_expects():
+    assert isinstance(Codec(ClientMessage).decode(Codec.encode(StatusRequest()))[0], StatusRequest)
+
+
+# -- the in-process engine runs the same loop ------------------------------------------------
+
+def test_in_process_engine_keeps_one_microbatch_per_stage_in_flight(tiny):
+    from moemesh.entrypoints.engine import LLMEngine
+
+    prompts = [prompt(5, base=20 + 7 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    whole = LLMEngine(EngineSettings(model=str(tiny), num_kv_blocks=64), progress=False)
+    split = LLMEngine(EngineSettings(model=str(tiny), num_kv_blocks=64, layer_partition=(1, 1)), progress=False)
+    assert whole.loop.limit == 1 and split.loop.limit == 2
+    seen = []
+    poll = split.pipeline.poll
+    split.pipeline.poll = lambda: (seen.append(len(split.core.in_flight)), poll())[1]
+    assert [o.token_ids for o in split.generate(prompts, params)] == \
+        [o.token_ids for o in whole.generate(prompts, params)]
+    assert max(seen) == 2
+
+
+def test_unseeded_sampling_differs_between_engines_and_seeded_does_not(tiny):
+    from moemesh.entrypoints.engine import LLMEngine
+
+    engines = [LLMEngine(EngineSettings(model=str(tiny), num_kv_blocks=16), progress=False) for _ in range(2)]
+    free = SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True, seed=7)
+    a, b = ([e.generate([prompt(4)], p)[0].token_ids for e in engines] for p in (free, seeded))
+    assert a[0] != a[1] and b[0] == b[1]

@@ -1,0 +1,73 @@
+"""Settings: each flag declared once renders back into the flags, and the environment, that rebuild it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+
+from moemesh.entrypoints.cli import build_parser
+from moemesh.entrypoints.launcher import LocalMesh
+from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, StageSettings, WorkerResources,
+                              WorkerSettings, flag)
+
+ODD = {  # a value unlike the default for every flag
+    "model": "/m", "dtype": "bfloat16", "quantization": "int8", "moe_backend": "torch", "pp": 3, "tp": 2,
+    "layer_partition": (1, 2, 5), "expert_parallel": True, "block_size": 8, "max_batched_tokens": 99,
+    "max_seqs": 7, "max_in_flight": 4, "kv_memory": 12345, "threads": 3, "host": "0.0.0.0", "port": 6000,
+    "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0,
+    "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
+    "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5,
+}
+
+
+@pytest.mark.parametrize("cls", [EngineSettings, CoordinatorSettings, WorkerSettings, StageSettings, GatewaySettings])
+def test_argv_and_environment_rebuild_the_settings(cls):
+    s = cls(**{f.name: ODD[f.name] for f in cls.flags()})
+    assert cls.from_argv(s.to_argv()) == s
+    assert cls.from_argv([], environ=s.to_env()) == s
+
+
+def test_a_command_line_flag_beats_the_environment_and_a_bad_variable_names_both(capsys):
+    assert WorkerSettings.from_argv(["--tp-rank", "0"], environ={"MOEMESH_TP_RANK": "1"}).tp_rank == 0
+    with pytest.raises(SystemExit):
+        WorkerSettings.from_argv([], environ={"MOEMESH_TP_RANK": "one"})
+    err = capsys.readouterr().err
+    assert "MOEMESH_TP_RANK='one'" in err and "--tp-rank" in err
+
+
+def test_a_field_added_once_reaches_the_flags_the_environment_and_the_children():
+    @dataclass(frozen=True)
+    class Resources(WorkerResources):
+        pin_memory: bool = flag(False, "page-lock the KV cache")
+
+    @dataclass(frozen=True)
+    class Worker(Resources, WorkerSettings):
+        pass
+
+    @dataclass(frozen=True)
+    class Engine(Resources, EngineSettings):
+        pass
+
+    parser = argparse.ArgumentParser()
+    Engine.add_arguments(parser, environ={})
+    engine = Engine.from_args(parser.parse_args(["--pin-memory", "--pp", "2"]))
+    child = Worker.derive(engine, coordinator="tcp://c:1", pp_rank=1)
+    assert "--pin-memory" in child.to_argv() and Worker.from_argv(child.to_argv()).pin_memory
+    assert Worker.from_argv([], environ={"MOEMESH_PIN_MEMORY": "1"}).pin_memory
+
+
+def test_the_local_launcher_starts_children_with_what_their_commands_parse_back():
+    engine = EngineSettings(model="/m", pp=2, tp=2, layer_partition=(3, 5), kv_memory=1 << 20, quantization="int8",
+                            max_in_flight=3, threads=2)
+    mesh = LocalMesh.of(engine, worker_timeout=2.0, record="/rec")
+    parser = build_parser()
+    coord = CoordinatorSettings.from_args(parser.parse_args(["coordinator", *mesh.coordinator.to_argv()]))
+    assert coord == dataclasses.replace(CoordinatorSettings.derive(engine), port=0, client_port=0, worker_timeout=2.0)
+    w = mesh.worker_settings("tcp://c:1", 1, 0)
+    worker = WorkerSettings.from_args(parser.parse_args(["stage-worker", *w.to_argv()]))
+    assert worker == w and (worker.record, worker.kv_memory, worker.threads) == ("/rec/pp1-tp0", 1 << 20, 2)
+    with pytest.raises(TypeError, match="no_such"):
+        LocalMesh.of(engine, no_such=1)
