@@ -1,21 +1,54 @@
-"""Paged KV-cache bookkeeping: which fixed-size blocks each sequence owns. The workers hold the
-blocks; the coordinator decides who uses which."""
+"""Paged KV-cache bookkeeping: which fixed-size blocks each sequence owns, and (prefix caching)
+which full blocks already hold the K/V of a given token prefix. The workers hold the blocks; the
+coordinator decides who uses which. Block ids are global across stages, so one decision here spares
+every stage the prefix's computation.
+
+Prefix caching. A full block is named by a hash chained over its tokens and its parent's hash:
+
+    h_0 = hash((None, tokens[0:B], extra))    h_i = hash((h_{i-1}, tokens[iB:(i+1)B], extra))
+
+(`extra` stays None today; LoRA adapters or multimodal inputs, which change the K/V of the same
+tokens, would go there). A block gets its hash once the step that filled it has come back, so a
+block still being written by a step in flight is never shared. A sequence starts with the longest
+run of cached blocks its tokens name (never its last token: its logits are needed), taking a
+reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
+only when the free pool runs dry is the least recently used one evicted (its hash forgotten) and
+handed out again.
+"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from coordinator.sequence import Sequence
 
 
+def block_hash(parent: int | None, tokens: tuple[int, ...], extra=None) -> int:
+    return hash((parent, tokens, extra))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self._free = list(range(num_blocks - 1, -1, -1))  # never-cached blocks; pop() hands out low ids first
+        self._refs = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # checked on a hit: no false sharing
+        self._cached: dict[int, int] = {}  # hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0  # of which found cached (prefix_cache_hits)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now (evicting cached ones if need be)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -26,17 +59,104 @@ class BlockManager:
 
     def room(self, seq: Sequence) -> int:
         """How many more tokens `seq` could cache with its blocks plus every free one."""
-        return (len(seq.block_ids) + len(self._free)) * self.block_size - seq.num_computed
+        return (len(seq.block_ids) + self.num_free) * self.block_size - seq.num_computed
 
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
-        return self.extra_blocks(seq, num_new) <= len(self._free)
+        return self.extra_blocks(seq, num_new) <= self.num_free
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         n = self.extra_blocks(seq, num_new)
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache exhausted: need {n} blocks, {len(self._free)} free")
-        seq.block_ids.extend(self._free.pop() for _ in range(n))
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache exhausted: need {n} blocks, {self.num_free} free")
+        seq.block_ids.extend(self._allocate() for _ in range(n))
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.block_ids))
+        """Drops the sequence's references (its tail first, so that tail blocks are evicted first)."""
+        for b in reversed(seq.block_ids):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if self._hash[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
         seq.block_ids = []
+        seq.blocks_hashed = 0
+
+    def _allocate(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:  # evict the least recently used cached block
+            b, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash[b]]
+            self._hash[b] = self._tokens[b] = None
+        self._refs[b] = 1
+        return b
+
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the sequence's first `num_blocks` full blocks (memoised on it)."""
+        B, tokens, known = self.block_size, None, seq.block_hashes
+        while len(known) < num_blocks:
+            tokens = tokens or seq.token_ids
+            i = len(known)
+            known.append(block_hash(known[-1] if known else None, tuple(tokens[i * B:(i + 1) * B])))
+        return known[:num_blocks]
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of the sequence's tokens, leaving its last token to
+        compute; nothing is taken yet. None for a sequence that asked for prompt logprobs (its whole
+        prompt must run)."""
+        if not self.enable_caching or seq.prompt_logprobs is not None:
+            return []
+        full = (seq.num_tokens - 1) // self.block_size
+        B, tokens, hits = self.block_size, seq.token_ids, []
+        for i, h in enumerate(self.hashes(seq, full)):
+            b = self._cached.get(h)
+            if b is None or self._tokens[b] != tuple(tokens[i * B:(i + 1) * B]):
+                break
+            hits.append(b)
+        return hits
+
+    def cost(self, hits: list[int]) -> int:
+        """Free blocks that taking `hits` uses up (those waiting unreferenced in the LRU)."""
+        return sum(1 for b in hits if self._refs[b] == 0)
+
+    def take(self, seq: Sequence, hits: list[int]) -> None:
+        """The sequence (owning no blocks yet) starts with `hits`, their tokens already computed."""
+        assert not seq.block_ids and seq.num_computed == 0
+        for b in hits:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+        seq.block_ids = list(hits)
+        seq.blocks_hashed = len(hits)
+        seq.num_computed = len(hits) * self.block_size
+        if self.enable_caching and seq.num_preemptions == 0:  # a request's first admission
+            seq.num_cached_tokens = seq.num_computed
+            self.queries += seq.num_tokens
+            self.hits += seq.num_computed
+
+    def cache_computed(self, seq: Sequence, num_computed: int) -> None:
+        """A step that brought the sequence's cache to `num_computed` tokens has come back: its blocks
+        filled by then become shareable (a hash already cached elsewhere is left alone)."""
+        full = min(num_computed // self.block_size, len(seq.block_ids))
+        if not self.enable_caching or full <= seq.blocks_hashed:
+            return
+        B, hashes, tokens = self.block_size, self.hashes(seq, full), seq.token_ids
+        for i in range(seq.blocks_hashed, full):
+            b, h = seq.block_ids[i], hashes[i]
+            if self._hash[b] is None and h not in self._cached:
+                self._hash[b], self._tokens[b] = h, tuple(tokens[i * B:(i + 1) * B])
+                self._cached[h] = b
+        seq.blocks_hashed = full
+
+    def reset_cache(self) -> None:
+        """Forgets every hash (the workers' K/V can no longer be trusted, e.g. a stage lost its state);
+        unreferenced cached blocks become plain free blocks."""
+        for b in self._evictable:
+            self._free.append(b)
+        self._evictable.clear()
+        self._cached.clear()
+        self._hash = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks

@@ -21,8 +21,8 @@ from moemesh.sampling import SamplingParams
 
 class EngineCore:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 eos_token_ids: tuple[int, ...], vocab_size: int):
-        self.blocks = BlockManager(num_blocks, block_size)
+                 eos_token_ids: tuple[int, ...], vocab_size: int, prefix_caching: bool = False):
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, Sequence] = {}
@@ -81,11 +81,12 @@ class EngineCore:
             seq = item.seq
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
-            first = item.context_len == 0  # a new or recomputed sequence: the last stage needs its params
+            first = item.admitted  # a new or recomputed sequence: the last stage needs its params
             seqs.append(SeqWork(
                 seq.seq_id, item.token_ids, item.context_len, list(seq.block_ids), item.sample,
                 params=seq.params if first else None, prompt_len=len(seq.prompt_ids) if first else 0,
-                prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None))
+                prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
+                cached_ids=seq.token_ids[:item.context_len] if first and item.context_len else None))
         forget, self._forget = self._forget, []
         return Schedule(step_id, seqs, forget)
 
@@ -127,7 +128,8 @@ class EngineCore:
         queue = seq.first_scheduled - seq.arrival if first and seq.first_scheduled is not None else None
         return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
                              finish_reason=seq.finish_reason if seq.finished else None,
-                             num_prompt_tokens=len(seq.prompt_ids), queue_seconds=queue)
+                             num_prompt_tokens=len(seq.prompt_ids), queue_seconds=queue,
+                             num_cached_tokens=seq.num_cached_tokens if first else 0)
 
     def fail_in_flight(self) -> None:
         """Forgets every step in flight (their stage died); the sequences stay as they were."""

@@ -65,6 +65,9 @@ class WorkerRegistry:
         return [(p, t) for p in range(self.pp) for t in range(self.tp)]
 
     def enter(self, phase: Phase) -> None:
+        """Moves the pipeline to `phase`; DOWN is final (until recovery is built, nothing leaves it)."""
+        if self.phase is Phase.DOWN:
+            return
         if phase is not self.phase:
             log.info("pipeline phase", extra={"fields": {"from": self.phase.value, "to": phase.value}})
             self.phase = phase

@@ -44,6 +44,7 @@ class ScheduledSeq:
     num_new: int  # tokens computed in this step
     context_len: int  # tokens already in the cache before it
     sample: bool  # the step reaches the sequence's last token: sample the next one
+    admitted: bool = False  # its first chunk since it was admitted (new, or recomputed after preemption)
 
     @property
     def token_ids(self) -> list[int]:
@@ -114,21 +115,25 @@ class Scheduler:
         # after a preemption the pool is short: admit nobody new (nor the victim) in this step
         while not preempted and self.waiting and budget > 0 and len(items) < max_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if not self.blocks.can_grow(seq, n):
+            hits = self.blocks.lookup(seq)  # cached blocks of its prefix (it owns none while waiting)
+            cached = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - cached, budget)
+            need = self.blocks.blocks_needed(cached + n) - len(hits) + self.blocks.cost(hits)
+            if need > self.blocks.num_free:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            items.append(self._take(seq, n))
+            self.blocks.take(seq, hits)
+            items.append(self._take(seq, n, admitted=True))
             scheduled.add(seq.seq_id)
             budget -= n
         self.in_flight.update(scheduled)
         return Step(items)
 
-    def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _take(self, seq: Sequence, n: int, admitted: bool = False) -> ScheduledSeq:
         self.blocks.grow(seq, n)
-        item = ScheduledSeq(seq, n, seq.num_computed, sample=seq.num_computed + n == seq.num_tokens)
+        item = ScheduledSeq(seq, n, seq.num_computed, sample=seq.num_computed + n == seq.num_tokens, admitted=admitted)
         seq.num_computed += n  # the cache will hold them once the step has run
         return item
 
@@ -151,6 +156,8 @@ class Scheduler:
             self.in_flight[seq.seq_id] -= 1
             if self.in_flight[seq.seq_id] <= 0:
                 del self.in_flight[seq.seq_id]
+            if not seq.finished:  # its blocks now hold what this step wrote: shareable
+                self.blocks.cache_computed(seq, item.context_len + item.num_new)
             if not item.sample:
                 continue
             token = next(tokens)

@@ -34,6 +34,10 @@ class Sequence:
     num_streamed: int = 0  # output tokens already sent to the client
     arrival: float = 0.0  # time.monotonic() when added
     first_scheduled: float | None = None
+    # prefix caching (BlockManager)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, as far as known
+    blocks_hashed: int = 0  # leading blocks of block_ids already offered to the cache
+    num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
 
     @property
     def token_ids(self) -> list[int]:

@@ -28,7 +28,7 @@ import zmq.asyncio
 from coordinator.core import EngineCore
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.router import ClientRouter
-from coordinator.step_loop import StepLoop, make_core
+from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
@@ -47,9 +47,12 @@ class ZmqPipeline:
     def __init__(self, sock, registry: WorkerRegistry):
         self.sock, self.registry = sock, registry
         self.schedule_bytes = 0
+        self.encode_seconds = 0.0
 
     async def send(self, sched: Schedule) -> None:
+        started = time.thread_time()
         frames = Codec.encode(sched)
+        self.encode_seconds += time.thread_time() - started
         self.schedule_bytes += sum(len(f) for f in frames)
         for w in self.registry.workers.values():
             await self.sock.send_multipart([w.identity, *frames], copy=False)
@@ -113,19 +116,21 @@ class Coordinator:
         stages = self.layout.stages
         for (p, t), w in sorted(reg.workers.items()):
             nxt = reg.workers.get((p + 1, t))
+            reg.assigned(w)  # before the send: its Ready may be handled while the send awaits
             await self._send_worker(w.identity, Assignment(
                 cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
                 cfg.dtype, cfg.block_size,
                 tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
                 expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
-            reg.assigned(w)
         if not await self._until(reg.all_ready, cfg.ready_timeout):
             return self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {reg.not_ready()} to load "
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
         num_blocks = reg.num_blocks()
         self.core = make_core(cfg, self.model_config, num_blocks)
-        self.loop = StepLoop(self.core, cfg.in_flight_limit)
+        self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
         await self._broadcast(Start(num_blocks))
+        if self.failure:  # a worker failed while Start went out
+            return
         reg.enter(Phase.SERVING)
         log.info("serving", extra={"fields": {"stages": cfg.pp, "tp": cfg.tp, "blocks": num_blocks}})
         for identity, req in self.router.release():
@@ -292,5 +297,7 @@ class Coordinator:
             stage_sent_bytes=reg.stage_rank0("sent_bytes"), uptime_seconds=time.monotonic() - self.started,
             malformed_messages=self.bad_worker.count + self.bad_client.count, model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
-            steps=loop.steps if loop else 0, coordinator_step_seconds=loop.step_seconds if loop else 0.0,
-            schedule_bytes=self.pipeline.schedule_bytes)
+            steps=loop.steps if loop else 0,
+            coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
+            schedule_bytes=self.pipeline.schedule_bytes,
+            prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0)

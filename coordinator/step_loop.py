@@ -1,5 +1,7 @@
 """The scheduling loop, one for every engine: the mesh coordinator and the in-process `LLMEngine`
-both run it against a `Pipeline` (ZeroMQ to stage workers, or the stages in this process).
+both run it against a pipeline with a `send(schedule)` (`coordinator.server.ZmqPipeline`: to every
+stage worker over ZeroMQ; `stage_worker.in_process.InProcessPipeline`: the stages in this process),
+whose last stage's StepResults come back in issue order.
 
     for sched in loop.issue():        up to `limit` microbatches in flight, the active sequences
         pipeline.send(sched)          shared among them so that every stage has work
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator, Protocol
+from typing import Iterator
 
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
@@ -22,11 +24,9 @@ from moemesh.protocol import RequestOutput, Schedule, StepResult
 from moemesh.settings import SchedulerSettings
 
 
-class Pipeline(Protocol):
-    """Where schedules go: every stage gets each one; the last stage's StepResult comes back to
-    `StepLoop.take` (the ZeroMQ transport through its worker socket, the in-process one from `poll`)."""
-
-    def send(self, sched: Schedule): ...
+def in_flight_limit(settings: SchedulerSettings, pp: int) -> int:
+    """Microbatches in the pipeline at once: --max-in-flight, else one per stage."""
+    return settings.max_in_flight or pp
 
 
 def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) -> EngineCore:
@@ -34,7 +34,8 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) 
     across stages)."""
     config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
                                        model.max_position_embeddings)
-    return EngineCore(config, num_blocks, settings.block_size, model.eos_token_ids, model.vocab_size)
+    return EngineCore(config, num_blocks, settings.block_size, model.eos_token_ids, model.vocab_size,
+                      prefix_caching=not settings.no_prefix_caching)
 
 
 class StepLoop:

@@ -29,7 +29,12 @@ class Metrics:
         self.preemptions = Gauge("vllm:num_preemptions", "Preemptions since start", labels, registry=r)
         self.stage_busy = Gauge("moemesh:stage_busy_fraction", "Share of the last interval each pipeline stage "
                                 "spent computing", labels + ["stage"], registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                                   registry=r)
         self._last_busy: tuple[float, list[float]] | None = None
+        self._last_prefix = (0, 0)  # the coordinator's running totals at the last status
 
     def update_from_status(self, status, now: float) -> None:
         m = self.model
@@ -43,3 +48,9 @@ class Metrics:
             for stage, (a, b) in enumerate(zip(busy, status.stage_busy_seconds)):
                 self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
         self._last_busy = (now, list(status.stage_busy_seconds))
+        q, h = status.prefix_cache_queries, status.prefix_cache_hits
+        if q < self._last_prefix[0]:  # a new coordinator counts from zero again
+            self._last_prefix = (0, 0)
+        self.prefix_queries.labels(m).inc(q - self._last_prefix[0])
+        self.prefix_hits.labels(m).inc(h - self._last_prefix[1])
+        self._last_prefix = (q, h)

@@ -62,6 +62,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the coordinator found in its prefix cache
 
 
 class Gateway:
@@ -274,6 +275,7 @@ class Gateway:
                     last = now
                 if out.queue_seconds is not None:
                     self.metrics.queue.labels(self.model_name).observe(out.queue_seconds)
+                    choice.cached_tokens = out.num_cached_tokens
                 choice.token_ids += out.token_ids
                 if out.logprobs:
                     choice.logprobs += out.logprobs
@@ -512,7 +514,8 @@ def _reason(reason: str | None) -> str | None:
 def _usage(jobs, choices: dict[int, Choice]) -> dict:
     prompt = sum(len(p) for _, p, _ in jobs)
     completion = sum(len(c.token_ids) for c in choices.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices.values())}}
 
 
 def _text_content(content) -> str:

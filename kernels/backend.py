@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-BACKENDS = ("auto", "torch", "native", "triton")
+from moemesh.config import MOE_BACKENDS as BACKENDS  # the names, with the flag that takes them
 
 
 class BackendError(ValueError):

@@ -72,6 +72,7 @@ class RequestOutput(msgspec.Struct, tag="output", frozen=True):
     error_status: int = 0  # with an error: 400 the request was invalid, 503 the pipeline is down
     num_prompt_tokens: int = 0
     queue_seconds: float | None = None  # on the first output: from arrival to first scheduled
+    num_cached_tokens: int = 0  # on the first output: prompt tokens found in the prefix cache
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
@@ -97,6 +98,8 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     steps: int = 0  # microbatches scheduled so far
     coordinator_step_seconds: float = 0.0  # the coordinator's CPU time scheduling them and taking results
     schedule_bytes: int = 0  # encoded size of those schedules (each sent once to every worker)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
@@ -158,8 +161,9 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 class SeqWork(msgspec.Struct, array_like=True, frozen=True):
-    """One sequence's share of a step. `params` and `prompt_len` come with a chunk that starts at
-    position 0 (a new or recomputed sequence); `prompt_ids` too when prompt logprobs are wanted."""
+    """One sequence's share of a step. `params` and `prompt_len` come with its first chunk after
+    admission (a new or recomputed sequence); `prompt_ids` too when prompt logprobs are wanted, and
+    `cached_ids` when that chunk starts after a prefix found in the cache (the tokens before it)."""
     seq_id: int
     token_ids: list[int]  # new tokens, at positions context_len ..
     context_len: int
@@ -168,6 +172,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     params: SamplingParams | None = None
     prompt_len: int = 0
     prompt_ids: list[int] | None = None
+    cached_ids: list[int] | None = None
 
 
 class Schedule(msgspec.Struct, tag="schedule", frozen=True):

@@ -99,8 +99,8 @@ class Settings:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, environ=None, **overrides) -> None:
-        """Adds a flag per field. `overrides[field]` changes its default, help or required-ness for
-        this command (a dict), or leaves it out (None). `MOEMESH_<FIELD>` in the environment sets
+        """Adds a flag per field. `overrides[field]` changes its default, help, choices or required-ness
+        for this command (a dict), or leaves it out (None). `MOEMESH_<FIELD>` in the environment sets
         the default (a flag on the command line still wins); a bad value names both."""
         environ = os.environ if environ is None else environ
         for f in cls.flags():
@@ -108,6 +108,8 @@ class Settings:
             if change is None:
                 continue
             spec: Flag = f.metadata["flag"]
+            if "choices" in change:
+                spec = dataclasses.replace(spec, choices=tuple(change["choices"]))
             default, required = change.get("default", f.default), change.get("required", False)
             var = env_name(f.name)
             if var in environ:
@@ -183,6 +185,29 @@ def _from_env(parser, f, spec: Flag, var: str, raw: str):
 # -- the settings -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class LogSettings(Settings):
+    log_level: str = flag("warning", "what the processes log", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class LaunchSettings(Settings):
+    """How `moemesh serve` starts its stage workers."""
+    launcher: str = flag("local", "start the stage workers as local processes, or as Ray actors (a placement "
+                                  "group per stage)", choices=("local", "ray"))
+    ray_address: str | None = flag(None, "an existing Ray cluster (default: start one here)")
+
+
+@dataclass(frozen=True)
+class StandaloneSettings(Settings):
+    """`moemesh stage-worker --standalone`: one stage's layers in one process, no mesh."""
+    standalone: bool = flag(False, "no mesh: run --layers of --model on synthetic input or on a --replay recording")
+    model: str | None = flag(None, "(--standalone) checkpoint directory")
+    layers: str | None = flag(None, "(--standalone) layer range A:B")
+    replay: str | None = flag(None, "(--standalone) a directory written by --record", metavar="DIR")
+    tokens: int = flag(64, "(--standalone) synthetic tokens in the step", parse=positive_int)
+    seqs: int = flag(4, "(--standalone) synthetic sequences", parse=positive_int)
+
+@dataclass(frozen=True)
 class ModelSettings(Settings):
     model: str | None = flag(None, "checkpoint directory (default: the built-in tiny model)")
     dtype: str = flag("auto", "auto: float32 on CPU, the checkpoint's dtype on GPU", choices=("auto", *DTYPES))
@@ -212,11 +237,10 @@ class SchedulerSettings(Settings):
     max_batched_tokens: int = flag(512, "token budget of one step (one microbatch)", parse=positive_int)
     max_seqs: int = flag(256, "sequences in one step at most", parse=positive_int)
     max_in_flight: int | None = flag(None, "microbatches in the pipeline at once (default: pp)", parse=positive_int)
-    max_model_len: int | None = None  # the model's max_position_embeddings unless set (API and tests)
-
-    @property
-    def in_flight_limit(self) -> int:
-        return self.max_in_flight or getattr(self, "pp", 1) or 1
+    no_prefix_caching: bool = flag(False, "recompute every prompt from scratch instead of reusing the KV blocks "
+                                          "of a prefix seen before")
+    max_model_len: int | None = flag(None, "the longest context (prompt plus output) a request may have "
+                                           "(default: the model's max_position_embeddings)", parse=positive_int)
 
 
 @dataclass(frozen=True)
@@ -226,7 +250,8 @@ class WorkerResources(Settings):
     threads: int | None = flag(None, "compute threads of the engine, or of each stage worker on a mesh "
                                      "(default: this machine's cores shared among the worker processes)",
                                parse=positive_int)
-    num_kv_blocks: int | None = None  # a fixed pool instead of one sized from kv_memory (tests, benchmarks)
+    num_kv_blocks: int | None = flag(None, "a KV pool of exactly this many blocks instead of one sized from "
+                                           "--kv-memory", parse=positive_int)
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all
@@ -280,6 +305,6 @@ class GatewaySettings(Settings):
                                    "same path)")
     served_model_name: str | None = flag(None, "the model name clients use (default: the checkpoint "
                                                "directory's name)")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/* (or set MOEMESH_API_KEY)")
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
     max_body_bytes: int = 8 << 20

@@ -57,8 +57,8 @@ class StageExecutor:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:
-            if w.params is not None:
-                self.seqs[w.seq_id] = SeqState(w.params, w.prompt_len, [], w.prompt_ids)
+            if w.params is not None:  # admitted: the tokens before this chunk came from the prefix cache
+                self.seqs[w.seq_id] = SeqState(w.params, w.prompt_len, list(w.cached_ids or []), w.prompt_ids)
             st = self.seqs.get(w.seq_id)
             if st is None:
                 raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no sampling state "

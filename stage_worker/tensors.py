@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from moemesh.protocol import TensorMeta
+from moemesh.protocol import ProtocolError, TensorMeta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int64": torch.int64, "int32": torch.int32}
@@ -33,10 +33,14 @@ def frames_of(tensors) -> tuple[list[TensorMeta], list[memoryview]]:
 
 
 def from_frame(meta: TensorMeta, buf) -> torch.Tensor:
-    """A frame `Codec.decode` accepted (dtype known, size right) as a tensor over its bytes."""
+    """A frame `Codec.decode` accepted (dtype known, size right) as a tensor over its bytes;
+    ProtocolError for a shape torch cannot make (an empty tensor with huge other dimensions)."""
     dtype = DTYPES[meta.dtype]
     if not len(buf):
-        return torch.empty(meta.shape, dtype=dtype)
+        try:
+            return torch.empty(meta.shape, dtype=dtype)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ProtocolError(f"tensor shape {meta.shape}: {e}") from None
     with warnings.catch_warnings():  # received frames are read-only; these tensors are only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=dtype).view(meta.shape)

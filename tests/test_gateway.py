@@ -228,6 +228,24 @@ def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
     assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    prompt = "a prompt the prefix cache keeps " * 8  # several full 16-token blocks
+    kw = dict(model="tiny-mixtral", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    time.sleep(1.2)  # the counters follow the coordinator's status, polled: let them catch up first
+    hits, queries = metric(server, "vllm:prefix_cache_hits_total"), metric(server, "vllm:prefix_cache_queries_total")
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert second.choices[0].text == first.choices[0].text
+    want = (hits + second.usage.prompt_tokens_details.cached_tokens, queries + 2 * first.usage.prompt_tokens)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(server, "vllm:prefix_cache_queries_total") < want[1]:
+        time.sleep(0.2)
+    assert metric(server, "vllm:prefix_cache_hits_total") == want[0]
+    assert metric(server, "vllm:prefix_cache_queries_total") == want[1]
+
+
 def test_api_key_429_and_503(model):
     server = Server(model, "--api-key", "sesame", "--max-pending", "2")
     try:

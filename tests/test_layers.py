@@ -86,7 +86,6 @@ def test_every_import_points_down_or_sideways_within_a_layer():
 
 def test_no_import_cycles():
     g = {n: {d for d in deps if d not in HEAVY} for n, deps in graph().items()}
-    # a module imports its package's __init__ implicitly; packages here re-export nothing, so leave them out
     cycles, state = [], {}
 
     def visit(node, stack):
@@ -127,6 +126,19 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle(tmp_path, monkeypatch):
         except AssertionError:
             continue
         raise AssertionError(f"{check.__name__} passed on a broken tree")
+
+
+def test_the_lists_of_names_agree():
+    """Dtype, backend and quantization names are declared in the base layer; the compute side maps
+    them and must know every one."""
+    from kernels.backend import BACKENDS
+    from moemesh.config import DTYPES, MOE_BACKENDS
+    from moemesh.protocol import TENSOR_ITEM_SIZES
+    from stage_worker.tensors import DTYPES as TORCH_DTYPES
+
+    assert BACKENDS == MOE_BACKENDS
+    assert set(TORCH_DTYPES) == set(TENSOR_ITEM_SIZES) and set(DTYPES) <= set(TORCH_DTYPES)
+    assert all(TORCH_DTYPES[name].itemsize == size for name, size in TENSOR_ITEM_SIZES.items())
 
 
 def test_gateway_and_coordinator_load_without_torch():

@@ -82,7 +82,8 @@ MESSAGES = [
     (Start(100), CoordinatorMessage),
     (Schedule(5, [SeqWork(0, [1, 2, 3], 0, [4, 5], True, PARAMS, 3, [1, 2, 3]),
                   SeqWork(2, [7], 40, [0, 1, 2], True),
-                  SeqWork(3, [8, 9], 16, [6, 7], False, SamplingParams(max_tokens=3), 30)],
+                  SeqWork(3, [8, 9], 16, [6, 7], False, SamplingParams(max_tokens=3), 30),
+                  SeqWork(4, [9], 8, [1, 2], True, PARAMS, 9, None, [1, 2, 3, 4, 5, 6, 7, 8])],
               forget=[1, 4]), CoordinatorMessage),
     (Schedule(6, []), CoordinatorMessage),
     (Shutdown(), CoordinatorMessage),
@@ -122,7 +123,8 @@ def test_round_trip_keeps_nested_types():
     assert got.logprobs[0].top[1] == (4, -2.5)
     sched = next(m for m, _ in MESSAGES if isinstance(m, Schedule))
     got, _ = Codec(CoordinatorMessage).decode(_bytes(Codec.encode(sched)))
-    assert [type(w) for w in got.seqs] == [SeqWork] * 3
+    assert [type(w) for w in got.seqs] == [SeqWork] * 4
+    assert got.seqs[3].cached_ids == [1, 2, 3, 4, 5, 6, 7, 8] and got.seqs[1].cached_ids is None
     assert got.seqs[0].params == PARAMS and got.seqs[0].prompt_ids == [1, 2, 3]
     assert got.seqs[1].params is None and got.seqs[1].prompt_len == 0 and got.seqs[1].prompt_ids is None
     assert got.forget == [1, 4]
@@ -318,7 +320,7 @@ def test_malformed_activations_are_a_protocol_error(name):
         Codec(Activations).decode(BAD_ACTIVATIONS[name])
 
 
-@pytest.mark.parametrize("shape", [[2**63, 0], [2**40, 2**40, 0]])
+@pytest.mark.parametrize("shape", [[2**63, 0], [2**40, 2**40, 0], [0, 2**39, 2**39, 2**39]])
 def test_empty_tensor_with_huge_dimension_is_a_protocol_error(shape):
     with pytest.raises(ProtocolError):
         _decode([_act_header(["float32", shape]), b""])

@@ -10,8 +10,8 @@ import pytest
 
 from moemesh.entrypoints.cli import build_parser
 from moemesh.entrypoints.launcher import LocalMesh
-from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, StageSettings, WorkerResources,
-                              WorkerSettings, flag)
+from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
+                              StageSettings, StandaloneSettings, WorkerResources, WorkerSettings, flag)
 
 ODD = {  # a value unlike the default for every flag
     "model": "/m", "dtype": "bfloat16", "quantization": "int8", "moe_backend": "torch", "pp": 3, "tp": 2,
@@ -20,10 +20,13 @@ ODD = {  # a value unlike the default for every flag
     "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0,
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5,
+    "num_kv_blocks": 77, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
+    "ray_address": "ray://x:1", "standalone": True, "layers": "0:2", "replay": "/p", "tokens": 9, "seqs": 2,
 }
 
 
-@pytest.mark.parametrize("cls", [EngineSettings, CoordinatorSettings, WorkerSettings, StageSettings, GatewaySettings])
+@pytest.mark.parametrize("cls", [EngineSettings, CoordinatorSettings, WorkerSettings, StageSettings, GatewaySettings,
+                                 LogSettings, LaunchSettings, StandaloneSettings])
 def test_argv_and_environment_rebuild_the_settings(cls):
     s = cls(**{f.name: ODD[f.name] for f in cls.flags()})
     assert cls.from_argv(s.to_argv()) == s

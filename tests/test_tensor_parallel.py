@@ -32,8 +32,10 @@ def checkpoint(request, tmp_path_factory):
 
 def run_layout(path, **layout):
     with LocalMesh.of(EngineSettings(model=str(path), kv_memory=8 << 20, **layout)) as mesh:
-        results, status = run(generate_all(mesh, PROMPTS, GREEDY))
+        results, _ = run(generate_all(mesh, PROMPTS, GREEDY))
+        again, status = run(generate_all(mesh, PROMPTS, GREEDY))  # the 22-token prompt's first block is cached
     assert status.num_free_blocks == status.num_blocks
+    assert [t for t, _ in again] == [t for t, _ in results] and status.prefix_cache_hits >= 16
     return [t for t, _ in results]
 
 

@@ -1,4 +1,4 @@
-"""`moemesh` command line: one place where flags become configs.
+"""`moemesh` command line: the commands, their flags from the settings classes (moemesh/settings.py).
 
     moemesh serve [--model DIR] [--pp N] [--tp M] [--port 8000]       everything on this machine
     moemesh gateway --coordinator tcp://HOST:PORT [--port 8000]       the HTTP front
@@ -17,10 +17,11 @@ import argparse
 import os
 from pathlib import Path
 
-from moemesh.config import DTYPES, MOE_BACKENDS
+from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
-from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, StageSettings, WorkerSettings,
-                              int_list, partition_arg, positive_int)
+from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
+                              StageSettings, StandaloneSettings, WorkerSettings, int_list, partition_arg,
+                              positive_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -34,6 +35,16 @@ def backend_list(text: str) -> list[str]:
 backend_list.__name__ = "comma-separated list of backends"
 
 
+def on_off_list(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(v not in ("on", "off") for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: on, off, or on,off")
+    return values
+
+
+on_off_list.__name__ = "on, off or on,off"
+
+
 SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
     "layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
     "moe-intermediate": "moe_intermediate_size", "shared-intermediate": "shared_expert_intermediate_size",
@@ -44,8 +55,7 @@ SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moemesh", description="Serve Mixture-of-Experts models across hosts.")
-    parser.add_argument("--log-level", default=os.environ.get("MOEMESH_LOG_LEVEL", "warning"),
-                        choices=["debug", "info", "warning", "error"])
+    LogSettings.add_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from moemesh.entrypoints.tiny_model import ARCHS, TinyModelSpec
@@ -93,18 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("stage-worker", help="run one stage worker of a mesh (or one stage alone, --standalone)")
     WorkerSettings.add_arguments(w, kv_memory={"help": "bytes of KV cache"},
                                  threads={"help": "compute threads (default: the cores this process may use)"})
-    w.add_argument("--standalone", action="store_true",
-                   help="no mesh: run --layers of --model on synthetic input or on a --replay recording")
-    w.add_argument("--model", default=None, help="(--standalone) checkpoint directory")
-    w.add_argument("--layers", default=None, help="(--standalone) layer range A:B")
-    w.add_argument("--replay", default=None, metavar="DIR", help="(--standalone) a directory written by --record")
-    w.add_argument("--tokens", type=positive_int, default=64, help="(--standalone) synthetic tokens in the step")
-    w.add_argument("--seqs", type=positive_int, default=4, help="(--standalone) synthetic sequences")
+    StandaloneSettings.add_arguments(w)
 
     st = sub.add_parser("stage", help="run the tensor-parallel workers of one pipeline stage on this host")
     StageSettings.add_arguments(
         st, coordinator={"required": True}, pp_rank={"required": True}, tp_rank=None, port=None, record=None,
-        record_steps=None, device={"help": "cpu or cuda (worker i on cuda:i)"},
+        record_steps=None, device={"help": "cpu or cuda (worker i on cuda:i)", "choices": ("cpu", "cuda")},
         host={"default": "0.0.0.0", "help": "address the activation sockets listen on"},
         kv_memory={"help": "bytes of KV cache per worker"},
         threads={"help": "compute threads per worker (default: this host's cores shared among the --tp workers)"})
@@ -119,10 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="start coordinator, stage workers and gateway on this machine")
     EngineSettings.add_arguments(sv)
     GatewaySettings.add_arguments(sv, coordinator=None, model=None)
-    sv.add_argument("--launcher", default="local", choices=["local", "ray"],
-                    help="start the stage workers as local processes, or as Ray actors (a placement group per "
-                         "stage)")
-    sv.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start one here)")
+    LaunchSettings.add_arguments(sv)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--prompt-len", type=positive_int, default=32)
     m.add_argument("--threads", type=positive_int, default=1)
     m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    m.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    m.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     m.add_argument("--moe-backend", type=backend_list, default=["auto"],
                    help="kernels to measure, one engine each in this run, e.g. native,torch (the first is "
                         "compared with the others)")
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
+    tb.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+                    help="every prompt starts with the same P random tokens (the prefix-caching workload)")
+    tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],
+                    help="on, off, or on,off: run each layout with and without the prefix cache and compare")
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")

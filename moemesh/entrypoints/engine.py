@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.sequence import Sequence
-from coordinator.step_loop import StepLoop, make_core
+from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
@@ -37,14 +38,17 @@ class LLMEngine:
     def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str = "cpu"):
         self.settings = settings
         self.model_config = mc = ModelConfig.from_dir(settings.model)
-        pp = len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else settings.pp
-        self.layout = resolve_layout(mc, pp, 1, settings.layer_partition, False, settings.quantization)
+        if settings.tp > 1 or settings.expert_parallel:
+            raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")
+        partition = settings.layer_partition
+        pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
+        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
                                           self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
         self.core = make_core(settings, mc, num_blocks)
-        self.loop = StepLoop(self.core, settings.max_in_flight or self.layout.pp)
+        self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()
 
     @property
@@ -70,7 +74,13 @@ class LLMEngine:
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         if not self.core.in_flight:
             return []
-        return self.loop.take(self.pipeline.poll())
+        try:
+            result = self.pipeline.poll()
+        except BaseException:  # a stage raised: no step stays in flight that nothing will run
+            self.core.fail_in_flight()
+            self.pipeline.drop()
+            raise
+        return self.loop.take(result)
 
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
         """Logits [len(prompt), V] at every prompt position, through every stage, for tests and

@@ -40,6 +40,15 @@ def threads_per_worker(threads: int | None, workers: int) -> int:
     return threads or max(1, available_cores() // workers)
 
 
+_PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL")  # not a role's settings: every process reads them
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment without the MOEMESH_* settings variables: a child gets its
+    settings as flags (`Settings.to_argv`), not from whatever the launcher's environment holds."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_") or k in _PROCESS_WIDE}
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -75,9 +84,9 @@ class LocalMesh:
         if set(changes) - mine:
             raise TypeError(f"neither coordinator nor worker settings have {', '.join(sorted(set(changes) - mine))}")
         pick = lambda c: {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(c)}}  # noqa: E731
-        coordinator = CoordinatorSettings.derive(engine, port=0, client_port=0, **pick(CoordinatorSettings))
-        worker = WorkerSettings.derive(engine, threads=threads_per_worker(engine.threads, engine.pp * engine.tp),
-                                       **pick(WorkerSettings))
+        coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, **pick(CoordinatorSettings)})
+        threads = threads_per_worker(engine.threads, engine.pp * engine.tp)
+        worker = WorkerSettings.derive(engine, **{"threads": threads, **pick(WorkerSettings)})
         return cls(coordinator, worker, extra_env)
 
     def __enter__(self) -> "LocalMesh":
@@ -93,7 +102,7 @@ class LocalMesh:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         threads = str(self.worker.threads or 1)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
+        env = {**child_environment(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
@@ -175,7 +184,8 @@ def run_stage(stage: StageSettings) -> int:
         for t in range(stage.tp):
             worker = WorkerSettings.derive(stage, tp_rank=t, device=f"cuda:{t}" if stage.device == "cuda" else stage.device)
             procs.append(subprocess.Popen([sys.executable, "-m", "moemesh", "stage-worker", *worker.to_argv()],
-                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+                                          env=child_environment(), stdin=subprocess.DEVNULL,
+                                          preexec_fn=_die_with_parent))
         while True:
             for proc in procs:
                 code = proc.poll()

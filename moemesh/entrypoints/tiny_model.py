@@ -278,9 +278,9 @@ def random_state_dict(spec: TinyModelSpec) -> dict[str, torch.Tensor]:
 
 
 def _write_weights(sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None) -> None:
+    """One model.safetensors, or save_pretrained-style shards + model.safetensors.index.json."""
     from safetensors.torch import save_file
 
-    """One model.safetensors, or save_pretrained-style shards + model.safetensors.index.json."""
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
         save_file(sd, str(out_dir / "model.safetensors"), metadata=metadata)

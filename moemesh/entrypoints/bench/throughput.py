@@ -29,9 +29,11 @@ from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
 
 
-def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    """n random prompts of `length` tokens, each after the same `shared_prefix` random tokens."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab_size, (n, length), generator=g).tolist()
+    prefix = torch.randint(4, vocab_size, (shared_prefix,), generator=g).tolist() if shared_prefix else []
+    return [prefix + p for p in torch.randint(4, vocab_size, (n, length), generator=g).tolist()]
 
 
 def bench_in_process(settings: EngineSettings, prompts, params) -> dict:
@@ -51,12 +53,17 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         gate = asyncio.Semaphore(concurrency)
         bar = tqdm(total=len(prompts) * params.max_tokens, desc=label, unit="tok", leave=False)
 
+        ttft = []  # seconds from sending a request to its first token
+
         async def one(p):
             n = 0
             async with gate:
+                sent = time.perf_counter()
                 async for out in client.generate(p, params):
                     if out.error:
                         raise RuntimeError(out.error)
+                    if out.token_ids and not n:
+                        ttft.append(time.perf_counter() - sent)
                     n += len(out.token_ids)
                     bar.update(len(out.token_ids))
             return n
@@ -71,7 +78,10 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
         sent = [b - a for a, b in zip(before.stage_sent_bytes, after.stage_sent_bytes)][:-1]  # boundaries
         steps = max(1, after.steps - before.steps)
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
         return {"tokens": sum(counts), "seconds": elapsed, "stage_busy": busy, "stage_comm": comm, "sent": sent,
+                "ttft_p50_ms": 1000 * sorted(ttft)[len(ttft) // 2],
+                "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
                 "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
                 / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
                 "steps": after.steps - before.steps}
@@ -82,9 +92,11 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
 def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
-                                   max_batched_tokens=args.max_batched_tokens, threads=1)
+                                   max_batched_tokens=args.max_batched_tokens, threads=1,
+                                   no_prefix_caching="on" not in args.prefix_caching)
     n = args.num_prompts or args.concurrency
-    prompts = make_prompts(mc.vocab_size, n, args.prompt_len)
+    prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
+    prompt_tokens = n * (args.shared_prefix + args.prompt_len)
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     rows = []
     base = None
@@ -92,12 +104,12 @@ def run_throughput_bench(args) -> int:
         r = bench_in_process(base_settings, prompts, params)
         base = r["tokens"] / r["seconds"]
         rows.append({"impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
-                     "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
+                     "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
-    for pp, tp in [(pp, tp) for tp in args.tp for pp in args.pp]:
+    for pp, tp, caching in [(pp, tp, c) for tp in args.tp for pp in args.pp for c in args.prefix_caching]:
         partition = None
         if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
             partition = args.layer_partition
@@ -106,7 +118,7 @@ def run_throughput_bench(args) -> int:
             layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
             partition = layout.stage_layers if partition else None
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
-                                             layer_partition=partition)
+                                             layer_partition=partition, no_prefix_caching=caching == "off")
             if args.netns:
                 r = _run_across_namespaces(settings, prompts, params, args.concurrency)
             else:
@@ -116,21 +128,29 @@ def run_throughput_bench(args) -> int:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
         row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
-               "layers": list(partition) if partition else "even", "tok_per_s": round(tps, 1),
-               "total_tok_per_s": round((r["tokens"] + n * args.prompt_len) / r["seconds"], 1),
-               "seconds": round(r["seconds"], 2),
+               "layers": list(partition) if partition else "even", "prefix_caching": caching,
+               "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
+               "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
+               "prefix_cache_hit_rate": round(r["prefix_cache_hit_rate"], 3),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]],
                "steps": r["steps"], "coordinator_ms_per_step": round(r["coordinator_ms_per_step"], 3),
                "schedule_bytes_per_step": round(r["schedule_bytes_per_step"])}
         if pp > 1:  # what crosses each stage boundary, per token processed (prompt and generated)
-            row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + n * args.prompt_len)) for b in r["sent"]]
+            row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + prompt_tokens)) for b in r["sent"]]
         if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
             row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
         if base:
             row["vs_in_process"] = round(tps / base, 2)
-        single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1), None)
+        single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1
+                       and x["prefix_caching"] == caching), None)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
+        other = next((x for x in rows if x.get("prefix_caching") not in (None, caching)
+                      and (x["pp"], x["tp"]) == (pp, tp)), None)
+        if other:  # what the prefix cache buys, same layout, same run
+            on, off = (row, other) if caching == "on" else (other, row)
+            row["caching_on_ttft_speedup"] = round(off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-6), 2)
+            row["caching_on_time_speedup"] = round(off["seconds"] / on["seconds"], 2)
         rows.append(row)
         _emit(row, args.json)
     return 0
@@ -176,9 +196,9 @@ def _run_across_namespaces(settings: EngineSettings, prompts, params, concurrenc
 
 
 def _one_thread_env() -> dict:
-    import os
+    from moemesh.entrypoints.launcher import child_environment
 
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return {**child_environment(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 if __name__ == "__main__":  # the driver, run inside the front namespace by --netns

@@ -1,0 +1,186 @@
+"""Prefix caching: the hash chain, references, LRU eviction, sharing only what a finished step wrote,
+and greedy output with the cache equal to without it (and to transformers) on every architecture,
+with chunked prefill and preemption in the mix. The mesh layouts (pp=2, tp=2) are in test_mesh.py
+and test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.block_manager import BlockManager, block_hash
+from coordinator.core import EngineCore
+from coordinator.scheduler import SchedulerConfig
+from coordinator.sequence import Sequence
+from hf_models import build_hf_model, hf_greedy
+from moemesh.sampling import SamplingParams
+from test_core import FakeLastStage
+
+B = 4
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+def seq(i, tokens, **params):
+    return Sequence(i, list(tokens), SamplingParams(max_tokens=3, ignore_eos=True, **params))
+
+
+def core(num_blocks=32, budget=64):
+    return EngineCore(SchedulerConfig(budget, 16, 512), num_blocks, B, (0,), 1000, prefix_caching=True)
+
+
+def run_step(c: EngineCore, stage: FakeLastStage, max_seqs=None):
+    sched = c.next_schedule(max_seqs)
+    return sched, c.process_result(stage(sched))
+
+
+def work(c: EngineCore, sched, request_id: str):
+    """The request's share of a schedule."""
+    return next(w for w in sched.seqs if w.seq_id == c.requests[request_id].seq_id)
+
+
+# -- the hash chain -----------------------------------------------------------------------------
+
+def test_a_block_hash_names_its_tokens_and_everything_before_them():
+    m = BlockManager(8, B, enable_caching=True)
+    a, b = seq(0, range(10, 22)), seq(1, [10, 11, 12, 13, 99, 15, 16, 17, 18, 19, 20, 21])
+    ha, hb = m.hashes(a, 3), m.hashes(b, 3)
+    assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]  # same third block, other history
+    assert ha[0] == block_hash(None, (10, 11, 12, 13)) and ha[1] == block_hash(ha[0], (14, 15, 16, 17))
+    assert m.hashes(a, 2) == ha[:2] and a.block_hashes == ha  # memoised on the sequence
+
+
+# -- sharing ------------------------------------------------------------------------------------
+
+def test_a_prefix_is_shared_only_after_the_step_that_wrote_it_came_back():
+    c, stage = core(), FakeLastStage()
+    prompt = list(range(10, 20))  # 10 tokens: blocks [10..13] [14..17] and 2 more
+    c.add("a", prompt, PARAMS)
+    sched_a = c.next_schedule()
+    c.add("b", prompt, PARAMS)  # a's blocks are being written by a step in flight
+    sched_b = c.next_schedule()
+    assert work(c, sched_b, "b").context_len == 0
+    c.process_result(stage(sched_a))
+    c.process_result(stage(sched_b))
+    c.add("c", prompt, PARAMS)
+    sched_c = c.next_schedule()
+    w = work(c, sched_c, "c")
+    a, cc = c.requests["a"], c.requests["c"]
+    assert w.context_len == 8 and w.token_ids == prompt[8:] and w.params is not None  # (9 of 10 at most)
+    assert cc.block_ids[:2] == a.block_ids[:2] and cc.block_ids[2] != a.block_ids[2]
+    assert (c.blocks.queries, c.blocks.hits) == (30, 8) and cc.num_cached_tokens == 8
+    out = {o.request_id: o for o in c.process_result(stage(sched_c))}
+    assert out["c"].num_cached_tokens == 8 and out["a"].num_cached_tokens == 0
+
+
+def test_the_last_prompt_token_is_always_computed_and_prompt_logprobs_compute_everything():
+    c = core()
+    stage = FakeLastStage()
+    c.add("a", list(range(10, 18)), PARAMS)  # exactly two full blocks
+    run_step(c, stage)
+    c.add("b", list(range(10, 18)), PARAMS)
+    assert work(c, c.next_schedule(), "b").context_len == 4  # the second block holds the last token
+    c.add("c", list(range(10, 18)), SamplingParams(max_tokens=3, prompt_logprobs=1))
+    assert work(c, c.next_schedule(), "c").context_len == 0
+
+
+def test_references_keep_a_shared_block_and_the_last_one_leaves_it_cached():
+    m = BlockManager(6, B, enable_caching=True)
+    a = seq(0, range(10, 19))
+    m.grow(a, 9)
+    a.num_computed = 9
+    m.cache_computed(a, 9)
+    b = seq(1, range(10, 19))
+    hits = m.lookup(b)
+    assert hits == a.block_ids[:2] and m.cost(hits) == 0  # still referenced by a: no free block used
+    m.take(b, hits)
+    m.free(a)
+    assert m.num_free == 6 - 2  # b holds two; a's third block went back
+    c = seq(2, range(10, 19))
+    assert m.lookup(c) == hits
+    m.free(b)
+    assert m.num_free == 6 and m.num_cached == 2
+    assert m.cost(m.lookup(c)) == 2  # unreferenced: taking them uses up free blocks
+
+
+def test_eviction_takes_the_least_recently_released_block_first():
+    m = BlockManager(6, B, enable_caching=True)
+    seqs = [seq(i, [100 * (i + 1) + t for t in range(5)]) for i in range(3)]  # a full block and a partial each
+    for s in seqs:
+        m.grow(s, 5)
+        s.num_computed = 5
+        m.cache_computed(s, 5)
+    assert m.num_free == 0 and m.num_cached == 3
+    for s in (seqs[1], seqs[0], seqs[2]):  # released in this order
+        m.free(s)
+    new = seq(9, range(500, 517))
+    m.grow(new, 17)  # five blocks: the three never cached, then evicts seqs[1]'s and seqs[0]'s
+    assert m.num_cached == 1
+    assert [bool(m.lookup(seq(7, s.prompt_ids))) for s in seqs] == [False, False, True]
+
+
+def test_a_preempted_sequence_recomputes_only_what_was_evicted():
+    m = BlockManager(8, B, enable_caching=True)
+    s = seq(0, range(10, 20))
+    s.output_ids = [50, 51, 52]  # recomputed as prompt + output
+    m.grow(s, 13)
+    s.num_computed = 13
+    m.cache_computed(s, 13)
+    m.free(s)
+    s.num_computed, s.num_preemptions = 0, 1  # as Scheduler._preempt leaves it
+    hits = m.lookup(s)
+    assert len(hits) == 3  # 12 of 13 tokens, across prompt and output
+    m.take(s, hits)
+    assert s.num_computed == 12 and s.num_cached_tokens == 0  # counted for a request's first admission only
+
+
+def test_reset_forgets_every_hash():
+    m = BlockManager(4, B, enable_caching=True)
+    s = seq(0, range(10, 19))
+    m.grow(s, 9)
+    s.num_computed = 9
+    m.cache_computed(s, 9)
+    m.free(s)
+    m.reset_cache()
+    assert m.num_cached == 0 and m.num_free == 4 and m.lookup(seq(1, range(10, 19))) == []
+
+
+def test_without_caching_nothing_is_looked_up_or_kept():
+    m = BlockManager(4, B)
+    s = seq(0, range(10, 19))
+    m.grow(s, 9)
+    s.num_computed = 9
+    m.cache_computed(s, 9)
+    m.free(s)
+    assert m.num_cached == 0 and m.lookup(seq(1, range(10, 19))) == [] and m.queries == 0
+
+
+# -- through the engine: the cache changes no token --------------------------------------------
+
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
+SUFFIXES = [[30, 31], [40, 41, 42, 43, 44, 45], [50], [60, 61, 62, 63], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("mode", ["plain", "chunked", "preempting"])
+def test_greedy_with_the_prefix_cache_equals_without_and_transformers(tmp_path, arch, mode):
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
+
+    hf = build_hf_model(arch, tmp_path)
+    kw = {"plain": dict(num_kv_blocks=128), "chunked": dict(num_kv_blocks=128, max_batched_tokens=7),
+          "preempting": dict(num_kv_blocks=24)}[mode]
+    prompts = [SHARED + s for s in SUFFIXES]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = {}
+    for caching in (True, False):
+        engine = LLMEngine(EngineSettings(model=str(tmp_path), block_size=4, no_prefix_caching=not caching, **kw),
+                           progress=False)
+        first = engine.generate(prompts[:1], params)  # fills the cache with the shared prefix
+        rest = engine.generate(prompts[1:] + prompts[:1], params)  # then every prompt again, together
+        outs[caching] = [o.token_ids for o in first + rest]
+        if caching:
+            assert engine.blocks.hits >= 4 * 16  # the four other prompts found 4 blocks of the prefix
+            if mode == "preempting":
+                assert engine.scheduler.num_preemptions > 0
+    assert outs[True] == outs[False]
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    assert outs[True] == want[:1] + want[1:] + want[:1]
