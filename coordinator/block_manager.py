@@ -151,6 +151,14 @@ class BlockManager:
                 self._cached[h] = b
         seq.blocks_hashed = full
 
+    def resize(self, num_blocks: int) -> None:
+        """A new pool size (the rebuilt pipeline's smallest); only while no sequence holds a block."""
+        if any(self._refs):
+            raise RuntimeError("the KV pool can change size only while no sequence holds a block")
+        queries, hits = self.queries, self.hits
+        self.__init__(num_blocks, self.block_size, self.enable_caching)
+        self.queries, self.hits = queries, hits
+
     def reset_cache(self) -> None:
         """Forgets every hash (the workers' K/V can no longer be trusted, e.g. a stage lost its state);
         unreferenced cached blocks become plain free blocks."""

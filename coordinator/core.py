@@ -135,3 +135,17 @@ class EngineCore:
         """Forgets every step in flight (their stage died); the sequences stay as they were."""
         self.scheduler.in_flight.clear()
         self.in_flight.clear()
+
+    def requeue_all(self, num_blocks: int | None = None) -> int:
+        """A stage lost its KV state: forget the steps in flight and every cached prefix, and put
+        every running sequence back in the waiting queue (oldest first, ahead of the new ones) to be
+        recomputed as prompt + output, as after a preemption; the tokens it already has are kept, so
+        its stream goes on with the next one. `num_blocks`: the pool of the rebuilt pipeline.
+        Returns how many sequences were put back."""
+        self.fail_in_flight()
+        n = self.scheduler.requeue_all()
+        self.blocks.reset_cache()
+        if num_blocks is not None and num_blocks != self.blocks.num_blocks:
+            self.blocks.resize(num_blocks)
+        self._forget.clear()  # the last stage forgets every sequence on the reset anyway
+        return n

@@ -2,6 +2,8 @@
 
     pipeline:  REGISTERING --every rank registered--> LOADING --every worker Ready--> SERVING
                      \\________________ deadline passed, or a worker failed ___________\\--> DOWN
+               SERVING --a worker lost--> RECOVERING --replacements registered and Ready--> SERVING
+                                              \\--- --recovery-timeout passed ---> DOWN
 
     worker:    REGISTERING (registered, no assignment yet) -> LOADING (assigned) -> SERVING (Ready)
                -> DOWN (reported a failure, or stopped heartbeating)
@@ -28,6 +30,7 @@ class Phase(enum.Enum):
     REGISTERING = "registering"
     LOADING = "loading"
     SERVING = "serving"
+    RECOVERING = "recovering"
     DOWN = "down"
 
 
@@ -54,10 +57,12 @@ class WorkerRegistry:
     def __init__(self, pp: int, tp: int, clock=time.monotonic):
         self.pp, self.tp, self.clock = pp, tp, clock
         self.phase = Phase.REGISTERING
+        self.epoch = 0  # bumped by every recovery
         self.workers: dict[tuple[int, int], WorkerInfo] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.all_registered = asyncio.Event()
         self.all_ready = asyncio.Event()
+        self.lost = asyncio.Event()  # a worker was lost (set by `lose`, cleared by whoever waits on it)
         self.went_down = asyncio.Event()
 
     @property
@@ -76,11 +81,13 @@ class WorkerRegistry:
 
     def register(self, identity: bytes, msg: Register) -> WorkerInfo:
         """A worker for a rank of the layout; ProtocolError for a rank outside it, or a rank that
-        registers again once the pipeline has left REGISTERING."""
+        registers again once the pipeline has left REGISTERING (during a recovery, a replacement for
+        a lost rank is welcome)."""
         key = (msg.pp_rank, msg.tp_rank)
         if not (0 <= msg.pp_rank < self.pp and 0 <= msg.tp_rank < self.tp):
             raise ProtocolError(f"registration for rank {key} outside pp={self.pp} tp={self.tp}")
-        if self.phase is not Phase.REGISTERING:
+        replacing = self.phase is Phase.RECOVERING and key not in self.workers
+        if self.phase is not Phase.REGISTERING and not replacing:
             raise ProtocolError(f"rank {key} registered while the pipeline is {self.phase.value}")
         old = self.workers.get(key)
         if old is not None:
@@ -125,6 +132,19 @@ class WorkerRegistry:
         if not self.workers:
             return timeout
         return max(0.0, min(w.last_seen for w in self.workers.values()) + timeout - self.clock())
+
+    def lose(self, w: WorkerInfo) -> None:
+        """A worker is gone (dead, silent or failed): its rank is missing until a replacement
+        registers; the pipeline recovers (a new epoch)."""
+        self.workers.pop(w.rank, None)
+        self._by_identity.pop(w.identity, None)
+        w.phase = Phase.DOWN
+        self.all_registered.clear()
+        self.all_ready.clear()
+        self.lost.set()
+        if self.phase is not Phase.RECOVERING:
+            self.epoch += 1
+        self.enter(Phase.RECOVERING)
 
     def down(self, w: WorkerInfo | None = None) -> None:
         if w is not None:

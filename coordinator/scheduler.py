@@ -137,6 +137,17 @@ class Scheduler:
         seq.num_computed += n  # the cache will hold them once the step has run
         return item
 
+    def requeue_all(self) -> int:
+        """Every running sequence back to waiting (the cache that held them is gone); oldest first,
+        ahead of those that were waiting already. Not counted as preemptions."""
+        running, self.running = self.running, []
+        for seq in running:
+            self.blocks.free(seq)
+            seq.num_computed = 0
+            seq.status = Status.WAITING
+        self.waiting.extendleft(reversed(running))
+        return len(running)
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         seq.num_computed = 0

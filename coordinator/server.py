@@ -9,10 +9,15 @@ heartbeats, Ready and the last stage's step results up) and a client ROUTER (gat
 driver). The lifecycle runs on events: every rank registered (within `--register-timeout`) ->
 assignments -> every worker Ready (within `--ready-timeout`) -> Start -> serving.
 
-A worker that stops heartbeating for `worker_timeout` seconds, or reports a failure, takes the
-pipeline down: every request in the table ends with an error naming the stage, and new requests
-are refused, so nothing hangs. (Recovery without losing requests builds on this: the table keeps
-every request's prompt and generated tokens.)
+A worker that stops heartbeating for `worker_timeout` seconds, or reports a failure, is lost. A
+serving pipeline then recovers (`_recover`): a new epoch; the survivors drop every step not yet
+run (`Reset`); every unfinished sequence goes back to the waiting queue to be recomputed as prompt
++ output (its stream continues with the next token); a replacement that registers for the missing
+rank (the launcher restarts the dead process) is assigned its layers, the previous stage is pointed
+at it (`Repoint`), and once it is Ready scheduling resumes. Requests that arrive meanwhile wait.
+Only if no replacement is Ready within `--recovery-timeout` does the pipeline go down: every
+request ends with an error (503) and new ones are refused, so nothing hangs. A lost worker before
+the pipeline first serves, or a lost rank of a tensor-parallel stage, takes it down at once.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
-                              ProtocolError, Ready, Register, Schedule, Shutdown, Start, StatusReply, StatusRequest,
-                              StepResult, WorkerFailed, WorkerMessage)
+                              ProtocolError, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, StatusReply,
+                              StatusRequest, StepResult, WorkerFailed, WorkerMessage)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -71,6 +76,7 @@ class Coordinator:
         for s in (self.workers_sock, self.clients_sock):
             set_heartbeats(s)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.workers_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.worker_codec, self.client_codec = Codec(WorkerMessage), Codec(ClientMessage)
         self.bad_worker = BadMessages(log, "worker")
         self.bad_client = BadMessages(log, "client")
@@ -82,6 +88,10 @@ class Coordinator:
         self.failure: str | None = None
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
+        self.recovering: asyncio.Task | None = None
+        self.abandoned: set[int] = set()  # steps in flight when a worker was lost: their results are void
+        self.recoveries, self.recovery_seconds, self.requests_resumed = 0, 0.0, 0
+        self._recovery_started = 0.0
 
     @property
     def serving(self) -> bool:
@@ -113,15 +123,7 @@ class Coordinator:
         if not await self._until(reg.all_registered, cfg.register_timeout):
             return self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {reg.missing()} to register")
         reg.enter(Phase.LOADING)
-        stages = self.layout.stages
-        for (p, t), w in sorted(reg.workers.items()):
-            nxt = reg.workers.get((p + 1, t))
-            reg.assigned(w)  # before the send: its Ready may be handled while the send awaits
-            await self._send_worker(w.identity, Assignment(
-                cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
-                cfg.dtype, cfg.block_size,
-                tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
-                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
+        await self._assign(list(reg.workers.values()))
         if not await self._until(reg.all_ready, cfg.ready_timeout):
             return self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {reg.not_ready()} to load "
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
@@ -137,16 +139,83 @@ class Coordinator:
             await self._add(identity, req)
         self.wake.set()
 
-    async def _until(self, event: asyncio.Event, timeout: float) -> bool:
-        """Waits for `event` until `timeout` or the pipeline goes down; whether the event came."""
-        down = asyncio.ensure_future(self.registry.went_down.wait())
-        got = asyncio.ensure_future(event.wait())
+    async def _assign(self, workers) -> None:
+        """Sends each worker its layers and the address of the next stage's worker of its tensor rank."""
+        cfg, reg, stages = self.cfg, self.registry, self.layout.stages
+        for w in sorted(workers, key=lambda w: w.rank):
+            p, t = w.rank
+            nxt = reg.workers.get((p + 1, t))
+            reg.assigned(w)  # before the send: its Ready may be handled while the send awaits
+            await self._send_worker(w.identity, Assignment(
+                cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
+                cfg.dtype, cfg.block_size,
+                tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
+                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
+
+    async def _until(self, event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> bool:
+        """Waits for `event` (or `also`) until `timeout` or the pipeline goes down; whether `event` came."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (event, self.registry.went_down, also) if e is not None]
         try:
-            await asyncio.wait([got, down], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (got, down):
+            for t in waits:
                 t.cancel()
         return event.is_set() and self.failure is None
+
+    def _lost(self, w, reason: str) -> None:
+        """A worker is gone. A serving (or already recovering) pipeline recovers without it; before
+        it first serves, or with tensor parallelism (its group cannot take a new member yet), the
+        pipeline goes down."""
+        if self.failure:
+            return
+        if self.registry.phase not in (Phase.SERVING, Phase.RECOVERING) or self.cfg.tp > 1:
+            return self._fail(reason, w)
+        log.warning("worker lost, recovering", extra={"fields": {"reason": reason, "epoch": self.registry.epoch + 1}})
+        recovering = self.registry.phase is Phase.RECOVERING
+        self.registry.lose(w)
+        self.abandoned.update(self.core.in_flight)
+        self.requests_resumed += self.core.requeue_all()
+        if not recovering:
+            self.recoveries += 1
+            self.recovering = asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        """RECOVERING -> SERVING once every lost rank has a replacement that is Ready, or DOWN."""
+        cfg, reg = self.cfg, self.registry
+        started = self._recovery_started = time.monotonic()
+        deadline = started + cfg.recovery_timeout
+        await self._broadcast(Reset(reg.epoch), only=Phase.SERVING)  # the survivors (not a replacement already in)
+        replacements = []
+        while True:
+            reg.lost.clear()
+            if not await self._until(reg.all_registered, deadline - time.monotonic()):
+                return self._fail(f"no replacement registered for stage workers (pp rank, tp rank) {reg.missing()} "
+                                  f"within {cfg.recovery_timeout:g} s (--recovery-timeout)")
+            new = [w for w in reg.workers.values() if w.phase is Phase.REGISTERING]
+            replacements += new
+            await self._assign(new)
+            for w in new:  # the previous stage's worker of the same tensor rank sends to the replacement now
+                prev = reg.workers.get((w.pp_rank - 1, w.tp_rank))
+                if prev is not None and prev.phase is Phase.SERVING:
+                    await self._send_worker(prev.identity, Repoint(w.data_address))
+            if await self._until(reg.all_ready, deadline - time.monotonic(), also=reg.lost):
+                break
+            if self.failure:
+                return
+            if not reg.lost.is_set():
+                return self._fail(f"stage workers (pp rank, tp rank) {reg.not_ready()} did not load within "
+                                  f"{cfg.recovery_timeout:g} s of the recovery (--recovery-timeout)")
+        num_blocks = reg.num_blocks()
+        if num_blocks != self.core.blocks.num_blocks:
+            self.core.blocks.resize(num_blocks)  # nothing holds a block while recovering
+        for w in replacements:
+            if reg.workers.get(w.rank) is w:  # (not one that was lost again meanwhile)
+                await self._send_worker(w.identity, Start(num_blocks))
+        reg.enter(Phase.SERVING)
+        self.recovery_seconds += time.monotonic() - started
+        log.info("recovered", extra={"fields": {"epoch": reg.epoch, "blocks": num_blocks,
+                                                 "seconds": round(time.monotonic() - started, 2)}})
+        self.wake.set()
 
     def _fail(self, reason: str, worker=None) -> None:
         """The pipeline is down: end every request with the reason; refuse new ones."""
@@ -186,6 +255,10 @@ class Coordinator:
         reg = self.registry
         async for identity, msg in self._messages(self.workers_sock, self.worker_codec, self.bad_worker):
             if isinstance(msg, Register):
+                old = reg.workers.get((msg.pp_rank, msg.tp_rank))
+                if old is not None and reg.phase in (Phase.SERVING, Phase.RECOVERING):
+                    # a worker registers again for its rank: it was restarted, the old one is gone
+                    self._lost(old, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} registered again (restarted)")
                 try:
                     w = reg.register(identity, msg)
                 except ProtocolError as e:
@@ -210,9 +283,12 @@ class Coordinator:
                     continue
                 await self._on_result(msg)
             elif isinstance(msg, WorkerFailed):
-                self._fail(f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}", w)
+                self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
 
     async def _on_result(self, result: StepResult) -> None:
+        if result.step_id in self.abandoned:  # computed before a worker was lost; recomputed since
+            self.abandoned.discard(result.step_id)
+            return
         if self.loop is None:
             self.bad_worker(ProtocolError(f"result for step {result.step_id}, which is not in flight"), "last stage")
             return
@@ -233,16 +309,17 @@ class Coordinator:
                 return  # down for good
             w = self.registry.silent(timeout)
             if w is not None:
-                self._fail(f"stage worker pp={w.pp_rank} tp={w.tp_rank} stopped responding "
-                           f"(no heartbeat for {time.monotonic() - w.last_seen:.1f} s)", w)
+                self._lost(w, f"stage worker pp={w.pp_rank} tp={w.tp_rank} stopped responding "
+                              f"(no heartbeat for {time.monotonic() - w.last_seen:.1f} s)")
 
     async def _send_worker(self, identity: bytes, msg) -> None:
         await self.workers_sock.send_multipart([identity, *Codec.encode(msg)], copy=False)
 
-    async def _broadcast(self, msg) -> None:
+    async def _broadcast(self, msg, only: Phase | None = None) -> None:
         frames = Codec.encode(msg)
-        for w in self.registry.workers.values():
-            await self.workers_sock.send_multipart([w.identity, *frames], copy=False)
+        for w in list(self.registry.workers.values()):
+            if only is None or w.phase is only:
+                await self.workers_sock.send_multipart([w.identity, *frames], copy=False)
 
     # -- scheduling ---------------------------------------------------------------------------
 
@@ -261,9 +338,9 @@ class Coordinator:
             if isinstance(msg, GenerateRequest):
                 if self.failure:
                     await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
-                elif not self.serving:
+                elif self.core is None:  # not serving yet: held until it does
                     self.router.hold(identity, msg)
-                else:
+                else:  # serving, or recovering (it waits in the queue like the requests put back)
                     await self._add(identity, msg)
             elif isinstance(msg, AbortRequest):
                 await self._abort(identity, msg.request_id)
@@ -299,5 +376,8 @@ class Coordinator:
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
             steps=loop.steps if loop else 0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
-            schedule_bytes=self.pipeline.schedule_bytes,
+            schedule_bytes=self.pipeline.schedule_bytes, phase=reg.phase.value, recoveries=self.recoveries,
+            recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started
+                                                      if reg.phase is Phase.RECOVERING else 0.0),
+            requests_resumed=self.requests_resumed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0)

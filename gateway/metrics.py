@@ -33,6 +33,12 @@ class Metrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
+        self.recoveries = Gauge("moemesh:recoveries", "Workers lost and the pipeline rebuilt without them", labels,
+                                registry=r)
+        self.recovery_seconds = Gauge("moemesh:recovery_seconds", "Seconds spent recovering, in all", labels,
+                                      registry=r)
+        self.requests_resumed = Gauge("moemesh:requests_resumed", "Sequences recomputed after a recovery", labels,
+                                      registry=r)
         self._last_busy: tuple[float, list[float]] | None = None
         self._last_prefix = (0, 0)  # the coordinator's running totals at the last status
 
@@ -42,6 +48,9 @@ class Metrics:
         self.waiting.labels(m).set(status.num_waiting)
         self.kv_usage.labels(m).set(1 - status.num_free_blocks / status.num_blocks if status.num_blocks else 0)
         self.preemptions.labels(m).set(status.num_preemptions)
+        self.recoveries.labels(m).set(status.recoveries)
+        self.recovery_seconds.labels(m).set(status.recovery_seconds)
+        self.requests_resumed.labels(m).set(status.requests_resumed)
         if self._last_busy is not None:
             then, busy = self._last_busy
             dt = max(now - then, 1e-9)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP gateway (aiohttp on uvloop).
 
     POST /v1/completions, /v1/chat/completions   (streaming as server-sent events, or not)
-    GET  /v1/models, /health, /version, /metrics
+    GET  /v1/models, /health (alive: serving or recovering), /ready (serving), /version, /metrics
     POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
 
 The gateway owns the tokenizer and the chat template; the coordinator sees only token ids. Every
@@ -122,6 +122,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_post("/tokenize", self.tokenize)
@@ -157,10 +158,23 @@ class Gateway:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moemesh",
              "max_model_len": self.max_model_len}]})
 
+    def _accepting(self) -> bool:
+        """Requests are taken while the pipeline serves or recovers (they wait for it)."""
+        return self.status.serving or self.status.phase == "recovering"
+
     async def health(self, request):
-        if not self.status.serving:
+        """Whether this gateway and its pipeline are alive: 200 while serving or recovering."""
+        if not self._accepting():
             raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "pipeline": self.status.phase or "serving"})
+
+    async def ready(self, request):
+        """For load balancers: 200 only while the pipeline serves (not while it recovers)."""
+        phase = self.status.phase or ("serving" if self.status.serving else "down")
+        body = {"ready": self.status.serving, "pipeline": phase}
+        if self.status.failure:
+            body["reason"] = self.status.failure
+        return web.json_response(body, status=200 if self.status.serving else 503)
 
     async def version(self, request):
         return web.json_response({"version": __version__})
@@ -240,7 +254,7 @@ class Gateway:
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool):
-        if not self.status.serving:
+        if not self._accepting():
             raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
         n_seqs = len(prompts) * body.n
         if self.pending + n_seqs > self.cfg.max_pending:

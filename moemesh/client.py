@@ -48,6 +48,9 @@ class CoordinatorClient:
                 self.bad(e)
                 continue
             if isinstance(msg, StatusReply):
+                # the oldest query still waiting (one that timed out has been cancelled: skip it)
+                while self.status_waiters and self.status_waiters[0].done():
+                    self.status_waiters.pop(0)
                 if self.status_waiters:
                     self.status_waiters.pop(0).set_result(msg)
                 continue

@@ -100,6 +100,10 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     schedule_bytes: int = 0  # encoded size of those schedules (each sent once to every worker)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there
+    phase: str = ""  # the pipeline's: registering | loading | serving | recovering | down
+    recoveries: int = 0  # workers lost and the pipeline rebuilt without them
+    recovery_seconds: float = 0.0  # spent recovering, in all
+    requests_resumed: int = 0  # sequences put back to be recomputed by recoveries
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
@@ -160,6 +164,17 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
+class Reset(msgspec.Struct, tag="reset", frozen=True):
+    """A worker of the pipeline was lost: drop every step not yet run, the activations waiting for
+    them and every sequence's sampling state; steps of the new epoch follow (their ids are higher)."""
+    epoch: int
+
+
+class Repoint(msgspec.Struct, tag="repoint", frozen=True):
+    """The next stage's worker of the same tensor rank is a replacement at this address."""
+    next_address: str
+
+
 class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     """One sequence's share of a step. `params` and `prompt_len` come with its first chunk after
     admission (a new or recomputed sequence); `prompt_ids` too when prompt logprobs are wanted, and
@@ -206,7 +221,7 @@ class Activations(msgspec.Struct, tag="activations", frozen=True):
 
 
 WorkerMessage = Union[Register, Ready, Heartbeat, StepResult, WorkerFailed]
-CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown]
+CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown, Reset, Repoint]
 
 
 # -- codec --------------------------------------------------------------------------------------

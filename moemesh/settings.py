@@ -274,6 +274,8 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings):
                                           "(naming the missing)", parse=float)
     ready_timeout: float = flag(1800.0, "seconds to wait for the registered workers to load their layers and "
                                         "report ready", parse=float)
+    recovery_timeout: float = flag(120.0, "seconds a recovering pipeline waits for a replacement of a lost worker "
+                                          "(and its load) before it ends every request with 503", parse=float)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
-                              Ready, Register, Schedule, Shutdown, Start, WorkerFailed)
+                              Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -55,6 +55,7 @@ class StageWorker:
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
         self.activations: asyncio.Queue = asyncio.Queue()
+        self.early: dict[int, list] = {}  # activations that came before their step's turn
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute",
                                           initializer=torch.set_num_threads, initargs=(cfg.threads or 1,))
@@ -84,14 +85,19 @@ class StageWorker:
             await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
             start = await self._expect(Start)
             log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
-            tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations(), self._steps())]
+            self.stepper = asyncio.ensure_future(self._steps())
+            tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations())]
             stop = asyncio.ensure_future(self.stopping.wait())
-            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
+            while True:
+                done, _ = await asyncio.wait([*tasks, self.stepper, stop], return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not stop and not t.cancelled() and t.exception():
+                        raise t.exception()
+                if stop in done or any(t in done for t in tasks):
+                    break
+                # only the step task ended: a Reset cancelled it and started another
+            for t in (*tasks, self.stepper):
                 t.cancel()
-            for t in done:
-                if t is not stop and t.exception():
-                    raise t.exception()
             return 0
         except Exception as e:
             log.error("stage worker failed", exc_info=True)
@@ -133,11 +139,29 @@ class StageWorker:
                                              "bytes": self.executor.runner.load_stats.bytes_read,
                                              "seconds": round(time.perf_counter() - started, 2)}})
         if a.next_address is not None:
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.setsockopt(zmq.LINGER, 0)
-            set_heartbeats(self.push)
-            self.push.connect(a.next_address)
+            self._connect_next(a.next_address)
         return num_blocks
+
+    def _reset(self, epoch: int) -> None:
+        """Drops the steps not yet run and the activations waiting for them, and the sampling state;
+        a step computing now finishes, and its output is dropped downstream as stale (older id)."""
+        self.stepper.cancel()  # it may wait for activations from a stage that is gone, or on a full socket
+        for q in (self.schedules, self.activations):
+            while not q.empty():
+                q.get_nowait()
+        self.early.clear()
+        # on the compute thread, after the step it may be running (which reads the sampling state)
+        asyncio.get_running_loop().run_in_executor(self.compute, self.executor.seqs.clear)
+        self.stepper = asyncio.ensure_future(self._steps())
+        log.info("reset", extra={"fields": {"epoch": epoch}})
+
+    def _connect_next(self, address: str) -> None:
+        if self.push is not None:
+            self.push.close(linger=0)  # whatever it still held was for the lost worker
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        set_heartbeats(self.push)
+        self.push.connect(address)
 
     async def _send(self, msg) -> None:
         await self.ctrl.send_multipart(Codec.encode(msg), copy=False)
@@ -165,6 +189,11 @@ class StageWorker:
             msg = await self._recv_one()
             if isinstance(msg, Schedule):
                 self.schedules.put_nowait(msg)
+            elif isinstance(msg, Reset):
+                self._reset(msg.epoch)
+            elif isinstance(msg, Repoint):
+                self._connect_next(msg.next_address)
+                log.info("next stage replaced", extra={"fields": {"address": msg.next_address}})
             elif isinstance(msg, Shutdown):
                 self.stopping.set()
                 return
@@ -191,13 +220,7 @@ class StageWorker:
             sched: Schedule = await self.schedules.get()
             hidden = residual = None
             if not first:
-                while True:  # stages run steps in issue order; older activations are stale
-                    step_id, (hidden, residual) = await self.activations.get()
-                    if step_id == sched.step_id:
-                        break
-                    if step_id > sched.step_id:
-                        raise RuntimeError(f"activations of step {step_id} arrived before step {sched.step_id}")
-                    self.bad(ProtocolError(f"stale activations of step {step_id}"), "previous stage")
+                hidden, residual = await self._activations_for(sched.step_id)
             out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
             if self.recorder is not None:
                 self.recorder.record(sched, (hidden, residual), out)
@@ -208,6 +231,24 @@ class StageWorker:
                 await self.push.send_multipart(frames, copy=False)
             elif self.cfg.tp_rank == 0:
                 await self._send(out)
+
+    async def _activations_for(self, step_id: int):
+        """The previous stage's output for `step_id`. Stages run steps in issue order, so older
+        activations are stale (a reset dropped their step); newer ones wait here (a few, bounded),
+        counted as odd: only a bad peer sends a step before the one its own schedule says."""
+        while True:
+            if step_id in self.early:
+                return self.early.pop(step_id)
+            got, tensors = await self.activations.get()
+            if got == step_id:
+                return tensors
+            if got < step_id:
+                self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
+                continue
+            self.bad(ProtocolError(f"activations of step {got} before step {step_id}"), "previous stage")
+            self.early[got] = tensors
+            while len(self.early) > 16:
+                self.early.pop(min(self.early))
 
     async def _heartbeat(self) -> None:
         while True:

@@ -246,7 +246,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
     assert metric(server, "vllm:prefix_cache_queries_total") == want[1]
 
 
-def test_api_key_429_and_503(model):
+def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
     server = Server(model, "--api-key", "sesame", "--max-pending", "2")
     try:
         url = f"{server.url}/v1/completions"
@@ -264,7 +264,7 @@ def test_api_key_429_and_503(model):
         limited = [r for r in results if r[0] == 429]
         assert limited and all(r[2].get("Retry-After") == "1" for r in limited)
         assert sum(r[0] == 200 for r in results) >= 1
-        # the pipeline goes down: the request in flight ends with 503, and so do /health and new requests
+        # a stage worker dies: it is restarted, the pipeline recovers, the request in flight completes
         running = []
         runner = threading.Thread(target=lambda: running.append(http(
             "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
@@ -272,13 +272,24 @@ def test_api_key_429_and_503(model):
         time.sleep(0.3)
         workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
         os.kill(workers[0], signal.SIGKILL)
-        runner.join(timeout=30)
+        runner.join(timeout=60)
         assert not runner.is_alive(), "the request in flight hung"
-        assert running[0][0] in (200, 503)  # finished just before, or ended by the failure
+        assert running[0][0] == 200 and json.loads(running[0][1])["usage"]["completion_tokens"] == 250
+        assert http("GET", f"{server.url}/health")[0] == 200
         deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and http("GET", f"{server.url}/ready")[0] != 200:
+            time.sleep(0.2)
+        assert json.loads(http("GET", f"{server.url}/ready")[1]) == {"ready": True, "pipeline": "serving"}
+        while time.monotonic() < deadline and metric(server, "moemesh:recoveries") < 1:
+            time.sleep(0.2)
+        assert metric(server, "moemesh:recoveries") == 1 and metric(server, "moemesh:requests_resumed") >= 1
+        # the coordinator dies: nothing can recover that; /health and /ready answer 503
+        coordinator = [p for p in _children(server.proc.pid) if b"\x00coordinator\x00" in _cmdline(p)]
+        os.kill(coordinator[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and http("GET", f"{server.url}/health")[0] != 503:
             time.sleep(0.2)
-        assert http("GET", f"{server.url}/health")[0] == 503
+        assert http("GET", f"{server.url}/health")[0] == 503 and http("GET", f"{server.url}/ready")[0] == 503
     finally:
         server.stop()
 

@@ -3,6 +3,7 @@ own death, and on a child's death."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,11 +91,30 @@ def test_the_parent_killed_outright_takes_its_children_along(model):
     assert wait_gone(kids) == []
 
 
-def test_a_dead_child_ends_the_parent_with_a_clear_error(model):
+def test_a_dead_coordinator_ends_the_parent_with_a_clear_error(model):
     proc = start_generate(model)
     kids = wait_for_children(proc)
-    os.kill(max(kids), signal.SIGKILL)  # the last started: a stage worker
+    os.kill(min(kids), signal.SIGKILL)  # the first started: the coordinator
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert b"moemesh: error:" in err and b"Traceback" not in err
     assert wait_gone(kids) == []
+
+
+def test_a_dead_stage_worker_is_restarted_and_generate_completes(model):
+    """The launcher starts the killed worker again; the coordinator recovers; the output is what
+    an undisturbed run prints."""
+    undisturbed = subprocess.run(
+        [sys.executable, "-m", "moemesh", "generate", "--model", str(model), "--prompt-ids", "1,2,3",
+         "--max-tokens", "1500", "--ignore-eos", "--temperature", "0", "--json"], cwd=REPO, capture_output=True,
+        timeout=120)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moemesh", "generate", "--model", str(model), "--pp", "2", "--prompt-ids", "1,2,3",
+         "--max-tokens", "1500", "--ignore-eos", "--temperature", "0", "--json", "--kv-memory", str(8 << 20)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    kids = wait_for_children(proc, timeout=60)
+    os.kill(max(kids), signal.SIGKILL)  # the last started: a stage worker
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["token_ids"] == json.loads(undisturbed.stdout)["token_ids"]
+    assert len(json.loads(out)["token_ids"]) == 1500 and b"restarting" in err  # killed mid-run

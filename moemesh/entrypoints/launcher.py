@@ -1,5 +1,9 @@
 """Starting a whole mesh on this machine: the coordinator and pp x tp stage workers as child
-processes on free ports. `moemesh generate --pp N` and (later) `moemesh serve` use it.
+processes on free ports. `moemesh generate --pp N` and `moemesh serve` use it.
+
+A stage worker that exits on its own is started again with the same flags (at most
+`MAX_RESTARTS` in any minute, each after a short backoff), and the coordinator's recovery takes
+the replacement in; the coordinator itself, or a worker past that budget, ends the mesh.
 
 No orphans: every child is in the launcher's care (terminated, then killed, on exit, on Ctrl-C
 and when any one of them dies), and asks the kernel to send it SIGTERM if the launcher itself dies
@@ -26,6 +30,10 @@ log = get_logger("launcher")
 
 class LaunchError(RuntimeError):
     pass
+
+
+MAX_RESTARTS = 5  # restarts of stage workers in any 60 s
+RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)  # seconds before the n-th restart within that minute
 
 
 def available_cores() -> int:
@@ -72,6 +80,8 @@ class LocalMesh:
         self.client_address: str | None = None
         self.worker_address: str | None = None
         self.died: str | None = None  # set by the watcher when a child exits on its own
+        self.argv: dict[str, list[str]] = {}  # each child's command line (a restart reuses it)
+        self.restarts: list[float] = []  # when stage workers were restarted
         self._stopping = False
         self._watcher: threading.Thread | None = None
 
@@ -106,7 +116,7 @@ class LocalMesh:
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)
-        self.procs[name] = proc
+        self.procs[name], self.argv[name] = proc, args
         return proc
 
     def start(self) -> None:
@@ -140,19 +150,40 @@ class LocalMesh:
 
     def _watch(self) -> None:
         while not self._stopping:
-            died = self._check_children()
-            if died and not self._stopping:
+            ended = self._check_children()
+            if ended and not self._stopping:
+                name, died = ended
+                if name is not None and self._restart(name, died):
+                    continue
                 self.died = died
                 log.error("child died", extra={"fields": {"child": died}})
                 return
             time.sleep(0.1)
 
-    def _check_children(self) -> str | None:
-        """A description of a child that ended, if one did."""
+    def _restart(self, name: str, why: str) -> bool:
+        """Starts a stage worker that ended again, within the restart budget; whether it did."""
+        if not name.startswith("stage-worker"):
+            return False
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < 60]
+        if len(self.restarts) >= MAX_RESTARTS:
+            log.error("restart budget spent", extra={"fields": {"child": why, "restarts_per_minute": MAX_RESTARTS}})
+            return False
+        backoff = RESTART_BACKOFF[len(self.restarts)]
+        log.warning("restarting", extra={"fields": {"child": why, "in_seconds": backoff}})
+        time.sleep(backoff)
+        if self._stopping:
+            return True
+        self.restarts.append(time.monotonic())
+        self._spawn(name, self.argv[name])
+        return True
+
+    def _check_children(self) -> tuple[str | None, str] | None:
+        """(name, description) of a child that ended, if one did."""
         for name, proc in list(self.procs.items()):
             code = proc.poll()
             if code is not None:
-                return f"{name} exited with status {code}"
+                return name, f"{name} exited with status {code}"
         return None
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

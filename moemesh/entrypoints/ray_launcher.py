@@ -88,19 +88,21 @@ class RayMesh(LocalMesh):
                 self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(worker.to_argv())
         log.info("ray actors started", extra={"fields": {"actors": len(self.actors), "stages": pp}})
 
-    def _check_children(self) -> str | None:
-        died = super()._check_children()
-        if died or not self.runs:
-            return died
+    def _check_children(self) -> tuple[str | None, str] | None:
+        """(None: not restarted here, description) of a process or actor that ended. An actor that
+        ends ends the mesh: restarting the stage's actors is not built yet."""
+        ended = super()._check_children()
+        if ended or not self.runs:
+            return ended
         import ray
 
         ready, _ = ray.wait(list(self.runs.values()), timeout=0)
         for name, ref in self.runs.items():
             if ref in ready:
                 try:
-                    return f"{name} exited with status {ray.get(ref)}"
+                    return None, f"{name} exited with status {ray.get(ref)}"
                 except Exception as e:  # the actor died
-                    return f"{name} failed: {type(e).__name__}"
+                    return None, f"{name} failed: {type(e).__name__}"
         return None
 
     def stop(self) -> None:
