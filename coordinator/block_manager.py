@@ -3,12 +3,14 @@ which full blocks already hold the K/V of a given token prefix. The workers hold
 coordinator decides who uses which. Block ids are global across stages, so one decision here spares
 every stage the prefix's computation.
 
-Prefix caching. A full block is named by a hash chained over its tokens and its parent's hash:
+Prefix caching. A full block is named by a SHA-256 digest chained over its tokens and its parent's:
 
-    h_0 = hash((None, tokens[0:B], extra))    h_i = hash((h_{i-1}, tokens[iB:(i+1)B], extra))
+    h_0 = sha256(tokens[0:B], extra)    h_i = sha256(h_{i-1}, tokens[iB:(i+1)B], extra)
 
-(`extra` stays None today; LoRA adapters or multimodal inputs, which change the K/V of the same
-tokens, would go there). A block gets its hash once the step that filled it has come back, so a
+A cryptographic hash, because the name is all a hit checks: with Python's `hash` (not seeded for
+integers) a client could craft a prefix that collides with another's and be served its K/V, as in
+vLLM's CVE-2025-25183. (`extra` stays empty today; LoRA adapters or multimodal inputs, which change
+the K/V of the same tokens, would go there.) A block gets its hash once the step that filled it has come back, so a
 block still being written by a step in flight is never shared. A sequence starts with the longest
 run of cached blocks its tokens name (never its last token: its logits are needed), taking a
 reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
@@ -18,13 +20,19 @@ handed out again.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from coordinator.sequence import Sequence
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...], extra=None) -> int:
-    return hash((parent, tokens, extra))
+def block_hash(parent: bytes | None, tokens, extra: bytes = b"") -> bytes:
+    """The digest of a full block: its parent's digest, its token ids (8 bytes each), `extra`."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    h.update(extra)
+    return h.digest()
 
 
 class BlockManager:
@@ -34,9 +42,9 @@ class BlockManager:
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         self._free = list(range(num_blocks - 1, -1, -1))  # never-cached blocks; pop() hands out low ids first
         self._refs = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # checked on a hit: no false sharing
-        self._cached: dict[int, int] = {}  # hash -> block
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # hash -> block
+        self.generation = 0  # changes whenever a hash is added or forgotten (lookups memoise on it)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of which found cached (prefix_cache_hits)
@@ -88,35 +96,40 @@ class BlockManager:
         else:  # evict the least recently used cached block
             b, _ = self._evictable.popitem(last=False)
             del self._cached[self._hash[b]]
-            self._hash[b] = self._tokens[b] = None
+            self._hash[b] = None
+            self.generation += 1
         self._refs[b] = 1
         return b
 
     # -- prefix caching ---------------------------------------------------------------------
 
-    def hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained hashes of the sequence's first `num_blocks` full blocks (memoised on it)."""
-        B, tokens, known = self.block_size, None, seq.block_hashes
+        B, known = self.block_size, seq.block_hashes
         while len(known) < num_blocks:
-            tokens = tokens or seq.token_ids
             i = len(known)
-            known.append(block_hash(known[-1] if known else None, tuple(tokens[i * B:(i + 1) * B])))
+            known.append(block_hash(known[-1] if known else None, seq.tokens(i * B, (i + 1) * B)))
         return known[:num_blocks]
 
     def lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of the sequence's tokens, leaving its last token to
-        compute; nothing is taken yet. None for a sequence that asked for prompt logprobs (its whole
-        prompt must run)."""
+        compute; nothing is taken yet. Nothing for a sequence that asked for prompt logprobs (its
+        whole prompt must run). Memoised on the sequence until the cache changes (a request that
+        waits for memory is looked up on every step)."""
         if not self.enable_caching or seq.prompt_logprobs is not None:
             return []
         full = (seq.num_tokens - 1) // self.block_size
-        B, tokens, hits = self.block_size, seq.token_ids, []
-        for i, h in enumerate(self.hashes(seq, full)):
+        memo = seq.lookup_memo
+        if memo is not None and memo[0] == (self.generation, full):
+            return list(memo[1])
+        hits = []
+        for h in self.hashes(seq, full):
             b = self._cached.get(h)
-            if b is None or self._tokens[b] != tuple(tokens[i * B:(i + 1) * B]):
+            if b is None:
                 break
             hits.append(b)
-        return hits
+        seq.lookup_memo = ((self.generation, full), hits)
+        return list(hits)
 
     def cost(self, hits: list[int]) -> int:
         """Free blocks that taking `hits` uses up (those waiting unreferenced in the LRU)."""
@@ -132,7 +145,8 @@ class BlockManager:
         seq.block_ids = list(hits)
         seq.blocks_hashed = len(hits)
         seq.num_computed = len(hits) * self.block_size
-        if self.enable_caching and seq.num_preemptions == 0:  # a request's first admission
+        if self.enable_caching and not seq.cache_counted and seq.prompt_logprobs is None:
+            seq.cache_counted = True  # a request's first admission (not a recomputation)
             seq.num_cached_tokens = seq.num_computed
             self.queries += seq.num_tokens
             self.hits += seq.num_computed
@@ -143,12 +157,13 @@ class BlockManager:
         full = min(num_computed // self.block_size, len(seq.block_ids))
         if not self.enable_caching or full <= seq.blocks_hashed:
             return
-        B, hashes, tokens = self.block_size, self.hashes(seq, full), seq.token_ids
+        hashes = self.hashes(seq, full)
         for i in range(seq.blocks_hashed, full):
             b, h = seq.block_ids[i], hashes[i]
             if self._hash[b] is None and h not in self._cached:
-                self._hash[b], self._tokens[b] = h, tuple(tokens[i * B:(i + 1) * B])
+                self._hash[b] = h
                 self._cached[h] = b
+                self.generation += 1
         seq.blocks_hashed = full
 
     def resize(self, num_blocks: int) -> None:
@@ -167,4 +182,4 @@ class BlockManager:
         self._evictable.clear()
         self._cached.clear()
         self._hash = [None] * self.num_blocks
-        self._tokens = [None] * self.num_blocks
+        self.generation += 1

@@ -86,7 +86,7 @@ class EngineCore:
                 seq.seq_id, item.token_ids, item.context_len, list(seq.block_ids), item.sample,
                 params=seq.params if first else None, prompt_len=len(seq.prompt_ids) if first else 0,
                 prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
-                cached_ids=seq.token_ids[:item.context_len] if first and item.context_len else None))
+                cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None))
         forget, self._forget = self._forget, []
         return Schedule(step_id, seqs, forget)
 
@@ -136,12 +136,12 @@ class EngineCore:
         self.scheduler.in_flight.clear()
         self.in_flight.clear()
 
-    def requeue_all(self, num_blocks: int | None = None) -> int:
+    def requeue_all(self, num_blocks: int | None = None) -> tuple[int, int]:
         """A stage lost its KV state: forget the steps in flight and every cached prefix, and put
         every running sequence back in the waiting queue (oldest first, ahead of the new ones) to be
         recomputed as prompt + output, as after a preemption; the tokens it already has are kept, so
         its stream goes on with the next one. `num_blocks`: the pool of the rebuilt pipeline.
-        Returns how many sequences were put back."""
+        -> (sequences put back, tokens of theirs that were in the cache)."""
         self.fail_in_flight()
         n = self.scheduler.requeue_all()
         self.blocks.reset_cache()

@@ -48,7 +48,7 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.context_len:self.context_len + self.num_new]
+        return self.seq.tokens(self.context_len, self.context_len + self.num_new)
 
 
 @dataclass
@@ -137,16 +137,18 @@ class Scheduler:
         seq.num_computed += n  # the cache will hold them once the step has run
         return item
 
-    def requeue_all(self) -> int:
+    def requeue_all(self) -> tuple[int, int]:
         """Every running sequence back to waiting (the cache that held them is gone); oldest first,
-        ahead of those that were waiting already. Not counted as preemptions."""
+        ahead of those that were waiting already. Not counted as preemptions.
+        -> (sequences, tokens they had in the cache)."""
         running, self.running = self.running, []
+        tokens = sum(seq.num_computed for seq in running)
         for seq in running:
             self.blocks.free(seq)
             seq.num_computed = 0
             seq.status = Status.WAITING
         self.waiting.extendleft(reversed(running))
-        return len(running)
+        return len(running), tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

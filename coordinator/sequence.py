@@ -35,13 +35,24 @@ class Sequence:
     arrival: float = 0.0  # time.monotonic() when added
     first_scheduled: float | None = None
     # prefix caching (BlockManager)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, as far as known
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, as far as known
     blocks_hashed: int = 0  # leading blocks of block_ids already offered to the cache
     num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
+    cache_counted: bool = False  # its first admission went into the cache's query and hit counts
+    lookup_memo: tuple | None = None  # ((cache generation, full blocks), hits) of its last lookup
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     @property
     def num_tokens(self) -> int:

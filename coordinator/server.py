@@ -90,7 +90,7 @@ class Coordinator:
         self.started = time.monotonic()
         self.recovering: asyncio.Task | None = None
         self.abandoned: set[int] = set()  # steps in flight when a worker was lost: their results are void
-        self.recoveries, self.recovery_seconds, self.requests_resumed = 0, 0.0, 0
+        self.recoveries, self.recovery_seconds, self.requests_resumed, self.tokens_recomputed = 0, 0.0, 0, 0
         self._recovery_started = 0.0
 
     @property
@@ -174,7 +174,9 @@ class Coordinator:
         recovering = self.registry.phase is Phase.RECOVERING
         self.registry.lose(w)
         self.abandoned.update(self.core.in_flight)
-        self.requests_resumed += self.core.requeue_all()
+        resumed, tokens = self.core.requeue_all()
+        self.requests_resumed += resumed
+        self.tokens_recomputed += tokens
         if not recovering:
             self.recoveries += 1
             self.recovering = asyncio.ensure_future(self._recover())
@@ -379,5 +381,5 @@ class Coordinator:
             schedule_bytes=self.pipeline.schedule_bytes, phase=reg.phase.value, recoveries=self.recoveries,
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started
                                                       if reg.phase is Phase.RECOVERING else 0.0),
-            requests_resumed=self.requests_resumed,
+            requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0)

@@ -58,8 +58,8 @@ class Metrics:
                 self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
         self._last_busy = (now, list(status.stage_busy_seconds))
         q, h = status.prefix_cache_queries, status.prefix_cache_hits
-        if q < self._last_prefix[0]:  # a new coordinator counts from zero again
+        if q < self._last_prefix[0] or h < self._last_prefix[1]:  # a new coordinator counts from zero again
             self._last_prefix = (0, 0)
-        self.prefix_queries.labels(m).inc(q - self._last_prefix[0])
-        self.prefix_hits.labels(m).inc(h - self._last_prefix[1])
+        self.prefix_queries.labels(m).inc(max(0, q - self._last_prefix[0]))
+        self.prefix_hits.labels(m).inc(max(0, h - self._last_prefix[1]))
         self._last_prefix = (q, h)

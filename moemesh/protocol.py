@@ -104,6 +104,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     recoveries: int = 0  # workers lost and the pipeline rebuilt without them
     recovery_seconds: float = 0.0  # spent recovering, in all
     requests_resumed: int = 0  # sequences put back to be recomputed by recoveries
+    tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]

@@ -46,6 +46,7 @@ def test_a_block_hash_names_its_tokens_and_everything_before_them():
     assert ha[0] == hb[0] and ha[1] != hb[1] and ha[2] != hb[2]  # same third block, other history
     assert ha[0] == block_hash(None, (10, 11, 12, 13)) and ha[1] == block_hash(ha[0], (14, 15, 16, 17))
     assert m.hashes(a, 2) == ha[:2] and a.block_hashes == ha  # memoised on the sequence
+    assert len(ha[0]) == 32  # SHA-256: a prefix cannot be crafted to collide with another's
 
 
 # -- sharing ------------------------------------------------------------------------------------
@@ -69,6 +70,31 @@ def test_a_prefix_is_shared_only_after_the_step_that_wrote_it_came_back():
     assert (c.blocks.queries, c.blocks.hits) == (30, 8) and cc.num_cached_tokens == 8
     out = {o.request_id: o for o in c.process_result(stage(sched_c))}
     assert out["c"].num_cached_tokens == 8 and out["a"].num_cached_tokens == 0
+
+
+def test_a_chunk_still_in_flight_is_not_shared_though_an_earlier_one_came_back():
+    c, stage = core(budget=8), FakeLastStage()
+    prompt = list(range(10, 30))  # 20 tokens: chunks of 8
+    c.add("a", prompt, PARAMS)
+    first, second = c.next_schedule(), c.next_schedule()  # a's chunks [0, 8) and [8, 16) in flight
+    assert [work(c, s, "a").context_len for s in (first, second)] == [0, 8]
+    c.process_result(stage(first))
+    c.add("b", prompt, PARAMS)
+    assert work(c, c.next_schedule(), "b").context_len == 8  # [8, 16) is still being written
+
+
+def test_admission_counts_the_cached_blocks_it_takes_from_the_free_pool():
+    """The only free blocks are cached, unreferenced ones that the waiting request hits: taking them
+    uses them up, so it can be admitted only if what it computes fits in what is left."""
+    c, stage = core(num_blocks=6), FakeLastStage()
+    c.add("a", list(range(10, 19)), SamplingParams(max_tokens=1, ignore_eos=True))  # 3 blocks
+    c.add("x", list(range(50, 61)), SamplingParams(max_tokens=2, ignore_eos=True))  # 3 blocks, still running
+    run_step(c, stage)
+    assert "a" not in c.requests and c.blocks.num_free == 3 and c.blocks.num_cached >= 2
+    c.add("b", list(range(10, 19)) + list(range(70, 78)), PARAMS)  # hits a's 2 blocks, needs 3 more
+    sched = c.next_schedule()
+    assert sched is None or all(w.seq_id != c.requests["b"].seq_id for w in sched.seqs)  # 2 + 3 > 3 free
+    assert c.blocks.num_free + sum(len(s.block_ids) for s in c.scheduler.running) == 6
 
 
 def test_the_last_prompt_token_is_always_computed_and_prompt_logprobs_compute_everything():
@@ -125,7 +151,7 @@ def test_a_preempted_sequence_recomputes_only_what_was_evicted():
     s.num_computed = 13
     m.cache_computed(s, 13)
     m.free(s)
-    s.num_computed, s.num_preemptions = 0, 1  # as Scheduler._preempt leaves it
+    s.num_computed, s.cache_counted = 0, True  # as preemption leaves a sequence admitted before
     hits = m.lookup(s)
     assert len(hits) == 3  # 12 of 13 tokens, across prompt and output
     m.take(s, hits)
@@ -157,6 +183,46 @@ def test_without_caching_nothing_is_looked_up_or_kept():
 
 SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
 SUFFIXES = [[30, 31], [40, 41, 42, 43, 44, 45], [50], [60, 61, 62, 63], [70, 71, 72, 73, 74, 75, 76, 77, 78]]
+
+
+def test_penalties_see_the_cached_prefix(tmp_path):
+    """The last stage never computes a cached prefix, so the first chunk brings its tokens along:
+    repetition and frequency penalties give the same tokens with the cache as without it."""
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
+
+    build_hf_model("mixtral", tmp_path)
+    prompts = [SHARED + s for s in SUFFIXES]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=1.5)
+    outs = {}
+    for caching in (True, False):
+        engine = LLMEngine(EngineSettings(model=str(tmp_path), block_size=4, num_kv_blocks=128,
+                                          no_prefix_caching=not caching), progress=False)
+        outs[caching] = [o.token_ids for o in engine.generate(prompts[:1], params) + engine.generate(prompts, params)]
+        assert (engine.blocks.hits > 0) == caching
+    assert outs[True] == outs[False]
+
+
+def test_prompt_logits_do_not_leave_a_poisoned_cache(tmp_path):
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.settings import EngineSettings
+
+    build_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5)
+
+    def logprobs(engine):  # of the top five at every step (the chosen token's is ~0 on this model)
+        seq = engine.add_request(SHARED + [9], params)
+        while engine.core.has_work():
+            engine.step()
+        return [lp for step in seq.logprobs for _, lp in step.top]
+
+    engine = LLMEngine(EngineSettings(model=str(tmp_path), block_size=4, num_kv_blocks=64), progress=False)
+    engine.generate([SHARED], params)
+    engine.prompt_logits(list(range(40, 70)))  # scratch blocks 0.. (where SHARED's blocks were)
+    fresh = LLMEngine(EngineSettings(model=str(tmp_path), block_size=4, num_kv_blocks=64, no_prefix_caching=True),
+                      progress=False)
+    assert logprobs(engine) == pytest.approx(logprobs(fresh), abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe", "qwen3_moe"])

@@ -35,6 +35,16 @@ def backend_list(text: str) -> list[str]:
 backend_list.__name__ = "comma-separated list of backends"
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+non_negative_int.__name__ = "non-negative integer"
+
+
 def on_off_list(text: str) -> list[str]:
     values = [x.strip() for x in text.split(",") if x.strip()]
     if not values or any(v not in ("on", "off") for v in values) or len(set(values)) != len(values):
@@ -154,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
-    tb.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+    tb.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="P",
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],
                     help="on, off, or on,off: run each layout with and without the prefix cache and compare")
@@ -174,6 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--threads", type=positive_int, default=1)
     fb.add_argument("--json", action="store_true")
 
+    rb = bsub.add_parser("recovery", help="what losing a stage worker costs: the gap, requests lost, throughput")
+    rb.add_argument("--model", required=True)
+    rb.add_argument("--pp", type=positive_int, default=2, help="pipeline stages")
+    rb.add_argument("--kill-stage", type=int, default=None, help="the stage whose worker is killed (default: the "
+                                                                 "last)")
+    rb.add_argument("--concurrency", type=positive_int, default=32, help="streams, all at once")
+    rb.add_argument("--prompt-len", type=positive_int, default=32)
+    rb.add_argument("--new", type=positive_int, default=128, help="tokens generated per stream")
+    rb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
+    rb.add_argument("--worker-timeout", type=float, default=5.0, help="the coordinator's heartbeat timeout")
+    rb.add_argument("--json", action="store_true")
+
     sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
     sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     sb.add_argument("--concurrency", type=int_list, default=[64], help="requests in flight; a list gives a curve")
@@ -182,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "at once)")
     sb.add_argument("--prompt-len", type=positive_int, default=32,
                     help="prompt tokens of each request (after the shared prefix, if any)")
-    sb.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+    sb.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="P",
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     sb.add_argument("--model-name", default=None, help="the request's \"model\" field (some servers want one)")
     sb.add_argument("--new", type=positive_int, default=64)
@@ -232,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.entrypoints.bench.fp8 import run_fp8_bench
 
             return run_fp8_bench(args)
+        if args.command == "bench" and args.bench == "recovery":
+            from moemesh.entrypoints.bench.recovery import run_recovery_bench
+
+            if args.kill_stage is None:
+                args.kill_stage = args.pp - 1
+            return run_recovery_bench(args)
         if args.command == "bench" and args.bench == "serve":
             from moemesh.entrypoints.bench.serve import run_serve_bench
 

@@ -76,8 +76,8 @@ class LLMEngine:
             return []
         try:
             result = self.pipeline.poll()
-        except BaseException:  # a stage raised: no step stays in flight that nothing will run
-            self.core.fail_in_flight()
+        except BaseException:  # a stage raised: what the steps in flight were to write is not there;
+            self.core.requeue_all()  # recompute every sequence, share no block
             self.pipeline.drop()
             raise
         return self.loop.take(result)
@@ -88,6 +88,7 @@ class LLMEngine:
         blocks = -(-len(prompt) // self.settings.block_size)
         if self.core.has_work() or blocks > self.blocks.num_blocks:
             raise RuntimeError("prompt_logits needs an idle engine with room for the prompt")
+        self.blocks.reset_cache()  # its scratch blocks may hold a cached prefix: not any more
         step = StepInput([prompt], [0], [list(range(blocks))], [True])
         out = (None, None)
         for stage in self.stages:
