@@ -27,6 +27,7 @@ import json
 import sys
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -39,8 +40,8 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
-                              ProtocolError, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, StatusReply,
-                              StatusRequest, StepResult, WorkerFailed, WorkerMessage)
+                              ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown, Start,
+                              StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -254,38 +255,45 @@ class Coordinator:
             yield identity, msg
 
     async def _worker_loop(self) -> None:
-        reg = self.registry
         async for identity, msg in self._messages(self.workers_sock, self.worker_codec, self.bad_worker):
-            if isinstance(msg, Register):
-                old = reg.workers.get((msg.pp_rank, msg.tp_rank))
-                if old is not None and reg.phase in (Phase.SERVING, Phase.RECOVERING):
-                    # a worker registers again for its rank: it was restarted, the old one is gone
-                    self._lost(old, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} registered again (restarted)")
-                try:
-                    w = reg.register(identity, msg)
-                except ProtocolError as e:
-                    self.bad_worker(e, repr(identity))
-                    continue
-                log.info("worker registered", extra={"fields": {"pp_rank": w.pp_rank, "tp_rank": w.tp_rank,
-                                                                 "address": w.data_address, "pid": msg.pid}})
-                continue
-            w = reg.get(identity)
-            if w is None:
-                self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
-                continue
-            reg.seen(w)
-            if isinstance(msg, Heartbeat):
-                w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
-            elif isinstance(msg, Ready):
-                reg.ready(w, msg.num_blocks)
-            elif isinstance(msg, StepResult):
-                if w.rank != (self.cfg.pp - 1, 0):
-                    self.bad_worker(ProtocolError(f"step result from pp={w.pp_rank} tp={w.tp_rank}, not the "
-                                                  f"last stage's rank 0"), repr(identity))
-                    continue
-                await self._on_result(msg)
-            elif isinstance(msg, WorkerFailed):
-                self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
+            try:
+                await self._on_worker(identity, msg)
+            except Exception as e:  # a bug in handling one message must not end the coordinator
+                log.error("worker message failed", exc_info=True)
+                self.bad_worker(ProtocolError(f"{type(msg).__name__} could not be handled: {e}"), repr(identity))
+
+    async def _on_worker(self, identity: bytes, msg) -> None:
+        reg = self.registry
+        if isinstance(msg, Register):
+            old = reg.workers.get((msg.pp_rank, msg.tp_rank))
+            if old is not None and reg.phase in (Phase.SERVING, Phase.RECOVERING):
+                # a worker registers again for its rank: it was restarted, the old one is gone
+                self._lost(old, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} registered again (restarted)")
+            try:
+                w = reg.register(identity, msg)
+            except ProtocolError as e:
+                self.bad_worker(e, repr(identity))
+                return
+            log.info("worker registered", extra={"fields": {"pp_rank": w.pp_rank, "tp_rank": w.tp_rank,
+                                                             "address": w.data_address, "pid": msg.pid}})
+            return
+        w = reg.get(identity)
+        if w is None:
+            self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
+            return
+        reg.seen(w)
+        if isinstance(msg, Heartbeat):
+            w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
+        elif isinstance(msg, Ready):
+            reg.ready(w, msg.num_blocks)
+        elif isinstance(msg, StepResult):
+            if w.rank != (self.cfg.pp - 1, 0):
+                self.bad_worker(ProtocolError(f"step result from pp={w.pp_rank} tp={w.tp_rank}, not the "
+                                              f"last stage's rank 0"), repr(identity))
+                return
+            await self._on_result(msg)
+        elif isinstance(msg, WorkerFailed):
+            self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
 
     async def _on_result(self, result: StepResult) -> None:
         if result.step_id in self.abandoned:  # computed before a worker was lost; recomputed since
@@ -336,18 +344,37 @@ class Coordinator:
     # -- clients ------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
-        async for identity, msg in self._messages(self.clients_sock, self.client_codec, self.bad_client):
-            if isinstance(msg, GenerateRequest):
-                if self.failure:
-                    await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
-                elif self.core is None:  # not serving yet: held until it does
-                    self.router.hold(identity, msg)
-                else:  # serving, or recovering (it waits in the queue like the requests put back)
-                    await self._add(identity, msg)
-            elif isinstance(msg, AbortRequest):
-                await self._abort(identity, msg.request_id)
-            elif isinstance(msg, StatusRequest):
-                await self.router.reply(identity, self.status())
+        while True:
+            identity, *frames = await self.clients_sock.recv_multipart(copy=False)
+            identity = identity.bytes
+            try:
+                msg, _ = self.client_codec.decode(frames)
+            except ProtocolError as e:
+                self.bad_client(e, identity.hex())
+                request_id = _generate_request_id(frames[0])  # a request that fails validation still gets an answer
+                if request_id is not None:
+                    await self.router.reply(identity, RequestOutput(request_id, [], finish_reason="error",
+                                                                    error=f"invalid request: {e}", error_status=400))
+                continue
+            try:
+                await self._on_client(identity, msg)
+            except Exception as e:  # a bug in handling one request fails that request, not the coordinator
+                log.error("client message failed", exc_info=True)
+                if isinstance(msg, GenerateRequest):
+                    await self.router.refuse(identity, msg, f"internal error: {type(e).__name__}: {e}", 500)
+
+    async def _on_client(self, identity: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            if self.failure:
+                await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
+            elif self.core is None:  # not serving yet: held until it does
+                self.router.hold(identity, msg)
+            else:  # serving, or recovering (it waits in the queue like the requests put back)
+                await self._add(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            await self._abort(identity, msg.request_id)
+        elif isinstance(msg, StatusRequest):
+            await self.router.reply(identity, self.status())
 
     async def _add(self, identity: bytes, req: GenerateRequest) -> None:
         try:
@@ -383,3 +410,14 @@ class Coordinator:
                                                       if reg.phase is Phase.RECOVERING else 0.0),
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0)
+
+
+def _generate_request_id(header) -> str | None:
+    """The request id of a generate request that did not validate, if its header says that much."""
+    try:
+        raw = msgspec.msgpack.decode(header.buffer if hasattr(header, "buffer") else header)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    if isinstance(raw, dict) and raw.get("type") == "generate" and isinstance(raw.get("request_id"), str):
+        return raw["request_id"][:256]
+    return None

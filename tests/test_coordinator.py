@@ -217,3 +217,62 @@ def test_unseeded_sampling_differs_between_engines_and_seeded_does_not(tiny):
     seeded = SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True, seed=7)
     a, b = ([e.generate([prompt(4)], p)[0].token_ids for e in engines] for p in (free, seeded))
     assert a[0] != a[1] and b[0] == b[1]
+
+
+# -- nothing at the client link can hang a request or end the coordinator ---------------------
+
+async def _client_exchange(address: str, frames: list) -> object:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        await sock.send_multipart(frames)
+        reply = await asyncio.wait_for(sock.recv_multipart(), 5)
+        return Codec(CoordinatorReply).decode(reply)[0]
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_request_that_fails_validation_gets_an_error_and_a_handler_bug_fails_one_request(tiny, monkeypatch):
+    import msgspec
+
+    async def scenario():
+        coord = _coordinator(tiny)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        bad = msgspec.msgpack.encode({"type": "generate", "request_id": "r1", "prompt_ids": [1, 2],
+                                      "params": {"temperature": -3}})
+        invalid = await _client_exchange(coord.addresses["clients"], [bad])
+
+        def broken(*a, **k):
+            raise KeyError("a bug")
+
+        coord.router.hold = broken  # the coordinator is not serving yet, so a request would be held
+        ok = msgspec.msgpack.encode({"type": "generate", "request_id": "r2", "prompt_ids": [1, 2], "params": {}})
+        failed = await _client_exchange(coord.addresses["clients"], [ok])
+        alive = await _status(coord.addresses["clients"])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return invalid, failed, alive
+
+    invalid, failed, alive = asyncio.run(scenario())
+    assert invalid.request_id == "r1" and invalid.error_status == 400 and "invalid request" in invalid.error
+    assert failed.request_id == "r2" and failed.error_status == 500 and "KeyError" in failed.error
+    assert alive.malformed_messages == 1 and alive.failure is None
+
+
+def test_the_launcher_gives_up_on_a_silent_coordinator_at_its_deadline():
+    import subprocess
+    import sys
+    import time
+
+    from moemesh.entrypoints.launcher import LaunchError, LocalMesh
+
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LaunchError, match="within 0.5 s"):
+            LocalMesh(None, None)._read_announcement(silent, timeout=0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        silent.kill()
+        silent.wait()

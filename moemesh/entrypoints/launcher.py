@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -138,15 +139,18 @@ class LocalMesh:
                 w = self.worker_settings(coordinator, p, t)
                 self._spawn(f"stage-worker pp={p} tp={t}", ["stage-worker", *w.to_argv()])
 
-    def _read_announcement(self, coord: subprocess.Popen) -> dict:
-        deadline = time.monotonic() + 60
+    def _read_announcement(self, coord: subprocess.Popen, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            # wait for a line with the deadline: a coordinator that hangs before printing must not hang us
+            if not select.select([coord.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                break
             line = coord.stdout.readline()
             if not line:
                 raise LaunchError(f"the coordinator exited (status {coord.wait()}) before it was listening")
             if line.startswith(b"MOEMESH_COORDINATOR "):
                 return json.loads(line.split(b" ", 1)[1])
-        raise LaunchError("the coordinator did not start listening within 60 s")
+        raise LaunchError(f"the coordinator did not start listening within {timeout:g} s")
 
     def _watch(self) -> None:
         while not self._stopping:
