@@ -220,3 +220,55 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
     assert status.recoveries == 1 and status.requests_resumed > 0 and status.phase == "serving"
     assert died is None and restarts == 1
     assert status.num_free_blocks == status.num_blocks
+
+
+LONG_PROMPT = list(range(5, 205))  # 200 tokens: prefilled in chunks of the 16-token budget
+
+
+@pytest.mark.parametrize("scenario", ["first-stage-during-chunked-prefill", "two-kills-in-a-row"])
+def test_more_kills_lose_no_request(model, scenario):
+    """The first stage killed while a long prompt is being prefilled in chunks; or two stage
+    workers killed one after the other (the second once the first recovery is done)."""
+    if scenario == "two-kills-in-a-row":
+        pp, settings, prompts = 3, dict(), [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    else:
+        pp, settings, prompts = 2, dict(max_batched_tokens=16), PROMPTS[:7] + [LONG_PROMPT]  # the long one last
+    params = [SEEDED[i % 16] if i % 2 else LONG_GREEDY for i in range(len(prompts))]
+
+    async def scenario_run():
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=pp, kv_memory=KV, **settings), worker_timeout=2.0)
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address)
+        try:
+            await client.wait_serving(timeout=120)
+            undisturbed = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
+            got = [[] for _ in prompts]
+
+            async def drain(i, s):
+                async for out in s:
+                    got[i] += out.token_ids
+                    if out.error:
+                        raise AssertionError(out.error)
+
+            tasks = [asyncio.ensure_future(drain(i, client.generate(p, sp)))
+                     for i, (p, sp) in enumerate(zip(prompts, params))]
+            while sum(map(len, got)) < 8:
+                await asyncio.sleep(0.005)
+            if scenario == "two-kills-in-a-row":
+                mesh.kill("stage-worker pp=1 tp=0")
+                while (await client.status()).recoveries < 1 or not (await client.status()).serving:
+                    await asyncio.sleep(0.05)
+                mesh.kill("stage-worker pp=2 tp=0")
+            else:
+                assert not got[-1], "the long prompt was to be still in prefill"
+                mesh.kill("stage-worker pp=0 tp=0")
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            return [t for t, _ in undisturbed], got, await client.status()
+        finally:
+            await client.close()
+            mesh.stop()
+
+    want, got, status = run(scenario_run())
+    assert got == want and all(len(t) == 40 for t in got)
+    assert status.recoveries == (2 if scenario == "two-kills-in-a-row" else 1)
+    assert status.num_free_blocks == status.num_blocks
