@@ -15,9 +15,10 @@ run (`Reset`); every unfinished sequence goes back to the waiting queue to be re
 + output (its stream continues with the next token); a replacement that registers for the missing
 rank (the launcher restarts the dead process) is assigned its layers, the previous stage is pointed
 at it (`Repoint`), and once it is Ready scheduling resumes. Requests that arrive meanwhile wait.
+With tensor parallelism the lost worker's stage peers exit too and the whole stage is replaced.
 Only if no replacement is Ready within `--recovery-timeout` does the pipeline go down: every
 request ends with an error (503) and new ones are refused, so nothing hangs. A lost worker before
-the pipeline first serves, or a lost rank of a tensor-parallel stage, takes it down at once.
+the pipeline first serves takes it down at once.
 """
 
 from __future__ import annotations
@@ -164,16 +165,20 @@ class Coordinator:
         return event.is_set() and self.failure is None
 
     def _lost(self, w, reason: str) -> None:
-        """A worker is gone. A serving (or already recovering) pipeline recovers without it; before
-        it first serves, or with tensor parallelism (its group cannot take a new member yet), the
-        pipeline goes down."""
+        """A worker is gone. A serving (or already recovering) pipeline recovers without it (before
+        it first serves, the pipeline goes down). With tensor parallelism the other ranks of its
+        stage go too: their process group cannot take a new member, so they are told to exit (their
+        launcher starts them again) and the whole stage meets at a fresh rendezvous."""
         if self.failure:
             return
-        if self.registry.phase not in (Phase.SERVING, Phase.RECOVERING) or self.cfg.tp > 1:
+        if self.registry.phase not in (Phase.SERVING, Phase.RECOVERING):
             return self._fail(reason, w)
         log.warning("worker lost, recovering", extra={"fields": {"reason": reason, "epoch": self.registry.epoch + 1}})
         recovering = self.registry.phase is Phase.RECOVERING
         self.registry.lose(w)
+        for peer in [x for x in self.registry.workers.values() if x.pp_rank == w.pp_rank]:
+            self.registry.lose(peer)
+            asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
         self.abandoned.update(self.core.in_flight)
         resumed, tokens = self.core.requeue_all()
         self.requests_resumed += resumed

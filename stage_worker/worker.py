@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -108,8 +109,10 @@ class StageWorker:
             heartbeat.cancel()
             self.compute.shutdown(wait=False, cancel_futures=True)
             self.ctx.destroy(linger=0)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            if dist.is_initialized():  # (a collective stuck on a lost peer must not hold the exit)
+                closer = threading.Thread(target=dist.destroy_process_group, daemon=True)
+                closer.start()
+                closer.join(timeout=5)
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg

@@ -98,3 +98,50 @@ def test_the_coordinator_refuses_a_bad_layout_before_any_worker_starts(tmp_path,
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--tp", "8", "--expert-parallel"])
     assert "4 experts (with --expert-parallel)" in capsys.readouterr().err
+
+
+def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_its_whole_stage(tmp_path):
+    """tp rank 1 of the last stage dies: its peer is told to exit too (their process group cannot
+    take a new member), the launcher starts both again, they meet at a fresh rendezvous, and every
+    stream completes with the tokens of an undisturbed run."""
+    import asyncio
+    import time
+
+    from moemesh.client import CoordinatorClient
+    from test_mesh import collect
+
+    build_hf_model("mixtral", tmp_path)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, **(dict(temperature=0) if i % 2 else
+                                                                dict(temperature=0.8, seed=700 + i)))
+              for i in range(16)]
+
+    async def scenario():
+        mesh = LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20), worker_timeout=3.0)
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address)
+        try:
+            await client.wait_serving(timeout=120)
+            want = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
+            got = [[] for _ in prompts]
+
+            async def drain(i, s):
+                async for out in s:
+                    assert not out.error, out.error
+                    got[i] += out.token_ids
+
+            tasks = [asyncio.ensure_future(drain(i, client.generate(p, sp)))
+                     for i, (p, sp) in enumerate(zip(prompts, params))]
+            while sum(map(len, got)) < 16 * 3:
+                await asyncio.sleep(0.005)
+            mesh.kill("stage-worker pp=1 tp=1")
+            killed = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            return [t for t, _ in want], got, await client.status(), time.monotonic() - killed, mesh.died
+        finally:
+            await client.close()
+            mesh.stop()
+
+    want, got, status, seconds, died = run(scenario())
+    assert got == want and all(len(t) == 30 for t in got)
+    assert status.recoveries == 1 and status.phase == "serving" and died is None

@@ -14,6 +14,7 @@ A bad flag gets a one-line message naming it and exit status 2, never a tracebac
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -315,7 +316,11 @@ def cmd_stage_worker(args) -> int:
         return cmd_standalone(args)
     if args.coordinator is None or args.pp_rank is None:
         raise CLIError("stage-worker needs --coordinator and --pp-rank (or --standalone)")
-    return run(StageWorker(WorkerSettings.from_args(args, threads=threads_per_worker(args.threads, 1))).run())
+    code = run(StageWorker(WorkerSettings.from_args(args, threads=threads_per_worker(args.threads, 1))).run())
+    # exit now: the compute thread may still be in a collective with a peer that is gone, and the
+    # interpreter would wait for it at exit (told to exit, this worker's launcher starts it again)
+    logging.shutdown()
+    os._exit(code)
 
 
 def cmd_standalone(args) -> int:
