@@ -41,8 +41,8 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
-                              ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown, Start,
-                              StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage)
+                              Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
+                              Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -110,7 +110,7 @@ class Coordinator:
             print("MOEMESH_COORDINATOR " + json.dumps(self.addresses), file=announce, flush=True)
         log.info("listening", extra={"fields": self.addresses})
         tasks = [asyncio.ensure_future(c) for c in (self._worker_loop(), self._client_loop(), self._step_loop(),
-                                                    self._watchdog(), self._lifecycle())]
+                                                    self._watchdog(), self._lifecycle(), self._ping())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -326,6 +326,13 @@ class Coordinator:
             if w is not None:
                 self._lost(w, f"stage worker pp={w.pp_rank} tp={w.tp_rank} stopped responding "
                               f"(no heartbeat for {time.monotonic() - w.last_seen:.1f} s)")
+
+    async def _ping(self) -> None:
+        """Tells every registered worker, twice a second, that this coordinator is alive (a worker
+        that stops hearing it exits to be started again, and registers with the one that answers)."""
+        while True:
+            await asyncio.sleep(0.5)
+            await self._broadcast(Ping(self.registry.epoch))
 
     async def _send_worker(self, identity: bytes, msg) -> None:
         await self.workers_sock.send_multipart([identity, *Codec.encode(msg)], copy=False)

@@ -171,6 +171,13 @@ class Reset(msgspec.Struct, tag="reset", frozen=True):
     epoch: int
 
 
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """The coordinator is alive (sent to every registered worker twice a second). A worker that
+    hears nothing for --coordinator-timeout exits, so that its launcher starts it again and it
+    registers with whichever coordinator answers at that address."""
+    epoch: int
+
+
 class Repoint(msgspec.Struct, tag="repoint", frozen=True):
     """The next stage's worker of the same tensor rank is a replacement at this address."""
     next_address: str
@@ -222,7 +229,7 @@ class Activations(msgspec.Struct, tag="activations", frozen=True):
 
 
 WorkerMessage = Union[Register, Ready, Heartbeat, StepResult, WorkerFailed]
-CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown, Reset, Repoint]
+CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown, Reset, Repoint, Ping]
 
 
 # -- codec --------------------------------------------------------------------------------------

@@ -252,6 +252,9 @@ class WorkerResources(Settings):
                                parse=positive_int)
     num_kv_blocks: int | None = flag(None, "a KV pool of exactly this many blocks instead of one sized from "
                                            "--kv-memory", parse=positive_int)
+    coordinator_timeout: float = flag(10.0, "seconds a stage worker waits without a word from the coordinator "
+                                            "(once it has spoken) before it exits, to be started again and "
+                                            "register with the coordinator that answers", parse=float)
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all

@@ -30,7 +30,7 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
-                              Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
+                              Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -57,6 +57,7 @@ class StageWorker:
         self.schedules: asyncio.Queue = asyncio.Queue()
         self.activations: asyncio.Queue = asyncio.Queue()
         self.early: dict[int, list] = {}  # activations that came before their step's turn
+        self.last_heard: float | None = None  # when the coordinator last sent anything
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute",
                                           initializer=torch.set_num_threads, initargs=(cfg.threads or 1,))
@@ -80,26 +81,14 @@ class StageWorker:
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
+        watch = asyncio.ensure_future(self._watch_coordinator())
+        life = asyncio.ensure_future(self._life())
         try:
-            assignment = await self._expect(Assignment)
-            num_blocks = await self._load(assignment)
-            await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
-            start = await self._expect(Start)
-            log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
-            self.stepper = asyncio.ensure_future(self._steps())
-            tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations())]
-            stop = asyncio.ensure_future(self.stopping.wait())
-            while True:
-                done, _ = await asyncio.wait([*tasks, self.stepper, stop], return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if t is not stop and not t.cancelled() and t.exception():
-                        raise t.exception()
-                if stop in done or any(t in done for t in tasks):
-                    break
-                # only the step task ended: a Reset cancelled it and started another
-            for t in (*tasks, self.stepper):
-                t.cancel()
-            return 0
+            await asyncio.wait([life, watch], return_when=asyncio.FIRST_COMPLETED)
+            if life.done():
+                return life.result()
+            life.cancel()
+            return 3  # the coordinator went silent: to be started again
         except Exception as e:
             log.error("stage worker failed", exc_info=True)
             await self._send(WorkerFailed(cfg.pp_rank, cfg.tp_rank, f"{type(e).__name__}: {e}"))
@@ -107,12 +96,41 @@ class StageWorker:
             return 1
         finally:
             heartbeat.cancel()
+            watch.cancel()
             self.compute.shutdown(wait=False, cancel_futures=True)
             self.ctx.destroy(linger=0)
             if dist.is_initialized():  # (a collective stuck on a lost peer must not hold the exit)
                 closer = threading.Thread(target=dist.destroy_process_group, daemon=True)
                 closer.start()
                 closer.join(timeout=5)
+
+    async def _life(self) -> int:
+        """Assignment -> load -> Ready -> Start -> serving, until Shutdown."""
+        cfg = self.cfg
+        assignment = await self._expect(Assignment)
+        if assignment is None:
+            return 0
+        num_blocks = await self._load(assignment)
+        await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
+        start = await self._expect(Start)
+        if start is None:
+            return 0
+        log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
+        self.stepper = asyncio.ensure_future(self._steps())
+        tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations())]
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait([*tasks, self.stepper, stop], return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not stop and not t.cancelled() and t.exception():
+                        raise t.exception()
+                if stop in done or any(t in done for t in tasks):
+                    return 0
+                # only the step task ended: a Reset cancelled it and started another
+        finally:
+            for t in (*tasks, self.stepper, stop):
+                t.cancel()
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg
@@ -170,22 +188,38 @@ class StageWorker:
         await self.ctrl.send_multipart(Codec.encode(msg), copy=False)
 
     async def _expect(self, kind):
-        """Waits for a control message of one kind (others before it are malformed here)."""
+        """Waits for a control message of one kind (others before it are malformed here); None when
+        the coordinator says Shutdown instead."""
         while True:
             msg = await self._recv_one()
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, Shutdown):
-                raise SystemExit(0)
+                return None  # told to stop before serving
             self.bad(ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}"), "coordinator")
 
     async def _recv_one(self):
         while True:
             frames = await self.ctrl.recv_multipart(copy=False)
             try:
-                return self.codec.decode(frames)[0]
+                msg = self.codec.decode(frames)[0]
             except ProtocolError as e:
                 self.bad(e, "coordinator")
+                continue
+            self.last_heard = time.monotonic()
+            if not isinstance(msg, Ping):
+                return msg
+
+    async def _watch_coordinator(self) -> None:
+        """Once the coordinator has spoken, a silence of --coordinator-timeout means it is gone (or
+        no longer counts this worker in): exit, to be started again and register afresh."""
+        timeout = self.cfg.coordinator_timeout
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            if self.last_heard is not None and time.monotonic() - self.last_heard > timeout:
+                log.error("coordinator silent, exiting to register again",
+                          extra={"fields": {"seconds": round(time.monotonic() - self.last_heard, 1)}})
+                return
 
     async def _recv_ctrl(self) -> None:
         while True:

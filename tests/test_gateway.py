@@ -247,7 +247,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
 
 
 def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
-    server = Server(model, "--api-key", "sesame", "--max-pending", "2")
+    server = Server(model, "--api-key", "sesame", "--max-pending", "2", "--coordinator-timeout", "2")
     try:
         url = f"{server.url}/v1/completions"
         status, body, _ = http("POST", url, {"prompt": "x"})
@@ -283,13 +283,24 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         while time.monotonic() < deadline and metric(server, "moemesh:recoveries") < 1:
             time.sleep(0.2)
         assert metric(server, "moemesh:recoveries") == 1 and metric(server, "moemesh:requests_resumed") >= 1
-        # the coordinator dies: nothing can recover that; /health and /ready answer 503
+        # the coordinator dies: the request it held ends with an error, /ready turns 503; `serve` starts it
+        # again on the same ports, the workers (hearing nothing) exit, are started again and register
+        # with it, and the gateway serves new requests without a restart
+        running.clear()
+        runner = threading.Thread(target=lambda: running.append(http(
+            "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
+        runner.start()
+        time.sleep(0.3)
         coordinator = [p for p in _children(server.proc.pid) if b"\x00coordinator\x00" in _cmdline(p)]
         os.kill(coordinator[0], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and http("GET", f"{server.url}/health")[0] != 503:
+        runner.join(timeout=30)
+        assert not runner.is_alive() and running[0][0] == 503, running
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and http("GET", f"{server.url}/ready")[0] != 200:
             time.sleep(0.2)
-        assert http("GET", f"{server.url}/health")[0] == 503 and http("GET", f"{server.url}/ready")[0] == 503
+        assert http("GET", f"{server.url}/ready")[0] == 200
+        status, body, _ = http("POST", url, {"prompt": "x", "max_tokens": 3, "ignore_eos": True}, auth)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
 

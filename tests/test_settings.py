@@ -20,7 +20,7 @@ ODD = {  # a value unlike the default for every flag
     "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0, "recovery_timeout": 7.0,
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5,
-    "num_kv_blocks": 77, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
+    "num_kv_blocks": 77, "coordinator_timeout": 4.5, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
     "ray_address": "ray://x:1", "standalone": True, "layers": "0:2", "replay": "/p", "tokens": 9, "seqs": 2,
 }
 

@@ -82,7 +82,8 @@ class LocalMesh:
         self.worker_address: str | None = None
         self.died: str | None = None  # set by the watcher when a child exits on its own
         self.argv: dict[str, list[str]] = {}  # each child's command line (a restart reuses it)
-        self.restarts: list[float] = []  # when stage workers were restarted
+        self.restarts: list[float] = []  # when children were restarted
+        self.restart_coordinator = False  # `serve` sets it (its gateway reconnects); a driver's requests die with it
         self._stopping = False
         self._watcher: threading.Thread | None = None
 
@@ -165,8 +166,10 @@ class LocalMesh:
             time.sleep(0.1)
 
     def _restart(self, name: str, why: str) -> bool:
-        """Starts a stage worker that ended again, within the restart budget; whether it did."""
-        if not name.startswith("stage-worker"):
+        """Starts a child that ended again, within the restart budget; whether it did. A coordinator
+        comes back on the ports it had (the workers, told nothing for a while, exit and register with
+        it again; clients reconnect to the same address); requests it held end with an error."""
+        if not (name.startswith("stage-worker") or name == "coordinator" and self.restart_coordinator):
             return False
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < 60]
@@ -179,6 +182,15 @@ class LocalMesh:
         if self._stopping:
             return True
         self.restarts.append(time.monotonic())
+        if name == "coordinator":
+            ports = {"--port": self.worker_address.rsplit(":", 1)[1], "--client-port": self.client_address.rsplit(":", 1)[1]}
+            argv = [ports.get(prev, arg) for prev, arg in zip([None, *self.argv[name]], self.argv[name])]
+            try:
+                self._read_announcement(self._spawn(name, argv))
+            except LaunchError as e:
+                log.error("coordinator restart failed", extra={"fields": {"error": str(e)}})
+                return False
+            return True
         self._spawn(name, self.argv[name])
         return True
 

@@ -26,7 +26,9 @@ def run_serve(args) -> int:
     else:
         make_mesh = lambda: LocalMesh.of(cfg)  # noqa: E731
     try:
-        with make_mesh() as mesh:
+        mesh = make_mesh()
+        mesh.restart_coordinator = True  # the gateway reconnects to the same address and serves again
+        with mesh:
             run(_serve(mesh, GatewaySettings.from_args(args, coordinator=mesh.client_address, model=cfg.model)))
     except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
