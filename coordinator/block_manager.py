@@ -170,9 +170,9 @@ class BlockManager:
         """A new pool size (the rebuilt pipeline's smallest); only while no sequence holds a block."""
         if any(self._refs):
             raise RuntimeError("the KV pool can change size only while no sequence holds a block")
-        queries, hits = self.queries, self.hits
+        queries, hits, generation = self.queries, self.hits, self.generation
         self.__init__(num_blocks, self.block_size, self.enable_caching)
-        self.queries, self.hits = queries, hits
+        self.queries, self.hits, self.generation = queries, hits, generation + 1  # (no stale lookup memo)
 
     def reset_cache(self) -> None:
         """Forgets every hash (the workers' K/V can no longer be trusted, e.g. a stage lost its state);

@@ -15,7 +15,7 @@ run (`Reset`); every unfinished sequence goes back to the waiting queue to be re
 + output (its stream continues with the next token); a replacement that registers for the missing
 rank (the launcher restarts the dead process) is assigned its layers, the previous stage is pointed
 at it (`Repoint`), and once it is Ready scheduling resumes. Requests that arrive meanwhile wait.
-With tensor parallelism the lost worker's stage peers exit too and the whole stage is replaced.
+With tensor parallelism every worker is told to exit and is replaced (fresh rendezvous per stage).
 Only if no replacement is Ready within `--recovery-timeout` does the pipeline go down: every
 request ends with an error (503) and new ones are refused, so nothing hangs. A lost worker before
 the pipeline first serves takes it down at once.
@@ -78,7 +78,6 @@ class Coordinator:
         for s in (self.workers_sock, self.clients_sock):
             set_heartbeats(s)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.workers_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.worker_codec, self.client_codec = Codec(WorkerMessage), Codec(ClientMessage)
         self.bad_worker = BadMessages(log, "worker")
         self.bad_client = BadMessages(log, "client")
@@ -166,26 +165,36 @@ class Coordinator:
 
     def _lost(self, w, reason: str) -> None:
         """A worker is gone. A serving (or already recovering) pipeline recovers without it (before
-        it first serves, the pipeline goes down). With tensor parallelism the other ranks of its
-        stage go too: their process group cannot take a new member, so they are told to exit (their
-        launcher starts them again) and the whole stage meets at a fresh rendezvous."""
+        it first serves, the pipeline goes down). With tensor parallelism every worker goes: the lost
+        one's stage peers because their process group cannot take a new member, the other stages
+        because a Reset could leave a stage's ranks one step apart in their collectives. They are
+        told to exit, their launchers start them again, and each stage meets at a fresh rendezvous."""
         if self.failure:
             return
         if self.registry.phase not in (Phase.SERVING, Phase.RECOVERING):
             return self._fail(reason, w)
-        log.warning("worker lost, recovering", extra={"fields": {"reason": reason, "epoch": self.registry.epoch + 1}})
         recovering = self.registry.phase is Phase.RECOVERING
+        log.warning("worker lost, recovering", extra={"fields": {"reason": reason, "epoch": self.registry.epoch
+                                                                  + (0 if recovering else 1)}})
         self.registry.lose(w)
-        for peer in [x for x in self.registry.workers.values() if x.pp_rank == w.pp_rank]:
-            self.registry.lose(peer)
-            asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
+        if self.cfg.tp > 1:
+            for peer in list(self.registry.workers.values()):
+                self.registry.lose(peer)
+                asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
         self.abandoned.update(self.core.in_flight)
         resumed, tokens = self.core.requeue_all()
         self.requests_resumed += resumed
         self.tokens_recomputed += tokens
         if not recovering:
             self.recoveries += 1
-            self.recovering = asyncio.ensure_future(self._recover())
+            self.recovering = asyncio.ensure_future(self._recover_or_fail())
+
+    async def _recover_or_fail(self) -> None:
+        try:
+            await self._recover()
+        except Exception as e:  # the deadline lives in there: an error must not leave it recovering
+            log.error("recovery failed", exc_info=True)
+            self._fail(f"recovery failed: {type(e).__name__}: {e}")
 
     async def _recover(self) -> None:
         """RECOVERING -> SERVING once every lost rank has a replacement that is Ready, or DOWN."""
@@ -204,7 +213,7 @@ class Coordinator:
             await self._assign(new)
             for w in new:  # the previous stage's worker of the same tensor rank sends to the replacement now
                 prev = reg.workers.get((w.pp_rank - 1, w.tp_rank))
-                if prev is not None and prev.phase is Phase.SERVING:
+                if prev is not None and prev not in new:  # (a new one got the address in its Assignment)
                     await self._send_worker(prev.identity, Repoint(w.data_address))
             if await self._until(reg.all_ready, deadline - time.monotonic(), also=reg.lost):
                 break
@@ -285,6 +294,9 @@ class Coordinator:
         w = reg.get(identity)
         if w is None:
             self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
+            # a worker this pipeline dropped (silent too long, a stage peer), or one registered with a
+            # coordinator that died before this one: it exits, is started again and registers afresh
+            await self._send_worker(identity, Shutdown())
             return
         reg.seen(w)
         if isinstance(msg, Heartbeat):

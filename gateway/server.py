@@ -108,7 +108,7 @@ class Gateway:
                 self.client.status_waiters.clear()
                 silent += 1
                 reason = "the coordinator does not answer"
-                self.status = msgspec.structs.replace(self.status, serving=False, failure=reason)
+                self.status = msgspec.structs.replace(self.status, serving=False, failure=reason, phase="down")
                 if silent == 3:  # ~7 s: it is gone, and with it every request in flight
                     log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams)}})
                     self.client.fail_all(reason)

@@ -46,7 +46,8 @@ class StageWorker:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.ctrl = self.ctx.socket(zmq.DEALER)
-        self.ctrl.setsockopt(zmq.IDENTITY, f"w{cfg.pp_rank}.{cfg.tp_rank}".encode())
+        # one identity per process: a replacement never takes over the identity of the one it replaces
+        self.ctrl.setsockopt(zmq.IDENTITY, f"w{cfg.pp_rank}.{cfg.tp_rank}.{os.getpid()}".encode())
         set_heartbeats(self.ctrl)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -58,6 +59,7 @@ class StageWorker:
         self.activations: asyncio.Queue = asyncio.Queue()
         self.early: dict[int, list] = {}  # activations that came before their step's turn
         self.last_heard: float | None = None  # when the coordinator last sent anything
+        self.next_address: str | None = None  # the next stage's worker of this tensor rank
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute",
                                           initializer=torch.set_num_threads, initargs=(cfg.threads or 1,))
@@ -110,11 +112,21 @@ class StageWorker:
         assignment = await self._expect(Assignment)
         if assignment is None:
             return 0
-        num_blocks = await self._load(assignment)
-        await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks))
-        start = await self._expect(Start)
-        if start is None:
+        # the control link stays read while loading: a Repoint is applied, a Shutdown (a tensor-parallel
+        # peer was lost: this stage starts over) stops the load at once
+        load = asyncio.ensure_future(self._load(assignment))
+        start = asyncio.ensure_future(self._expect(Start))
+        await asyncio.wait([load, start], return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():
+            load.cancel()
+            return 0 if start.result() is None else 1  # (Start before Ready cannot come)
+        if load.exception() is not None:
+            start.cancel()
+            raise load.exception()
+        await self._send(Ready(cfg.pp_rank, cfg.tp_rank, load.result()))
+        if await start is None:
             return 0
+        start = start.result()
         log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
         self.stepper = asyncio.ensure_future(self._steps())
         tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations())]
@@ -127,7 +139,8 @@ class StageWorker:
                         raise t.exception()
                 if stop in done or any(t in done for t in tasks):
                     return 0
-                # only the step task ended: a Reset cancelled it and started another
+                if self.stepper.done():  # cancelled (a send on a socket that Repoint closed): go on
+                    self.stepper = asyncio.ensure_future(self._steps())
         finally:
             for t in (*tasks, self.stepper, stop):
                 t.cancel()
@@ -159,8 +172,10 @@ class StageWorker:
         log.info("loaded", extra={"fields": {"layers": f"{a.layer_start}:{a.layer_end}", "blocks": num_blocks,
                                              "bytes": self.executor.runner.load_stats.bytes_read,
                                              "seconds": round(time.perf_counter() - started, 2)}})
-        if a.next_address is not None:
-            self._connect_next(a.next_address)
+        if self.next_address is None:
+            self.next_address = a.next_address
+        if self.next_address is not None:  # (a Repoint during the load wins over the assignment)
+            self._connect_next(self.next_address)
         return num_blocks
 
     def _reset(self, epoch: int) -> None:
@@ -196,6 +211,13 @@ class StageWorker:
                 return msg
             if isinstance(msg, Shutdown):
                 return None  # told to stop before serving
+            if isinstance(msg, Repoint):  # the next stage was replaced while this one was starting
+                self.next_address = msg.next_address
+                if self.push is not None:  # (already connected to the one that is gone)
+                    self._connect_next(msg.next_address)
+                continue
+            if isinstance(msg, Reset):  # nothing to drop yet
+                continue
             self.bad(ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}"), "coordinator")
 
     async def _recv_one(self):

@@ -100,10 +100,11 @@ def test_the_coordinator_refuses_a_bad_layout_before_any_worker_starts(tmp_path,
     assert "4 experts (with --expert-parallel)" in capsys.readouterr().err
 
 
-def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_its_whole_stage(tmp_path):
-    """tp rank 1 of the last stage dies: its peer is told to exit too (their process group cannot
-    take a new member), the launcher starts both again, they meet at a fresh rendezvous, and every
-    stream completes with the tokens of an undisturbed run."""
+def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_every_worker(tmp_path):
+    """tp rank 1 of the last stage dies: every other worker is told to exit too (a process group
+    cannot take a new member; a reset could leave ranks a step apart), the launcher starts them all
+    again, each stage meets at a fresh rendezvous, and every stream completes with the tokens of an
+    undisturbed run."""
     import asyncio
     import time
 

@@ -33,7 +33,7 @@ class LaunchError(RuntimeError):
     pass
 
 
-MAX_RESTARTS = 5  # restarts of stage workers in any 60 s
+MAX_RESTARTS = 5  # restarts of one child in any 60 s
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)  # seconds before the n-th restart within that minute
 
 
@@ -82,7 +82,8 @@ class LocalMesh:
         self.worker_address: str | None = None
         self.died: str | None = None  # set by the watcher when a child exits on its own
         self.argv: dict[str, list[str]] = {}  # each child's command line (a restart reuses it)
-        self.restarts: list[float] = []  # when children were restarted
+        self.restarts: dict[str, list[float]] = {}  # child -> when it was restarted
+        self._stop = threading.Event()  # wakes a restart's backoff when the mesh stops
         self.restart_coordinator = False  # `serve` sets it (its gateway reconnects); a driver's requests die with it
         self._stopping = False
         self._watcher: threading.Thread | None = None
@@ -172,16 +173,15 @@ class LocalMesh:
         if not (name.startswith("stage-worker") or name == "coordinator" and self.restart_coordinator):
             return False
         now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < 60]
-        if len(self.restarts) >= MAX_RESTARTS:
+        recent = self.restarts[name] = [t for t in self.restarts.get(name, []) if now - t < 60]
+        if len(recent) >= MAX_RESTARTS:
             log.error("restart budget spent", extra={"fields": {"child": why, "restarts_per_minute": MAX_RESTARTS}})
             return False
-        backoff = RESTART_BACKOFF[len(self.restarts)]
+        backoff = RESTART_BACKOFF[len(recent)]
         log.warning("restarting", extra={"fields": {"child": why, "in_seconds": backoff}})
-        time.sleep(backoff)
-        if self._stopping:
+        if self._stop.wait(backoff):  # stopping meanwhile
             return True
-        self.restarts.append(time.monotonic())
+        recent.append(time.monotonic())
         if name == "coordinator":
             ports = {"--port": self.worker_address.rsplit(":", 1)[1], "--client-port": self.client_address.rsplit(":", 1)[1]}
             argv = [ports.get(prev, arg) for prev, arg in zip([None, *self.argv[name]], self.argv[name])]
@@ -208,6 +208,7 @@ class LocalMesh:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stop.set()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
