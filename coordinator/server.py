@@ -296,7 +296,9 @@ class Coordinator:
             self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
             # a worker this pipeline dropped (silent too long, a stage peer), or one registered with a
             # coordinator that died before this one: it exits, is started again and registers afresh
-            await self._send_worker(identity, Shutdown())
+            # (not once the pipeline is down: nothing would take it, it would only restart in a loop)
+            if reg.phase is not Phase.DOWN:
+                await self._send_worker(identity, Shutdown())
             return
         reg.seen(w)
         if isinstance(msg, Heartbeat):

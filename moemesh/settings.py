@@ -62,6 +62,16 @@ def partition_arg(text: str):
 partition_arg.__name__ = "auto or a comma-separated list of integers"
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError
+    return value
+
+
+positive_float.__name__ = "positive number"
+
+
 # -- declaring ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -254,7 +264,7 @@ class WorkerResources(Settings):
                                            "--kv-memory", parse=positive_int)
     coordinator_timeout: float = flag(10.0, "seconds a stage worker waits without a word from the coordinator "
                                             "(once it has spoken) before it exits, to be started again and "
-                                            "register with the coordinator that answers", parse=float)
+                                            "register with the coordinator that answers", parse=positive_float)
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all

@@ -13,8 +13,8 @@ import zmq.asyncio
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.server import Coordinator
 from coordinator.step_loop import StepLoop
-from moemesh.protocol import (Assignment, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat, ProtocolError,
-                              Register, StatusRequest)
+from moemesh.protocol import (Assignment, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat, Ping,
+                              ProtocolError, Register, StatusRequest)
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings
 from test_core import FakeLastStage, make_core, prompt
@@ -133,7 +133,10 @@ async def _scripted_worker(address: str, ready: asyncio.Event):
     try:
         await sock.send_multipart(Codec.encode(reg(0, 0)))
         beats = asyncio.ensure_future(beat())
-        msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+        while True:  # (the coordinator's pings may come first)
+            msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+            if not isinstance(msg, Ping):
+                break
         assert isinstance(msg, Assignment) and (msg.layer_start, msg.layer_end) == (0, 2)
         ready.set()
         await asyncio.sleep(3600)

@@ -247,7 +247,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
 
 
 def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
-    server = Server(model, "--api-key", "sesame", "--max-pending", "2", "--coordinator-timeout", "2")
+    server = Server(model, "--api-key", "sesame", "--max-pending", "2", "--coordinator-timeout", "4")
     try:
         url = f"{server.url}/v1/completions"
         status, body, _ = http("POST", url, {"prompt": "x"})

@@ -27,7 +27,9 @@ def run_serve(args) -> int:
         make_mesh = lambda: LocalMesh.of(cfg)  # noqa: E731
     try:
         mesh = make_mesh()
-        mesh.restart_coordinator = True  # the gateway reconnects to the same address and serves again
+        # the gateway reconnects to the same address and serves again (Ray actors are not restarted, so
+        # a restarted coordinator would find no workers: there it stays fatal)
+        mesh.restart_coordinator = args.launcher == "local"
         with mesh:
             run(_serve(mesh, GatewaySettings.from_args(args, coordinator=mesh.client_address, model=cfg.model)))
     except (LaunchError, RuntimeError, TimeoutError) as e:
