@@ -47,6 +47,16 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+non_negative_int.__name__ = "non-negative integer"
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 

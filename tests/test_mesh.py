@@ -68,6 +68,20 @@ async def collect(client: CoordinatorClient, prompt, params):
     return tokens, last
 
 
+def stream_all(client: CoordinatorClient, prompts, params):
+    """Starts a stream per prompt; -> (tasks, tokens received so far per stream). A stream that
+    ends with an error fails its task."""
+    got = [[] for _ in prompts]
+
+    async def drain(i, stream):
+        async for out in stream:
+            assert not out.error, out.error
+            got[i] += out.token_ids
+
+    streams = [client.generate(p, sp) for p, sp in zip(prompts, params)]
+    return [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)], got
+
+
 async def generate_all(mesh: LocalMesh, prompts, params):
     client = CoordinatorClient(mesh.client_address)
     try:
@@ -193,16 +207,7 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
         try:
             await client.wait_serving(timeout=120)
             undisturbed = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
-            streams = [client.generate(p, sp) for p, sp in zip(prompts, params)]
-            got = [[] for _ in streams]
-
-            async def drain(i, s):
-                async for out in s:
-                    got[i] += out.token_ids
-                    if out.error:
-                        raise AssertionError(out.error)
-
-            tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+            tasks, got = stream_all(client, prompts, params)
             while sum(map(len, got)) < 32 * 4:  # every stream is under way
                 await asyncio.sleep(0.01)
             mesh.kill(f"stage-worker pp={victim} tp=0")
@@ -242,16 +247,7 @@ def test_more_kills_lose_no_request(model, scenario):
         try:
             await client.wait_serving(timeout=120)
             undisturbed = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
-            got = [[] for _ in prompts]
-
-            async def drain(i, s):
-                async for out in s:
-                    got[i] += out.token_ids
-                    if out.error:
-                        raise AssertionError(out.error)
-
-            tasks = [asyncio.ensure_future(drain(i, client.generate(p, sp)))
-                     for i, (p, sp) in enumerate(zip(prompts, params))]
+            tasks, got = stream_all(client, prompts, params)
             while sum(map(len, got)) < 8:
                 await asyncio.sleep(0.005)
             if scenario == "two-kills-in-a-row":

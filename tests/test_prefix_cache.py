@@ -23,6 +23,13 @@ def seq(i, tokens, **params):
     return Sequence(i, list(tokens), SamplingParams(max_tokens=3, ignore_eos=True, **params))
 
 
+def computed(m: BlockManager, s: Sequence) -> None:
+    """As if a step had computed all of the sequence's tokens and come back."""
+    m.grow(s, s.num_tokens)
+    s.num_computed = s.num_tokens
+    m.cache_computed(s, s.num_tokens)
+
+
 def core(num_blocks=32, budget=64):
     return EngineCore(SchedulerConfig(budget, 16, 512), num_blocks, B, (0,), 1000, prefix_caching=True)
 
@@ -111,9 +118,7 @@ def test_the_last_prompt_token_is_always_computed_and_prompt_logprobs_compute_ev
 def test_references_keep_a_shared_block_and_the_last_one_leaves_it_cached():
     m = BlockManager(6, B, enable_caching=True)
     a = seq(0, range(10, 19))
-    m.grow(a, 9)
-    a.num_computed = 9
-    m.cache_computed(a, 9)
+    computed(m, a)
     b = seq(1, range(10, 19))
     hits = m.lookup(b)
     assert hits == a.block_ids[:2] and m.cost(hits) == 0  # still referenced by a: no free block used
@@ -131,9 +136,7 @@ def test_eviction_takes_the_least_recently_released_block_first():
     m = BlockManager(6, B, enable_caching=True)
     seqs = [seq(i, [100 * (i + 1) + t for t in range(5)]) for i in range(3)]  # a full block and a partial each
     for s in seqs:
-        m.grow(s, 5)
-        s.num_computed = 5
-        m.cache_computed(s, 5)
+        computed(m, s)
     assert m.num_free == 0 and m.num_cached == 3
     for s in (seqs[1], seqs[0], seqs[2]):  # released in this order
         m.free(s)
@@ -147,9 +150,7 @@ def test_a_preempted_sequence_recomputes_only_what_was_evicted():
     m = BlockManager(8, B, enable_caching=True)
     s = seq(0, range(10, 20))
     s.output_ids = [50, 51, 52]  # recomputed as prompt + output
-    m.grow(s, 13)
-    s.num_computed = 13
-    m.cache_computed(s, 13)
+    computed(m, s)
     m.free(s)
     s.num_computed, s.cache_counted = 0, True  # as preemption leaves a sequence admitted before
     hits = m.lookup(s)
@@ -161,9 +162,7 @@ def test_a_preempted_sequence_recomputes_only_what_was_evicted():
 def test_reset_forgets_every_hash():
     m = BlockManager(4, B, enable_caching=True)
     s = seq(0, range(10, 19))
-    m.grow(s, 9)
-    s.num_computed = 9
-    m.cache_computed(s, 9)
+    computed(m, s)
     m.free(s)
     m.reset_cache()
     assert m.num_cached == 0 and m.num_free == 4 and m.lookup(seq(1, range(10, 19))) == []
@@ -172,9 +171,7 @@ def test_reset_forgets_every_hash():
 def test_without_caching_nothing_is_looked_up_or_kept():
     m = BlockManager(4, B)
     s = seq(0, range(10, 19))
-    m.grow(s, 9)
-    s.num_computed = 9
-    m.cache_computed(s, 9)
+    computed(m, s)
     m.free(s)
     assert m.num_cached == 0 and m.lookup(seq(1, range(10, 19))) == [] and m.queries == 0
 

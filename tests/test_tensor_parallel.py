@@ -109,7 +109,7 @@ def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_every_worker(
     import time
 
     from moemesh.client import CoordinatorClient
-    from test_mesh import collect
+    from test_mesh import collect, stream_all
 
     build_hf_model("mixtral", tmp_path)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
@@ -124,15 +124,7 @@ def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_every_worker(
         try:
             await client.wait_serving(timeout=120)
             want = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
-            got = [[] for _ in prompts]
-
-            async def drain(i, s):
-                async for out in s:
-                    assert not out.error, out.error
-                    got[i] += out.token_ids
-
-            tasks = [asyncio.ensure_future(drain(i, client.generate(p, sp)))
-                     for i, (p, sp) in enumerate(zip(prompts, params))]
+            tasks, got = stream_all(client, prompts, params)
             while sum(map(len, got)) < 16 * 3:
                 await asyncio.sleep(0.005)
             mesh.kill("stage-worker pp=1 tp=1")

@@ -21,8 +21,8 @@ from pathlib import Path
 from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
-                              StageSettings, StandaloneSettings, WorkerSettings, int_list, partition_arg,
-                              positive_int)
+                              StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
+                              partition_arg, positive_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -34,16 +34,6 @@ def backend_list(text: str) -> list[str]:
 
 
 backend_list.__name__ = "comma-separated list of backends"
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-non_negative_int.__name__ = "non-negative integer"
 
 
 def on_off_list(text: str) -> list[str]:
