@@ -47,6 +47,7 @@ class WorkerInfo:
     comm_seconds: float = 0.0
     sent_bytes: int = 0
     num_blocks: int = 0
+    refused: int = 0  # handshakes its activation socket refused (its heartbeat says)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -58,6 +59,7 @@ class WorkerRegistry:
         self.pp, self.tp, self.clock = pp, tp, clock
         self.phase = Phase.REGISTERING
         self.epoch = 0  # bumped by every recovery
+        self.refused_gone = 0  # handshakes refused by workers no longer in the pipeline
         self.workers: dict[tuple[int, int], WorkerInfo] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.all_registered = asyncio.Event()
@@ -138,6 +140,7 @@ class WorkerRegistry:
         registers; the pipeline recovers (a new epoch)."""
         self.workers.pop(w.rank, None)
         self._by_identity.pop(w.identity, None)
+        self.refused_gone += w.refused  # (its refusals still count)
         w.phase = Phase.DOWN
         self.all_registered.clear()
         self.all_ready.clear()

@@ -39,10 +39,12 @@ from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
+from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
                               Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
-                              Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage)
+                              Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
+                              max_client_message_bytes, max_result_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -72,12 +74,19 @@ class Coordinator:
         # refuse before any worker loads
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
                                      cfg.quantization)
+        check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
+        self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
         self.workers_sock = self.ctx.socket(zmq.ROUTER)
         self.clients_sock = self.ctx.socket(zmq.ROUTER)
         for s in (self.workers_sock, self.clients_sock):
             set_heartbeats(s)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a peer that sends more than the largest legitimate message is cut off by libzmq
+        max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs))
+        self.clients_sock.setsockopt(zmq.MAXMSGSIZE, max_client_message_bytes(max_len))
         self.worker_codec, self.client_codec = Codec(WorkerMessage), Codec(ClientMessage)
         self.bad_worker = BadMessages(log, "worker")
         self.bad_client = BadMessages(log, "client")
@@ -102,6 +111,8 @@ class Coordinator:
 
     async def run(self, announce=sys.stdout) -> None:
         cfg = self.cfg
+        self.guard.serve(self.workers_sock, "workers")
+        self.guard.serve(self.clients_sock, "clients")
         worker_port = bind(self.workers_sock, cfg.host, cfg.port)
         client_port = bind(self.clients_sock, cfg.host, cfg.client_port)
         self.addresses = {"workers": f"tcp://{cfg.host}:{worker_port}", "clients": f"tcp://{cfg.host}:{client_port}"}
@@ -116,6 +127,7 @@ class Coordinator:
             for t in tasks:
                 t.cancel()
             await self._broadcast(Shutdown())
+            self.guard.close()
             self.ctx.destroy(linger=100)
 
     async def _lifecycle(self) -> None:
@@ -303,6 +315,7 @@ class Coordinator:
         reg.seen(w)
         if isinstance(msg, Heartbeat):
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
+            w.refused = msg.refused
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
@@ -393,6 +406,9 @@ class Coordinator:
         if isinstance(msg, GenerateRequest):
             if self.failure:
                 await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
+            elif self.waiting() >= self.cfg.max_waiting:
+                await self.router.refuse(identity, msg, f"{self.waiting()} requests are waiting to be scheduled "
+                                                        f"(--max-waiting); retry shortly", 429)
             elif self.core is None:  # not serving yet: held until it does
                 self.router.hold(identity, msg)
             else:  # serving, or recovering (it waits in the queue like the requests put back)
@@ -417,13 +433,17 @@ class Coordinator:
             await self.router.deliver([out])
             self.wake.set()
 
+    def waiting(self) -> int:
+        """Requests not yet scheduled: queued in the core, or held until the pipeline serves."""
+        return (len(self.core.scheduler.waiting) if self.core else 0) + len(self.router.held)
+
     def status(self) -> StatusReply:
         core, loop, reg = self.core, self.loop, self.registry
         return StatusReply(
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,
             num_free_blocks=core.blocks.num_free if core else 0,
             num_running=len(core.scheduler.running) if core else 0,
-            num_waiting=(len(core.scheduler.waiting) if core else 0) + len(self.router.held),
+            num_waiting=self.waiting(),
             num_preemptions=core.scheduler.num_preemptions if core else 0,
             stage_busy_seconds=reg.stage_rank0("busy_seconds"), stage_comm_seconds=reg.stage_rank0("comm_seconds"),
             stage_sent_bytes=reg.stage_rank0("sent_bytes"), uptime_seconds=time.monotonic() - self.started,
@@ -435,7 +455,8 @@ class Coordinator:
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started
                                                       if reg.phase is Phase.RECOVERING else 0.0),
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
-            prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0)
+            prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0,
+            mesh_refused=self.guard.refused + sum(w.refused for w in reg.workers.values()) + reg.refused_gone)
 
 
 def _generate_request_id(header) -> str | None:

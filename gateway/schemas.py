@@ -24,6 +24,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     n: int = 1
+    best_of: int | None = None  # accepted only equal to n
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -12,11 +12,14 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 from aiohttp import web
@@ -30,13 +33,19 @@ from gateway.schemas import (ChatCompletionRequest, CompletionRequest, Detokeniz
 from moemesh import __version__
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
 from moemesh.log import get_logger
+from moemesh.mesh_security import check_exposure
 from moemesh.protocol import RequestOutput, TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.tokenizer import TextTokenizer
 
 log = get_logger("gateway")
+
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 
 
 class HTTPError(Exception):
@@ -67,16 +76,17 @@ class Choice:
 
 class Gateway:
     def __init__(self, cfg: GatewaySettings):
+        check_exposure(cfg.mesh_keys, cfg.insecure_mesh, coordinator=cfg.coordinator)
         self.cfg = cfg
         self.client: CoordinatorClient | None = None
         self.status = None
         self.pending = 0
-        self.api_key = cfg.api_key or os.environ.get("MOEMESH_API_KEY") or None
+        self.api_keys = load_api_keys(cfg.api_key or os.environ.get("MOEMESH_API_KEY"), cfg.api_key_file)
 
     # -- setup ---------------------------------------------------------------------------------
 
     async def start(self, app: web.Application) -> None:
-        self.client = CoordinatorClient(self.cfg.coordinator)
+        self.client = CoordinatorClient(self.cfg.coordinator, mesh_keys=self.cfg.mesh_keys)
         self.status = await self.client.wait_serving(timeout=600)
         model_dir = self.cfg.model or self.status.model
         self.tokenizer = TextTokenizer(model_dir)
@@ -133,8 +143,8 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") and self.api_key:
-                if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            if request.path.startswith("/v1/") and self.api_keys:
+                if not key_matches(request.headers.get("Authorization", ""), self.api_keys):
                     raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)")
             return await handler(request)
         except HTTPError as e:
@@ -240,8 +250,13 @@ class Gateway:
             raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
                                  f"prompt has {prompt_len} tokens and max_tokens asks for {max_tokens}, "
                                  f"{prompt_len + max_tokens} in all", "max_tokens")
-        if not 1 <= body.n <= 16:
-            raise HTTPError(400, "n must be in [1, 16]", "n")
+        if not 1 <= body.n <= MAX_N:
+            raise HTTPError(400, f"n must be in [1, {MAX_N}]", "n")
+        if body.best_of is not None and body.best_of != body.n:
+            raise HTTPError(400, "best_of other than n is not supported (give n alone)", "best_of")
+        stop = stop_list(body.stop)
+        if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise HTTPError(400, f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters", "stop")
         fields = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty")
                   if getattr(body, k) is not None}
@@ -467,6 +482,8 @@ class Gateway:
         else:
             raise HTTPError(400, "prompt must be a string, a list of strings, token ids or lists of token ids",
                             "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise HTTPError(400, f"at most {MAX_PROMPTS} prompts in one request", "prompt")
         for p in prompts:
             if not p:
                 raise HTTPError(400, "a prompt is empty", "prompt")
@@ -541,14 +558,53 @@ def _text_content(content) -> str:
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 
 
+def load_api_keys(key: str | None, key_file: str | None) -> list[bytes]:
+    """--api-key and the keys of --api-key-file (one a line; blank lines and # comments skipped)."""
+    keys = [key] if key else []
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {key_file}: {e.strerror or e}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise ConfigError(f"--api-key-file {key_file} holds no key")
+    return [f"Bearer {k}".encode() for k in keys]
+
+
+def key_matches(header: str, keys: list[bytes]) -> bool:
+    """Whether an Authorization header carries one of the keys, each compared in constant time (and
+    every key compared, so the time does not tell which one nearly matched)."""
+    given = header.encode("utf-8", "surrogateescape")
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key)
+    return matched
+
+
+def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
+    """TLS for the HTTP port with --ssl-certfile (and --ssl-keyfile, unless the key is in the cert file)."""
+    if cfg.ssl_keyfile and not cfg.ssl_certfile:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    if not cfg.ssl_certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--ssl-certfile {cfg.ssl_certfile}: {getattr(e, 'strerror', None) or e}") from None
+    return context
+
+
 async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None) -> None:
     """Serves until cancelled."""
     gw = Gateway(cfg)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context(cfg))
     await site.start()
-    log.info("gateway listening", extra={"fields": {"url": f"http://{cfg.host}:{cfg.port}"}})
+    scheme = "https" if cfg.ssl_certfile else "http"
+    log.info("gateway listening", extra={"fields": {"url": f"{scheme}://{cfg.host}:{cfg.port}"}})
     if ready is not None:
         ready.set()
     try:

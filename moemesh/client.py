@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from moemesh.log import get_logger
+from moemesh.mesh_security import MeshKeys
 from moemesh.netutil import BadMessages, set_heartbeats
 from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
                               ProtocolError, RequestOutput, StatusReply, StatusRequest)
@@ -21,11 +22,14 @@ log = get_logger("client")
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, mesh_keys: str | None = None):
+        """`mesh_keys`: the mesh's key directory (its client key and the server's public key): CURVE."""
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{id(self):x}".encode())
         set_heartbeats(self.sock)
+        if mesh_keys:
+            MeshKeys(mesh_keys).connect(self.sock, "client")
         self.sock.connect(address)
         self.codec = Codec(CoordinatorReply)
         self.bad = BadMessages(log, "coordinator")

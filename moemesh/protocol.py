@@ -21,7 +21,7 @@ from typing import Union
 
 import msgspec
 
-from moemesh.sampling import SamplingParams
+from moemesh.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 class ProtocolError(ValueError):
@@ -105,6 +105,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     recovery_seconds: float = 0.0  # spent recovering, in all
     requests_resumed: int = 0  # sequences put back to be recomputed by recoveries
     tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
+    mesh_refused: int = 0  # handshakes the mesh's sockets refused (--mesh-keys: no key, or one not allowed)
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
@@ -153,6 +154,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     busy_seconds: float  # in forward passes, since start
     comm_seconds: float = 0.0  # of which in tensor-parallel collectives
     sent_bytes: int = 0  # activation bytes sent to the next stage, since start
+    refused: int = 0  # handshakes its activation socket refused (no key, or one not allowed), since start
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):
@@ -283,3 +285,35 @@ def check_frame(meta: TensorMeta, buf) -> None:
 
 def _buffer(frame):
     return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+# -- limits -------------------------------------------------------------------------------------
+# The largest legitimate frame of each link, set as ZMQ_MAXMSGSIZE on the receiving socket: a peer
+# that sends more is disconnected by libzmq before the message is buffered. Generous on purpose
+# (msgpack's worst case per value, slack for headers): a limit that refuses a real message is a bug.
+
+HEADER_SLACK = 1 << 20
+
+
+def max_client_message_bytes(max_model_len: int) -> int:
+    """A generate request: its prompt ids (9 bytes each at most in msgpack) and its parameters."""
+    return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS
+
+
+def max_result_bytes(max_batched_tokens: int, max_seqs: int) -> int:
+    """A step result: a token per sequence, and logprobs with MAX_LOGPROBS alternatives for every token
+    of the step at worst (prompt logprobs); each (id, logprob) pair is at most 18 bytes."""
+    per_token = 32 + (MAX_LOGPROBS + 1) * 18
+    return HEADER_SLACK + (max_batched_tokens + max_seqs) * per_token
+
+
+def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:
+    """A tensor frame between stages: a step's hidden states (or residual) in 32-bit floats at most."""
+    return HEADER_SLACK + 4 * hidden_size * max_batched_tokens
+
+
+def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:
+    """A schedule to a worker: per sequence its block table and parameters, the step's token ids
+    (a first chunk may also carry its prompt ids and cached ids: up to max_model_len each)."""
+    per_seq = 512 + 9 * (-(-max_model_len // block_size)) + 9 * MAX_STOP_TOKEN_IDS + 18 * max_model_len
+    return HEADER_SLACK + max_seqs * per_seq + 9 * max_batched_tokens

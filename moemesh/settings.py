@@ -1,7 +1,7 @@
 """Every setting of every process, each declared once: its flag, type, default, help and `MOEMESH_*`
 variable all come from one dataclass field.
 
-    class WorkerSettings(WorkerResources):
+    class WorkerSettings(WorkerResources, MeshSecurity):
         coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
         ...
 
@@ -228,6 +228,17 @@ class StandaloneSettings(Settings):
     seqs: int = flag(4, "(--standalone) synthetic sequences", parse=positive_int)
 
 @dataclass(frozen=True)
+class MeshSecurity(Settings):
+    """CurveZMQ on the mesh (moemesh/mesh_security.py); every process of a mesh takes the same two."""
+    mesh_keys: str | None = flag(None, "the mesh's CurveZMQ keys (`moemesh keys --out DIR`): every mesh socket "
+                                       "authenticated and encrypted, only peers with an allowed key let in",
+                                 metavar="DIR")
+    insecure_mesh: bool = flag(False, "let mesh sockets listen on or connect to addresses beyond loopback without "
+                                      "--mesh-keys (anyone who reaches them can use the model and inject "
+                                      "activations: only on a network protected another way)")
+
+
+@dataclass(frozen=True)
 class ModelSettings(Settings):
     model: str | None = flag(None, "checkpoint directory (default: the built-in tiny model)")
     dtype: str = flag("auto", "auto: float32 on CPU, the checkpoint's dtype on GPU", choices=("auto", *DTYPES))
@@ -259,6 +270,8 @@ class SchedulerSettings(Settings):
     max_in_flight: int | None = flag(None, "microbatches in the pipeline at once (default: pp)", parse=positive_int)
     no_prefix_caching: bool = flag(False, "recompute every prompt from scratch instead of reusing the KV blocks "
                                           "of a prefix seen before")
+    max_waiting: int = flag(4096, "requests waiting to be scheduled (every client's) before new ones are refused "
+                                  "with 429", parse=positive_int)
     max_model_len: int | None = flag(None, "the longest context (prompt plus output) a request may have "
                                            "(default: the model's max_position_embeddings)", parse=positive_int)
 
@@ -283,12 +296,12 @@ class WorkerResources(Settings):
 
 
 @dataclass(frozen=True)
-class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerResources):
+class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerResources, MeshSecurity):
     """The whole system on this machine: `generate`, `serve`, `LLMEngine`, `LocalMesh.of`."""
 
 
 @dataclass(frozen=True)
-class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings):
+class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, MeshSecurity):
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(0, "port for stage workers (0: any free port)", parse=int)
     client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=int)
@@ -302,7 +315,7 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings):
 
 
 @dataclass(frozen=True)
-class WorkerSettings(WorkerResources):
+class WorkerSettings(WorkerResources, MeshSecurity):
     coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
     pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=int)
     tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=int)
@@ -312,6 +325,10 @@ class WorkerSettings(WorkerResources):
     device: str = flag("cpu", "cpu, cuda or cuda:N")
     record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
     record_steps: int = flag(16, "steps --record writes", parse=positive_int)
+    max_message_bytes: int = flag(256 << 20, "the largest message this worker accepts (a schedule, the previous "
+                                             "stage's activations; a peer that sends more is cut off); serve and "
+                                             "generate derive it from the model and --max-batched-tokens",
+                                  parse=positive_int)
     heartbeat_interval: float = 0.5
 
 
@@ -322,7 +339,7 @@ class StageSettings(WorkerSettings):
 
 
 @dataclass(frozen=True)
-class GatewaySettings(Settings):
+class GatewaySettings(MeshSecurity):
     coordinator: str | None = flag(None, "the coordinator's client address, tcp://HOST:PORT")
     host: str = flag("127.0.0.1", "HTTP address to listen on")
     port: int = flag(8000, "HTTP port", parse=int)
@@ -331,5 +348,10 @@ class GatewaySettings(Settings):
     served_model_name: str | None = flag(None, "the model name clients use (default: the checkpoint "
                                                "directory's name)")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/* (or set MOEMESH_API_KEY)")
+    api_key_file: str | None = flag(None, "accept any of the API keys in this file (one a line; # comments), with "
+                                          "--api-key's", metavar="FILE")
+    ssl_certfile: str | None = flag(None, "serve HTTPS with this certificate chain (PEM)", metavar="FILE")
+    ssl_keyfile: str | None = flag(None, "the private key of --ssl-certfile (PEM), if not in that file",
+                                   metavar="FILE")
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
     max_body_bytes: int = 8 << 20

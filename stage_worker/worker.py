@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
+from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
                               Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
@@ -44,13 +45,17 @@ log = get_logger("stage_worker")
 class StageWorker:
     def __init__(self, cfg: WorkerSettings):
         self.cfg = cfg
+        check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host, coordinator=cfg.coordinator)
         self.ctx = zmq.asyncio.Context()
+        self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
         self.ctrl = self.ctx.socket(zmq.DEALER)
         # one identity per process: a replacement never takes over the identity of the one it replaces
         self.ctrl.setsockopt(zmq.IDENTITY, f"w{cfg.pp_rank}.{cfg.tp_rank}.{os.getpid()}".encode())
         set_heartbeats(self.ctrl)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
+        for sock in (self.ctrl, self.pull):  # more than the largest schedule or activations: cut off
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.push: zmq.asyncio.Socket | None = None
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
@@ -75,10 +80,12 @@ class StageWorker:
     async def run(self) -> int:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or 1)
+        self.guard.serve(self.pull, "workers")
         port = bind(self.pull, cfg.host, cfg.port)
         host = cfg.advertise_host or cfg.host
         address = f"tcp://{host}:{port}"
         rendezvous = f"tcp://{host}:{_free_port(cfg.host)}"
+        self.guard.connect(self.ctrl, "worker")
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
@@ -100,6 +107,7 @@ class StageWorker:
             heartbeat.cancel()
             watch.cancel()
             self.compute.shutdown(wait=False, cancel_futures=True)
+            self.guard.close()
             self.ctx.destroy(linger=0)
             if dist.is_initialized():  # (a collective stuck on a lost peer must not hold the exit)
                 closer = threading.Thread(target=dist.destroy_process_group, daemon=True)
@@ -197,6 +205,7 @@ class StageWorker:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.push)
+        self.guard.connect(self.push, "worker")
         self.push.connect(address)
 
     async def _send(self, msg) -> None:
@@ -314,7 +323,8 @@ class StageWorker:
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
-            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes))
+            await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
+                                       self.guard.refused))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

@@ -21,6 +21,8 @@ ODD = {  # a value unlike the default for every flag
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5,
     "num_kv_blocks": 77, "coordinator_timeout": 4.5, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
+    "mesh_keys": "/keys", "insecure_mesh": True, "max_message_bytes": 4096, "api_key_file": "/ak",
+    "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "max_waiting": 9,
     "ray_address": "ray://x:1", "standalone": True, "layers": "0:2", "replay": "/p", "tokens": 9, "seqs": 2,
 }
 
@@ -62,8 +64,11 @@ def test_a_field_added_once_reaches_the_flags_the_environment_and_the_children()
     assert Worker.from_argv([], environ={"MOEMESH_PIN_MEMORY": "1"}).pin_memory
 
 
-def test_the_local_launcher_starts_children_with_what_their_commands_parse_back():
-    engine = EngineSettings(model="/m", pp=2, tp=2, layer_partition=(3, 5), kv_memory=1 << 20, quantization="int8",
+def test_the_local_launcher_starts_children_with_what_their_commands_parse_back(tmp_path):
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+
+    model = str(write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=8), tmp_path / "m"))
+    engine = EngineSettings(model=model, pp=2, tp=2, layer_partition=(3, 5), kv_memory=1 << 20, quantization="int8",
                             max_in_flight=3, threads=2)
     mesh = LocalMesh.of(engine, worker_timeout=2.0, record="/rec")
     parser = build_parser()

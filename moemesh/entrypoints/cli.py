@@ -5,6 +5,7 @@
     moemesh coordinator --model DIR --pp N --tp M [--layer-partition 3,5]
     moemesh stage-worker --coordinator tcp://HOST:PORT --pp-rank R [--tp-rank T]
     moemesh generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F.jsonl) [--pp N]
+    moemesh keys --out DIR                                             CurveZMQ keys for --mesh-keys
     moemesh make-tiny-model --arch mixtral --out DIR [sizes]
     moemesh bench model | throughput | serve ...
 
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         kv_memory={"help": "bytes of KV cache per worker"},
         threads={"help": "compute threads per worker (default: this host's cores shared among the --tp workers)"})
 
+    k = sub.add_parser("keys", help="make the CurveZMQ keys of a mesh (for --mesh-keys)")
+    k.add_argument("--out", required=True, type=Path, help="the directory to write them to (must not hold keys)")
+
     q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
     q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
     q.add_argument("--out", required=True, type=Path, help="where to write the FP8 checkpoint")
@@ -123,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="start coordinator, stage workers and gateway on this machine")
     EngineSettings.add_arguments(sv)
-    GatewaySettings.add_arguments(sv, coordinator=None, model=None)
+    GatewaySettings.add_arguments(sv, coordinator=None, model=None, mesh_keys=None, insecure_mesh=None)
     LaunchSettings.add_arguments(sv)
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -159,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],
                     help="on, off, or on,off: run each layout with and without the prefix cache and compare")
+    tb.add_argument("--curve", type=on_off_list, default=["off"],
+                    help="on, off, or on,off: run each layout with CurveZMQ on every mesh socket (fresh keys), "
+                         "without, or both and compare")
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
@@ -228,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_gateway(args)
         if args.command == "stage":
             return cmd_stage(args)
+        if args.command == "keys":
+            from moemesh.mesh_security import make_keys
+
+            print(make_keys(args.out))
+            return 0
         if args.command == "quantize":
             from moemesh.entrypoints.quantize import quantize_checkpoint
 

@@ -154,7 +154,7 @@ async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
     from moemesh.client import CoordinatorClient
     from moemesh.entrypoints.launcher import LaunchError
 
-    client = CoordinatorClient(mesh.client_address)
+    client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
 
     async def watch():
         while mesh.died is None:

@@ -23,7 +23,9 @@ import threading
 import time
 import dataclasses
 
+from moemesh.config import ModelConfig
 from moemesh.log import get_logger
+from moemesh.protocol import max_activation_bytes, max_schedule_bytes
 from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings
 
 log = get_logger("launcher")
@@ -47,6 +49,15 @@ def available_cores() -> int:
 def threads_per_worker(threads: int | None, workers: int) -> int:
     """--threads, or the cores this process may use shared evenly among `workers` processes."""
     return threads or max(1, available_cores() // workers)
+
+
+def worker_message_limit(engine: EngineSettings) -> int:
+    """The largest message a stage worker of this engine's mesh can be sent: a schedule, or a step's
+    activations at the token budget (moemesh/protocol.py's limits)."""
+    mc = ModelConfig.from_dir(engine.model)
+    max_len = min(engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    return max(max_activation_bytes(mc.hidden_size, engine.max_batched_tokens),
+               max_schedule_bytes(engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size))
 
 
 _PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL")  # not a role's settings: every process reads them
@@ -99,7 +110,8 @@ class LocalMesh:
         pick = lambda c: {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(c)}}  # noqa: E731
         coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, **pick(CoordinatorSettings)})
         threads = threads_per_worker(engine.threads, engine.pp * engine.tp)
-        worker = WorkerSettings.derive(engine, **{"threads": threads, **pick(WorkerSettings)})
+        worker = WorkerSettings.derive(engine, **{"threads": threads, "max_message_bytes": worker_message_limit(engine),
+                                                  **pick(WorkerSettings)})
         return cls(coordinator, worker, extra_env)
 
     def __enter__(self) -> "LocalMesh":

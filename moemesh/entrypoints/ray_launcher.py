@@ -82,7 +82,10 @@ class RayMesh(LocalMesh):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
                 ).remote()
                 host = ray.get(actor.node_ip.remote())
-                worker = self.worker_settings(coordinator, p, t, host="0.0.0.0", advertise_host=host,
+                # beyond loopback only with keys (or --insecure-mesh): the activation socket faces the network
+                exposed = self.worker.mesh_keys or self.worker.insecure_mesh
+                worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if exposed else "127.0.0.1",
+                                              advertise_host=host if exposed else "127.0.0.1",
                                               device="cuda:0" if gpu else "cpu")
                 self.actors.append(actor)
                 self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(worker.to_argv())

@@ -5,8 +5,9 @@ when the pipeline serves, and Ctrl-C stops everything."""
 from __future__ import annotations
 
 import asyncio
+import os
 
-from gateway.server import run_gateway
+from gateway.server import load_api_keys, run_gateway, ssl_context
 from moemesh.entrypoints.generate import engine_settings_from_args
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.errors import CLIError
@@ -19,6 +20,14 @@ log = get_logger("serve")
 
 def run_serve(args) -> int:
     cfg = engine_settings_from_args(args)
+    if cfg.mesh_keys and not os.path.exists(cfg.mesh_keys):  # a new directory: the keys are made there first
+        from moemesh.mesh_security import make_keys
+
+        make_keys(cfg.mesh_keys)
+        log.warning("made mesh keys", extra={"fields": {"dir": cfg.mesh_keys}})
+    gateway = GatewaySettings.from_args(args, model=cfg.model)
+    load_api_keys(gateway.api_key, gateway.api_key_file)  # a bad key or certificate file: before any process starts
+    ssl_context(gateway)
     if args.launcher == "ray":
         from moemesh.entrypoints.ray_launcher import RayMesh
 
@@ -31,7 +40,7 @@ def run_serve(args) -> int:
         # a restarted coordinator would find no workers: there it stays fatal)
         mesh.restart_coordinator = args.launcher == "local"
         with mesh:
-            run(_serve(mesh, GatewaySettings.from_args(args, coordinator=mesh.client_address, model=cfg.model)))
+            run(_serve(mesh, GatewaySettings.derive(gateway, coordinator=mesh.client_address)))
     except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
     except OSError as e:  # e.g. the port is taken
@@ -58,7 +67,8 @@ async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait([waiter, server, watcher], return_when=asyncio.FIRST_COMPLETED)
         if ready.is_set():
-            print(f"moemesh is serving {cfg.model} at http://{cfg.host}:{cfg.port}  (Ctrl-C to stop)", flush=True)
+            scheme = "https" if cfg.ssl_certfile else "http"
+            print(f"moemesh is serving {cfg.model} at {scheme}://{cfg.host}:{cfg.port}  (Ctrl-C to stop)", flush=True)
             await asyncio.wait([server, watcher], return_when=asyncio.FIRST_COMPLETED)
         for t in (server, watcher):
             if t.done():

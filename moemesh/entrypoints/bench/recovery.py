@@ -26,7 +26,7 @@ from moemesh.settings import EngineSettings
 
 
 async def _measure(mesh: LocalMesh, prompts, params, victim: str) -> dict:
-    client = CoordinatorClient(mesh.client_address)
+    client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
     try:
         await client.wait_serving(timeout=600)
         want = await asyncio.gather(*(_tokens(client, p, params) for p in prompts))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -45,8 +46,8 @@ def bench_in_process(settings: EngineSettings, prompts, params) -> dict:
     return {"tokens": sum(len(o.token_ids) for o in outs), "seconds": elapsed}
 
 
-async def _drive(address: str, prompts, params, concurrency: int, label: str = "") -> dict:
-    client = CoordinatorClient(address)
+async def _drive(address: str, prompts, params, concurrency: int, label: str = "", mesh_keys: str | None = None) -> dict:
+    client = CoordinatorClient(address, mesh_keys=mesh_keys)
     try:
         await client.wait_serving(timeout=600)
         before = await client.status()
@@ -109,7 +110,15 @@ def run_throughput_bench(args) -> int:
         _emit(rows[-1], args.json)
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
-    for pp, tp, caching in [(pp, tp, c) for tp in args.tp for pp in args.pp for c in args.prefix_caching]:
+    keys_dir = None
+    if "on" in args.curve:
+        import tempfile
+
+        from moemesh.mesh_security import make_keys
+
+        keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
+    for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
+                                   for k in args.curve]:
         partition = None
         if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
             partition = args.layer_partition
@@ -118,17 +127,20 @@ def run_throughput_bench(args) -> int:
             layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
             partition = layout.stage_layers if partition else None
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
-                                             layer_partition=partition, no_prefix_caching=caching == "off")
+                                             layer_partition=partition, no_prefix_caching=caching == "off",
+                                             mesh_keys=keys_dir if curve == "on" else None,
+                                             insecure_mesh=args.netns and curve == "off")
             if args.netns:
                 r = _run_across_namespaces(settings, prompts, params, args.concurrency)
             else:
                 with LocalMesh.of(settings) as mesh:
-                    r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}"))
+                    r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}",
+                                   settings.mesh_keys))
         except (LaunchError, RuntimeError, ValueError, ConfigError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
         row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
-               "layers": list(partition) if partition else "even", "prefix_caching": caching,
+               "layers": list(partition) if partition else "even", "prefix_caching": caching, "curve": curve,
                "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
                "prefix_cache_hit_rate": round(r["prefix_cache_hit_rate"], 3),
@@ -142,11 +154,15 @@ def run_throughput_bench(args) -> int:
         if base:
             row["vs_in_process"] = round(tps / base, 2)
         single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1
-                       and x["prefix_caching"] == caching), None)
+                       and x["prefix_caching"] == caching and x["curve"] == curve), None)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
+        plain = next((x for x in rows if x.get("curve") == "off" and curve == "on"
+                      and (x["pp"], x["tp"], x["prefix_caching"]) == (pp, tp, caching)), None)
+        if plain:  # what CURVE costs, same layout, same run
+            row["curve_on_vs_off"] = round(tps / plain["tok_per_s"], 3)
         other = next((x for x in rows if x.get("prefix_caching") not in (None, caching)
-                      and (x["pp"], x["tp"]) == (pp, tp)), None)
+                      and (x["pp"], x["tp"], x["curve"]) == (pp, tp, curve)), None)
         if other:  # what the prefix cache buys, same layout, same run
             on, off = (row, other) if caching == "on" else (other, row)
             row["caching_on_ttft_speedup"] = round(off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-6), 2)
@@ -183,7 +199,8 @@ def _run_across_namespaces(settings: EngineSettings, prompts, params, concurrenc
                 worker = WorkerSettings.derive(settings, coordinator=f"tcp://{front}:5555", pp_rank=i, host="0.0.0.0",
                                                advertise_host=hosts.address(f"s{i}"), threads=1)
                 hosts.popen(f"s{i}", [*py, "stage-worker", *worker.to_argv()], env=_one_thread_env())
-            json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": concurrency}, f)
+            json.dump({"prompts": prompts, "max_tokens": params.max_tokens, "concurrency": concurrency,
+                       "mesh_keys": settings.mesh_keys}, f)
             f.flush()
             driver = hosts.popen("front", [sys.executable, "-m", "moemesh.entrypoints.bench.throughput", f.name],
                                  stdout=subprocess.PIPE)
@@ -207,4 +224,4 @@ if __name__ == "__main__":  # the driver, run inside the front namespace by --ne
     job = json.loads(open(sys.argv[1]).read())
     sampling = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True)
     print(json.dumps(run(_drive("tcp://127.0.0.1:5556", job["prompts"], sampling, job["concurrency"],
-                                "across namespaces"))))
+                                "across namespaces", job["mesh_keys"]))))

@@ -1,0 +1,209 @@
+"""CurveZMQ on every mesh link, with pyzmq's own `zmq.auth`: keys, who may connect where, refusals.
+
+The key directory (`moemesh keys --out DIR`) holds one key pair per role, in the layout zmq.auth
+reads (`NAME.key` public, `NAME.key_secret` public + secret):
+
+    DIR/server.key, server.key_secret   what every listening mesh socket serves with: the coordinator's
+                                        worker and client sockets, each stage worker's activation socket
+    DIR/worker.key_secret               a stage worker's key when it connects (registration, activations)
+    DIR/client.key_secret               a gateway's (or driver's) key when it connects to the client socket
+    DIR/workers/*.key                   public keys allowed on the worker-facing sockets
+    DIR/clients/*.key                   public keys allowed on the client socket
+
+So a gateway's host needs only `server.key` and `client.key_secret`: its key submits requests but
+cannot register as a stage or send activations. The allowed sets are read at each handshake (a key
+file added or removed takes effect for the next connection: rotation needs no restart of the
+listening side). A peer without a key, or with one not in the allowed set, fails the handshake in
+libzmq: nothing it sends reaches a decoder. Each refusal is counted (`MeshGuard.refused`).
+
+Without keys, a mesh socket may only listen on or connect to loopback, unless --insecure-mesh says
+the operator has made the network safe some other way (`check_exposure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import re
+import shutil
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+from zmq.auth import create_certificates, load_certificate, load_certificates
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from moemesh.errors import ConfigError
+from moemesh.log import get_logger
+
+log = get_logger("mesh_security")
+
+ROLES = ("server", "worker", "client")
+DOMAINS = {"workers": "worker", "clients": "client"}  # ZAP domain (a listening socket's) -> the role let in
+REFUSALS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def make_keys(directory: str | os.PathLike) -> Path:
+    """Writes a fresh key pair per role and the allowed sets; refuses to overwrite keys."""
+    directory = Path(directory)
+    if (directory / "server.key_secret").exists():
+        raise ConfigError(f"{directory} already holds mesh keys (server.key_secret); pick another directory, or "
+                          f"delete it to start over (every process then needs the new keys)")
+    for sub in ("", *DOMAINS):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    old_umask = os.umask(0o077)  # secret files readable by their owner only
+    try:
+        for role in ROLES:
+            create_certificates(directory, role)
+    finally:
+        os.umask(old_umask)
+    for role in ROLES:
+        (directory / f"{role}.key").chmod(0o644)  # public
+    for domain, role in DOMAINS.items():
+        shutil.copyfile(directory / f"{role}.key", directory / domain / f"{role}.key")
+    return directory
+
+
+class MeshKeys:
+    """The key directory, read lazily: each process reads only the files its role needs."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ConfigError(f"--mesh-keys {directory}: no such directory (make one with `moemesh keys --out DIR`)")
+        if not zmq.has("curve"):  # pragma: no cover - pyzmq's wheels always have it
+            raise ConfigError("--mesh-keys: this libzmq was built without CURVE")
+
+    def _pair(self, role: str, secret: bool) -> tuple[bytes, bytes | None]:
+        path = self.directory / (f"{role}.key_secret" if secret else f"{role}.key")
+        if not path.is_file() and not secret:
+            path = self.directory / f"{role}.key_secret"  # (holds the public key too)
+        try:
+            public, secret_key = load_certificate(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--mesh-keys {self.directory}: cannot read {path.name}: {e}") from None
+        if secret and not secret_key:
+            raise ConfigError(f"--mesh-keys {self.directory}: {path.name} holds no secret key")
+        return public, secret_key
+
+    def serve(self, sock: zmq.Socket, domain: str) -> None:
+        """Makes `sock` (before it binds) a CURVE server that lets in the keys allowed in `domain`."""
+        public, secret = self._pair("server", secret=True)
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+        sock.curve_server = True
+        sock.zap_domain = domain.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no authenticator: no connection (not "allow all")
+
+    def connect(self, sock: zmq.Socket, role: str) -> None:
+        """Makes `sock` (before it connects) a CURVE client with `role`'s key, trusting the mesh's server key."""
+        sock.curve_serverkey = self._pair("server", secret=False)[0]
+        public, secret = self._pair(role, secret=True)
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+
+
+class _AllowedKeys:
+    """zmq.auth's credentials provider: the public keys in DOMAIN's directory, re-read when it changes."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.stamp, self.keys = directory, None, {}
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        try:
+            stamp = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in self.directory.glob("*.key")))
+            if stamp != self.stamp:
+                self.keys, self.stamp = load_certificates(self.directory), stamp
+        except (OSError, ValueError) as e:
+            log.error("cannot read the allowed keys", extra={"fields": {"dir": str(self.directory), "error": str(e)}})
+            return False
+        return bool(self.keys.get(z85_key))
+
+
+class MeshGuard:
+    """One per process and zmq context: CURVE on the mesh sockets when there are keys, the ZAP
+    authenticator (its own thread), and a count of refused handshakes on each listening socket.
+    Without keys every method leaves the socket as it is (plain TCP)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, keys_dir: str | None):
+        self.ctx = ctx
+        self.keys = MeshKeys(keys_dir) if keys_dir else None
+        self.refused = 0
+        self._auth: ThreadAuthenticator | None = None
+        self._monitors: list[asyncio.Task] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys is not None
+
+    def serve(self, sock: zmq.asyncio.Socket, domain: str) -> None:
+        """Before `sock` binds: CURVE server for `domain`, the authenticator running, refusals counted.
+        Call from the running event loop."""
+        if self.keys is None:
+            return
+        if self._auth is None:
+            # the thread form: pyzmq's asyncio one (27.3) polls its ZAP socket on the event loop in a way
+            # that makes other sockets' receives on that loop fail with EAGAIN under CURVE
+            self._auth = ThreadAuthenticator(self.ctx, log=get_logger("zap"))
+            self._auth.start()
+            for d in DOMAINS:
+                self._auth.configure_curve_callback(d, _AllowedKeys(self.keys.directory / d))
+        self.keys.serve(sock, domain)
+        monitor = sock.get_monitor_socket(REFUSALS)
+        self._monitors.append(asyncio.ensure_future(self._count(monitor, domain)))
+
+    def connect(self, sock: zmq.Socket, role: str) -> None:
+        if self.keys is not None:
+            self.keys.connect(sock, role)
+
+    async def _count(self, monitor, domain: str) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            self.refused += 1
+            if self.refused <= 10 or self.refused % 1000 == 0:
+                log.warning("mesh handshake refused", extra={"fields": {
+                    "socket": domain, "peer": event.get("endpoint", b"").decode(errors="replace"),
+                    "event": zmq.Event(event["event"]).name, "count": self.refused}})
+
+    def close(self) -> None:
+        for t in self._monitors:
+            t.cancel()
+        if self._auth is not None:
+            self._auth.stop()
+
+
+# -- exposure ---------------------------------------------------------------------------------
+
+_TCP = re.compile(r"^tcp://(\[[^\]]+\]|[^:/]+)(?::\d+|:\*)?$")
+
+
+def address_host(address: str) -> str:
+    """The host of tcp://HOST:PORT (IPv6 in brackets)."""
+    m = _TCP.match(address or "")
+    return m.group(1).strip("[]") if m else address
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name (resolved elsewhere), or *
+
+
+def check_exposure(keys_dir: str | None, insecure: bool, **endpoints: str | None) -> None:
+    """Refuses (ConfigError) a mesh socket beyond loopback with no keys, unless --insecure-mesh.
+    `endpoints` maps a flag's name to the host or tcp:// address it gives."""
+    if keys_dir or insecure:
+        return
+    for name, value in endpoints.items():
+        if value is None:
+            continue
+        host = address_host(value) if value.startswith("tcp://") else value
+        if not is_loopback(host):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {value} is not loopback and the mesh has no keys: anyone who reaches it could "
+                              f"use the model or inject activations. Give --mesh-keys DIR (make them with `moemesh "
+                              f"keys --out DIR`), or --insecure-mesh if the network is protected another way")
