@@ -48,6 +48,7 @@ class WorkerInfo:
     sent_bytes: int = 0
     num_blocks: int = 0
     refused: int = 0  # handshakes its activation socket refused (its heartbeat says)
+    malformed: int = 0  # messages it could not decode or use (its heartbeat says)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -59,7 +60,7 @@ class WorkerRegistry:
         self.pp, self.tp, self.clock = pp, tp, clock
         self.phase = Phase.REGISTERING
         self.epoch = 0  # bumped by every recovery
-        self.refused_gone = 0  # handshakes refused by workers no longer in the pipeline
+        self.refused_gone = self.malformed_gone = 0  # counted by workers no longer in the pipeline
         self.workers: dict[tuple[int, int], WorkerInfo] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.all_registered = asyncio.Event()
@@ -140,7 +141,8 @@ class WorkerRegistry:
         registers; the pipeline recovers (a new epoch)."""
         self.workers.pop(w.rank, None)
         self._by_identity.pop(w.identity, None)
-        self.refused_gone += w.refused  # (its refusals still count)
+        self.refused_gone += w.refused  # (what it counted still counts)
+        self.malformed_gone += w.malformed
         w.phase = Phase.DOWN
         self.all_registered.clear()
         self.all_ready.clear()

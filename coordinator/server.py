@@ -315,7 +315,7 @@ class Coordinator:
         reg.seen(w)
         if isinstance(msg, Heartbeat):
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
-            w.refused = msg.refused
+            w.refused, w.malformed = msg.refused, msg.malformed
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
@@ -447,7 +447,8 @@ class Coordinator:
             num_preemptions=core.scheduler.num_preemptions if core else 0,
             stage_busy_seconds=reg.stage_rank0("busy_seconds"), stage_comm_seconds=reg.stage_rank0("comm_seconds"),
             stage_sent_bytes=reg.stage_rank0("sent_bytes"), uptime_seconds=time.monotonic() - self.started,
-            malformed_messages=self.bad_worker.count + self.bad_client.count, model=self.cfg.model,
+            malformed_messages=self.bad_worker.count + self.bad_client.count + reg.malformed_gone
+            + sum(w.malformed for w in reg.workers.values()), model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
             steps=loop.steps if loop else 0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,

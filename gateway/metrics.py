@@ -39,6 +39,10 @@ class Metrics:
                                       registry=r)
         self.requests_resumed = Gauge("moemesh:requests_resumed", "Sequences recomputed after a recovery", labels,
                                       registry=r)
+        self.mesh_refused = Gauge("moemesh:mesh_handshakes_refused", "Connections to mesh sockets refused for a "
+                                  "missing or unknown CurveZMQ key, since the coordinator started", labels, registry=r)
+        self.malformed = Gauge("moemesh:malformed_messages", "Mesh messages that did not decode or could not be "
+                               "handled, since the coordinator started", labels, registry=r)
         self._last_busy: tuple[float, list[float]] | None = None
         self._last_prefix = (0, 0)  # the coordinator's running totals at the last status
 
@@ -51,6 +55,8 @@ class Metrics:
         self.recoveries.labels(m).set(status.recoveries)
         self.recovery_seconds.labels(m).set(status.recovery_seconds)
         self.requests_resumed.labels(m).set(status.requests_resumed)
+        self.mesh_refused.labels(m).set(status.mesh_refused)
+        self.malformed.labels(m).set(status.malformed_messages)
         if self._last_busy is not None:
             then, busy = self._last_busy
             dt = max(now - then, 1e-9)

@@ -155,6 +155,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     comm_seconds: float = 0.0  # of which in tensor-parallel collectives
     sent_bytes: int = 0  # activation bytes sent to the next stage, since start
     refused: int = 0  # handshakes its activation socket refused (no key, or one not allowed), since start
+    malformed: int = 0  # messages it received that did not decode or did not fit, since start
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

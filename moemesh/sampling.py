@@ -32,7 +32,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.top_k < 1 << 31, "top_k must be in [0, 2^31) (0 turns it off)"),
             (self.seed is None or 0 <= self.seed < 1 << 63, "seed must be in [0, 2^63)"),
-            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
             (all(0 <= t < 1 << 31 for t in self.stop_token_ids), "stop_token_ids must be token ids (>= 0)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),

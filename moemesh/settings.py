@@ -17,6 +17,7 @@ The classes, one per process role, share groups of fields by inheritance:
     LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
     SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight
     WorkerResources    kv_memory, threads                            what each stage worker may use
+    MeshSecurity       mesh_keys, insecure_mesh                      CurveZMQ on the mesh (every mesh process)
     CoordinatorSettings = Model + Layout + Scheduler + its sockets and timeouts
     WorkerSettings      = WorkerResources + its coordinator, ranks, sockets, device, recording
     StageSettings       = WorkerSettings + tp (`moemesh stage` starts tp workers)

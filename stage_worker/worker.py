@@ -84,7 +84,9 @@ class StageWorker:
         port = bind(self.pull, cfg.host, cfg.port)
         host = cfg.advertise_host or cfg.host
         address = f"tcp://{host}:{port}"
-        rendezvous = f"tcp://{host}:{_free_port(cfg.host)}"
+        # a stage's ranks share a host: their process group meets on loopback (it has no authentication
+        # of its own; docs/security.md says what else to firewall)
+        rendezvous = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
         self.guard.connect(self.ctrl, "worker")
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
@@ -166,6 +168,8 @@ class StageWorker:
             group = None
             if a.tp_size > 1:  # the stage's ranks meet at tp rank 0's rendezvous (gloo on CPU, NCCL on CUDA)
                 backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # (NCCL's bootstrap; its data goes over NVLink/PCIe)
                 dist.init_process_group(backend, init_method=a.tp_rendezvous, world_size=a.tp_size,
                                         rank=cfg.tp_rank, timeout=timedelta(seconds=600))
                 group = dist.group.WORLD
@@ -288,7 +292,7 @@ class StageWorker:
             sched: Schedule = await self.schedules.get()
             hidden = residual = None
             if not first:
-                hidden, residual = await self._activations_for(sched.step_id)
+                hidden, residual = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
             out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
             if self.recorder is not None:
                 self.recorder.record(sched, (hidden, residual), out)
@@ -300,16 +304,22 @@ class StageWorker:
             elif self.cfg.tp_rank == 0:
                 await self._send(out)
 
-    async def _activations_for(self, step_id: int):
+    async def _activations_for(self, step_id: int, num_tokens: int):
         """The previous stage's output for `step_id`. Stages run steps in issue order, so older
         activations are stale (a reset dropped their step); newer ones wait here (a few, bounded),
-        counted as odd: only a bad peer sends a step before the one its own schedule says."""
+        counted as odd: only a bad peer sends a step before the one its own schedule says. Tensors
+        that do not fit the step (shape, dtype) are refused, and the wait goes on."""
         while True:
             if step_id in self.early:
-                return self.early.pop(step_id)
+                tensors = self.early.pop(step_id)
+                if self._fit(step_id, tensors, num_tokens):
+                    return tensors
+                continue
             got, tensors = await self.activations.get()
             if got == step_id:
-                return tensors
+                if self._fit(step_id, tensors, num_tokens):
+                    return tensors
+                continue
             if got < step_id:
                 self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
                 continue
@@ -318,13 +328,23 @@ class StageWorker:
             while len(self.early) > 16:
                 self.early.pop(min(self.early))
 
+    def _fit(self, step_id: int, tensors, num_tokens: int) -> bool:
+        """Whether the activations of a step are [num_tokens, hidden] twice, in this stage's dtype."""
+        want = (num_tokens, self.executor.runner.config.hidden_size)
+        dtype = self.executor.runner.kv_cache.dtype
+        if all(tuple(t.shape) == want and t.dtype == dtype for t in tensors):
+            return True
+        self.bad(ProtocolError(f"activations of step {step_id} are {[(tuple(t.shape), str(t.dtype)) for t in tensors]}, "
+                               f"the step needs {want} of {dtype}"), "previous stage")
+        return False
+
     async def _heartbeat(self) -> None:
         while True:
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
-                                       self.guard.refused))
+                                       self.guard.refused, self.bad.count))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

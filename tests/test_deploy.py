@@ -34,6 +34,9 @@ def test_compose_files_are_valid(path):
     assert out.returncode == 0, out.stderr
     config = yaml.safe_load(out.stdout)
     for name, svc in config["services"].items():
+        if name == "keys":  # the one-shot that makes the mesh's keys: runs to completion, once per start
+            assert svc.get("restart") == "no" and svc["command"][1:3] == ["keys", "--out"], svc
+            continue
         assert svc.get("healthcheck"), f"{name} has no health check"
         assert svc.get("restart") == "unless-stopped", name
         if name.startswith("stage"):
@@ -53,6 +56,18 @@ def test_the_single_host_compose_file_has_gateway_coordinator_and_two_stages():
     assert {"gateway", "coordinator", "stage0", "stage1"} <= set(config["services"])
 
 
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.host-a.yml", "deploy/compose.host-b.yml"])
+def test_every_mesh_process_in_the_compose_files_has_the_keys(path):
+    out = subprocess.run([str(compose_binary()), "-f", str(REPO / path), "config"], env={**os.environ, **ENV},
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    for name, svc in yaml.safe_load(out.stdout)["services"].items():
+        if name == "keys":
+            continue
+        keys = svc["environment"]["MOEMESH_MESH_KEYS"]
+        assert any(v["target"] == keys and v.get("read_only") for v in svc["volumes"]), (name, svc["volumes"])
+
+
 def test_flags_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("MOEMESH_COORDINATOR", "tcp://coord:5555")
     monkeypatch.setenv("MOEMESH_PP_RANK", "1")
@@ -70,7 +85,7 @@ def test_flags_come_from_the_environment(monkeypatch):
         build_parser().parse_args(["coordinator"])
 
 
-SHARED = {"MOEMESH_MODEL", "MOEMESH_LOG_LEVEL"}  # set for every service by the files' common block
+SHARED = {"MOEMESH_MODEL", "MOEMESH_LOG_LEVEL", "MOEMESH_MESH_KEYS"}  # set for every service by the files' common block
 
 
 @pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/compose.host-a.yml", "deploy/compose.host-b.yml"])

@@ -25,8 +25,8 @@ from moemesh.client import CoordinatorClient
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 
-async def main(address, prompts):
-    client = CoordinatorClient(address)
+async def main(address, prompts, keys):
+    client = CoordinatorClient(address, mesh_keys=keys)
     await client.wait_serving(timeout=120)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     async def one(p):
@@ -38,12 +38,27 @@ async def main(address, prompts):
     print(json.dumps(await asyncio.gather(*(one(p) for p in prompts))), flush=True)
     await client.close()
 
-run(main(sys.argv[1], json.loads(sys.argv[2])))
+run(main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]))
 """
 
 
-def test_greedy_across_namespaces_equals_one_process(tmp_path):
+STRANGER = r"""
+import sys, zmq
+s = zmq.Context().socket(zmq.DEALER)
+s.linger = 0
+s.connect(sys.argv[1])
+s.send_multipart([b'\x81\xa4type\xa6status'])
+print("answered" if s.poll(1500) else "silent")
+"""
+
+
+def test_greedy_across_namespaces_with_keys_equals_one_process(tmp_path):
+    """Every mesh link between the simulated hosts with CurveZMQ (the deployment default): the same
+    tokens; a keyless peer on another host gets no answer from the coordinator."""
+    from moemesh.mesh_security import make_keys
+
     build_hf_model("mixtral", tmp_path)
+    keys = str(make_keys(tmp_path / "keys"))
     want = [o.token_ids for o in LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64), progress=False)
             .generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))]
     py = [sys.executable, "-m", "moemesh"]
@@ -51,12 +66,13 @@ def test_greedy_across_namespaces_equals_one_process(tmp_path):
         with Hosts(["front", "s0", "s1"]) as hosts:
             front = hosts.address("front")
             hosts.popen("front", [*py, "coordinator", "--model", str(tmp_path), "--pp", "2", "--host", "0.0.0.0",
-                                  "--port", "5555", "--client-port", "5556"], cwd=REPO, stdout=subprocess.DEVNULL)
+                                  "--port", "5555", "--client-port", "5556", "--mesh-keys", keys], cwd=REPO,
+                        stdout=subprocess.DEVNULL)
             for rank, name in enumerate(["s0", "s1"]):
                 hosts.popen(name, [*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(rank),
                                    "--host", "0.0.0.0", "--advertise-host", hosts.address(name),
-                                   "--kv-memory", str(8 << 20)], cwd=REPO)
-            client = hosts.popen("front", [sys.executable, "-c", CLIENT, "tcp://127.0.0.1:5556", json.dumps(PROMPTS)],
+                                   "--kv-memory", str(8 << 20), "--mesh-keys", keys], cwd=REPO)
+            client = hosts.popen("front", [sys.executable, "-c", CLIENT, "tcp://127.0.0.1:5556", json.dumps(PROMPTS), keys],
                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = client.communicate(timeout=180)
             assert client.returncode == 0, err.decode()[-2000:]
@@ -66,6 +82,9 @@ def test_greedy_across_namespaces_equals_one_process(tmp_path):
                                     "import socket; socket.create_connection(('127.0.0.1', 5555), 1)"],
                                    capture_output=True)
             assert probe.returncode != 0
+            stranger = subprocess.run(["ip", "netns", "exec", hosts.ns("s1"), sys.executable, "-c", STRANGER,
+                                       f"tcp://{front}:5556"], capture_output=True, text=True, timeout=30)
+            assert stranger.stdout.strip() == "silent", stranger.stderr
     except NetnsUnavailable as e:
         pytest.skip(f"network namespaces cannot be made here: {e}")
     assert not [ns for ns in leftover_namespaces() if ns.startswith(f"mm{__import__('os').getpid() % 100000}")]

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keys", help="make the CurveZMQ keys of a mesh (for --mesh-keys)")
     k.add_argument("--out", required=True, type=Path, help="the directory to write them to (must not hold keys)")
+    k.add_argument("--if-missing", action="store_true", help="keys already there are fine: keep them (for a "
+                                                            "one-shot container that runs at every start)")
 
     q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
     q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
@@ -238,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             from moemesh.mesh_security import make_keys
 
-            print(make_keys(args.out))
+            if not (args.if_missing and (args.out / "server.key_secret").is_file()):
+                make_keys(args.out)
+            print(args.out)
             return 0
         if args.command == "quantize":
             from moemesh.entrypoints.quantize import quantize_checkpoint

@@ -143,6 +143,8 @@ def _run_on_mesh(cfg: EngineSettings, prompts, params: SamplingParams) -> list[O
     """All prompts at once through a local mesh of processes, which is shut down afterwards."""
     from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 
+    if cfg.mesh_keys and not Path(cfg.mesh_keys).is_dir():
+        raise CLIError(f"--mesh-keys {cfg.mesh_keys}: no such directory (make one with `moemesh keys --out DIR`)")
     try:
         with LocalMesh.of(cfg) as mesh:
             return run(drive_mesh(mesh, prompts, params))

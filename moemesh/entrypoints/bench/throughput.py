@@ -157,10 +157,11 @@ def run_throughput_bench(args) -> int:
                        and x["prefix_caching"] == caching and x["curve"] == curve), None)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
-        plain = next((x for x in rows if x.get("curve") == "off" and curve == "on"
-                      and (x["pp"], x["tp"], x["prefix_caching"]) == (pp, tp, caching)), None)
-        if plain:  # what CURVE costs, same layout, same run
-            row["curve_on_vs_off"] = round(tps / plain["tok_per_s"], 3)
+        twin = next((x for x in rows if x.get("curve") not in (None, curve)
+                     and (x["pp"], x["tp"], x["prefix_caching"]) == (pp, tp, caching)), None)
+        if twin:  # what CURVE costs, same layout, same run (either order)
+            on, off = (tps, twin["tok_per_s"]) if curve == "on" else (twin["tok_per_s"], tps)
+            row["curve_on_vs_off"] = round(on / off, 3)
         other = next((x for x in rows if x.get("prefix_caching") not in (None, caching)
                       and (x["pp"], x["tp"], x["curve"]) == (pp, tp, curve)), None)
         if other:  # what the prefix cache buys, same layout, same run
