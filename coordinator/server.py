@@ -82,6 +82,10 @@ class Coordinator:
         for s in (self.workers_sock, self.clients_sock):
             set_heartbeats(s)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a gateway that reads slowly is never dropped an output (ZeroMQ drops at the high-water mark on a
+        # ROUTER): what it has not read waits here, bounded by its requests' tokens (its --max-pending);
+        # the gateway cuts off its own slow HTTP readers (--stream-timeout)
+        self.clients_sock.setsockopt(zmq.SNDHWM, 0)
         # a peer that sends more than the largest legitimate message is cut off by libzmq
         max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)

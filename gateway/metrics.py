@@ -43,6 +43,8 @@ class Metrics:
                                   "missing or unknown CurveZMQ key, since the coordinator started", labels, registry=r)
         self.malformed = Gauge("moemesh:malformed_messages", "Mesh messages that did not decode or could not be "
                                "handled, since the coordinator started", labels, registry=r)
+        self.slow_clients = Counter("moemesh:slow_clients_aborted", "Streaming requests aborted because their "
+                                    "client stopped reading (--stream-timeout)", labels, registry=r)
         self._last_busy: tuple[float, list[float]] | None = None
         self._last_prefix = (0, 0)  # the coordinator's running totals at the last status
 

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import os
+import socket
 import ssl
 import time
 import uuid
@@ -46,6 +47,11 @@ log = get_logger("gateway")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
+STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
+
+
+class SlowClient(Exception):
+    """A streaming client did not take an event within --stream-timeout."""
 
 
 class HTTPError(Exception):
@@ -388,7 +394,13 @@ class Gateway:
         created = int(time.time())
 
         async def send(payload) -> None:
-            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            # a client that stops reading fills its connection's buffers and the write waits: past
+            # --stream-timeout it is cut off, and its sequences aborted (their KV blocks freed)
+            try:
+                await asyncio.wait_for(resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n"),
+                                       self.cfg.stream_timeout)
+            except asyncio.TimeoutError:
+                raise SlowClient from None
 
         def chunk(choices, usage=None):
             c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -410,6 +422,9 @@ class Gateway:
             async for event in events:
                 yield event
 
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        if sock is not None:  # a fixed send buffer (no autotuning to megabytes): a reader that stops is seen soon
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(request)
         try:
             if chat:
@@ -444,6 +459,14 @@ class Gateway:
             await send(e.body())
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: _gather's cleanup aborted every sequence
+        except SlowClient:
+            await events.aclose()  # aborts every sequence of the request
+            self.metrics.slow_clients.labels(self.model_name).inc()
+            log.warning("client stopped reading, request aborted", extra={"fields": {
+                "request_id": rid, "seconds": self.cfg.stream_timeout}})
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -355,4 +355,7 @@ class GatewaySettings(MeshSecurity):
     ssl_keyfile: str | None = flag(None, "the private key of --ssl-certfile (PEM), if not in that file",
                                    metavar="FILE")
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
+    stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
+                                       "buffers full) before its request is aborted and its KV blocks freed",
+                                 parse=positive_float)
     max_body_bytes: int = 8 << 20

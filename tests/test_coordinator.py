@@ -279,3 +279,34 @@ def test_the_launcher_gives_up_on_a_silent_coordinator_at_its_deadline():
     finally:
         silent.kill()
         silent.wait()
+
+
+def test_requests_past_max_waiting_get_429_and_the_client_socket_never_drops(tiny):
+    """Requests held (the pipeline is not serving yet) count as waiting: past --max-waiting a new one
+    is refused with 429 at once. The client socket keeps what a slow gateway has not read (no
+    high-water mark drops) and refuses messages larger than the longest prompt allows."""
+    from moemesh.protocol import GenerateRequest, max_client_message_bytes
+
+    async def scenario():
+        coord = _coordinator(tiny, max_waiting=2, register_timeout=30)
+        assert coord.clients_sock.getsockopt(zmq.SNDHWM) == 0
+        assert coord.clients_sock.getsockopt(zmq.MAXMSGSIZE) == max_client_message_bytes(
+            coord.model_config.max_position_embeddings)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.connect(coord.addresses["clients"])
+        try:
+            for i in range(3):
+                await sock.send_multipart(Codec.encode(GenerateRequest(f"r{i}", [5, 6], SamplingParams(max_tokens=2))))
+            frames = await asyncio.wait_for(sock.recv_multipart(), 5)
+            out = Codec(CoordinatorReply).decode(frames)[0]
+            assert (out.request_id, out.finish_reason, out.error_status) == ("r2", "error", 429)
+            assert "--max-waiting" in out.error
+            assert (await _status(coord.addresses["clients"])).num_waiting == 2
+        finally:
+            sock.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())

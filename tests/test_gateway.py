@@ -360,3 +360,38 @@ def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
         assert http("GET", f"{server.url}/health")[0] == 503
     finally:
         server.stop()
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model):
+    """A streaming client that stops reading (its socket's buffers full): its request is aborted
+    after --stream-timeout, its KV blocks are freed, and a stream beside it runs undisturbed."""
+    server = Server(model, "--pp", "2", "--stream-timeout", "2")
+    try:
+        sleeper = socket.socket()
+        sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: a tiny window
+        sleeper.connect(("127.0.0.1", server.port))
+        body = json.dumps({"prompt": "x", "max_tokens": 240, "n": 16, "logprobs": 20, "stream": True,
+                           "ignore_eos": True}).encode()
+        sleeper.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        started = time.monotonic()
+        # beside it, a reader that reads: its stream completes in full
+        other = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        text_tokens = 0
+        for chunk in other.completions.create(model="tiny-mixtral", prompt="y", max_tokens=40, stream=True,
+                                              temperature=0, extra_body={"ignore_eos": True}):
+            text_tokens += 1
+        assert text_tokens >= 40
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and metric(server, "moemesh:slow_clients_aborted_total") < 1:
+            time.sleep(0.2)
+        assert metric(server, "moemesh:slow_clients_aborted_total") == 1
+        assert time.monotonic() - started < 40  # bounded: not the 16 x 240 tokens it asked for
+        while time.monotonic() < deadline and metric(server, "vllm:num_requests_running") > 0:
+            time.sleep(0.2)
+        assert metric(server, "vllm:num_requests_running") == 0
+        assert metric(server, "vllm:kv_cache_usage_perc") == 0  # its blocks are back in the pool
+        sleeper.close()
+        assert http("GET", f"{server.url}/ready")[0] == 200
+    finally:
+        server.stop()
