@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -102,6 +103,7 @@ class Coordinator:
         self.failure: str | None = None
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
+        self.instance = os.urandom(8).hex()  # tells clients this process from one restarted on the same ports
         self.recovering: asyncio.Task | None = None
         self.abandoned: set[int] = set()  # steps in flight when a worker was lost: their results are void
         self.recoveries, self.recovery_seconds, self.requests_resumed, self.tokens_recomputed = 0, 0.0, 0, 0
@@ -451,6 +453,7 @@ class Coordinator:
             num_preemptions=core.scheduler.num_preemptions if core else 0,
             stage_busy_seconds=reg.stage_rank0("busy_seconds"), stage_comm_seconds=reg.stage_rank0("comm_seconds"),
             stage_sent_bytes=reg.stage_rank0("sent_bytes"), uptime_seconds=time.monotonic() - self.started,
+            instance=self.instance,
             malformed_messages=self.bad_worker.count + self.bad_client.count + reg.malformed_gone
             + sum(w.malformed for w in reg.workers.values()), model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,

@@ -114,7 +114,7 @@ class Gateway:
         while True:
             try:
                 status = await self.client.status(timeout=2.0)
-                if status.uptime_seconds < self.status.uptime_seconds:  # a new coordinator: ours are gone
+                if status.instance != self.status.instance:  # a new coordinator: ours are gone
                     log.error("coordinator restarted", extra={"fields": {"requests": len(self.client.streams)}})
                     self.client.fail_all("the coordinator restarted")
                 self.status = status

@@ -106,6 +106,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     requests_resumed: int = 0  # sequences put back to be recomputed by recoveries
     tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
     mesh_refused: int = 0  # handshakes the mesh's sockets refused (--mesh-keys: no key, or one not allowed)
+    instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]

@@ -37,6 +37,13 @@ def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
         ours = [table[g.id.hex()] for g in mesh.groups]
         assert all(t["strategy"] == "STRICT_PACK" and len(t["bundles"]) == 2 for t in ours)
         assert mesh.died is None
+        # an actor dies: it is replaced in its bundle (with tp=2 the coordinator has every worker
+        # replaced), the pipeline recovers and serves the same tokens
+        ray.kill(mesh.by_name["ray actor pp=1 tp=1"])
+        results, status = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=6, temperature=0,
+                                                                        ignore_eos=True)))
+        assert [t for t, _ in results] == want and status.recoveries >= 1
+        assert mesh.died is None and len(mesh.actors) == 4
     finally:
         mesh.stop()
     assert not ray.is_initialized()

@@ -182,7 +182,7 @@ class LocalMesh:
         """Starts a child that ended again, within the restart budget; whether it did. A coordinator
         comes back on the ports it had (the workers, told nothing for a while, exit and register with
         it again; clients reconnect to the same address); requests it held end with an error."""
-        if not (name.startswith("stage-worker") or name == "coordinator" and self.restart_coordinator):
+        if not self._restartable(name):
             return False
         now = time.monotonic()
         recent = self.restarts[name] = [t for t in self.restarts.get(name, []) if now - t < 60]
@@ -194,6 +194,13 @@ class LocalMesh:
         if self._stop.wait(backoff):  # stopping meanwhile
             return True
         recent.append(time.monotonic())
+        return self._respawn(name)
+
+    def _restartable(self, name: str) -> bool:
+        return name.startswith("stage-worker") or name == "coordinator" and self.restart_coordinator
+
+    def _respawn(self, name: str) -> bool:
+        """Starts child `name` again as it was started; whether it did."""
         if name == "coordinator":
             ports = {"--port": self.worker_address.rsplit(":", 1)[1], "--client-port": self.client_address.rsplit(":", 1)[1]}
             argv = [ports.get(prev, arg) for prev, arg in zip([None, *self.argv[name]], self.argv[name])]

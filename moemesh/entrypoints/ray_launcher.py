@@ -4,7 +4,9 @@ One actor per (stage, tensor rank); the actors of a stage are packed on one node
 group (one bundle per rank, STRICT_PACK), so a stage's tensor parallelism stays inside a host and
 the pipeline crosses hosts, the layout vLLM's TPU backend adopted for Ray. Everything else is the
 same as the local launcher: the coordinator is a child process of this one, the actors register
-with it like any worker, and activations travel over ZeroMQ, not through Ray.
+with it like any worker, and activations travel over ZeroMQ, not through Ray. An actor whose worker
+exits (or that dies) is replaced in its bundle, within the local launcher's restart budget, and the
+coordinator's recovery takes the replacement in.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class RayMesh(LocalMesh):
         super().__init__(coordinator, worker, extra_env, startup_timeout)
         self.ray_address, self.device = ray_address, device
         self.actors, self.runs, self.groups = [], {}, []
+        self.placement: dict[str, tuple] = {}  # actor name -> (coordinator address, pp rank, tp rank, group)
+        self.by_name: dict = {}
         self._started_ray = False
 
     @classmethod
@@ -60,7 +64,6 @@ class RayMesh(LocalMesh):
         try:
             import ray
             from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError:
             raise LaunchError("--launcher ray needs Ray: pip install 'ray>=2.40'") from None
         if not ray.is_initialized():
@@ -68,7 +71,7 @@ class RayMesh(LocalMesh):
             ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
                      **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
             self._started_ray = True
-        actor_cls = _worker_actor()
+        self._actor_cls = _worker_actor()
         pp, tp = self.coordinator.pp, self.coordinator.tp
         gpu = 1 if self.device == "cuda" else 0
         for p in range(pp):
@@ -77,35 +80,67 @@ class RayMesh(LocalMesh):
                 raise LaunchError(f"Ray could not place stage {p}'s {tp} workers on one node")
             self.groups.append(group)
             for t in range(tp):
-                actor = actor_cls.options(
-                    num_cpus=0.01, num_gpus=gpu,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
-                ).remote()
-                host = ray.get(actor.node_ip.remote())
-                # beyond loopback only with keys (or --insecure-mesh): the activation socket faces the network
-                exposed = self.worker.mesh_keys or self.worker.insecure_mesh
-                worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if exposed else "127.0.0.1",
-                                              advertise_host=host if exposed else "127.0.0.1",
-                                              device="cuda:0" if gpu else "cpu")
-                self.actors.append(actor)
-                self.runs[f"ray actor pp={p} tp={t}"] = actor.run.remote(worker.to_argv())
+                self.placement[f"ray actor pp={p} tp={t}"] = (coordinator, p, t, group)
+                self._start_actor(f"ray actor pp={p} tp={t}")
         log.info("ray actors started", extra={"fields": {"actors": len(self.actors), "stages": pp}})
 
+    def _start_actor(self, name: str) -> None:
+        """The actor of one (stage, tensor rank), in its bundle of the stage's placement group."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        coordinator, p, t, group = self.placement[name]
+        gpu = 1 if self.device == "cuda" else 0
+        actor = self._actor_cls.options(
+            num_cpus=0.01, num_gpus=gpu,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
+        ).remote()
+        host = ray.get(actor.node_ip.remote())
+        # beyond loopback only with keys (or --insecure-mesh): the activation socket faces the network
+        exposed = self.worker.mesh_keys or self.worker.insecure_mesh
+        worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if exposed else "127.0.0.1",
+                                      advertise_host=host if exposed else "127.0.0.1",
+                                      device="cuda:0" if gpu else "cpu")
+        self.actors.append(actor)
+        self.by_name[name] = actor
+        self.runs[name] = actor.run.remote(worker.to_argv())
+
+    def _restartable(self, name: str) -> bool:
+        return name in self.placement or super()._restartable(name)
+
+    def _respawn(self, name: str) -> bool:
+        """An actor that ended (its worker exited, or the actor died) is replaced by a new one in the
+        same bundle, which registers for its rank like a restarted process."""
+        if name not in self.placement:
+            return super()._respawn(name)
+        import ray
+
+        old = self.by_name.pop(name, None)
+        if old is not None:
+            ray.kill(old)
+            self.actors.remove(old)
+        try:
+            self._start_actor(name)
+        except Exception as e:  # (Ray could not place or start it)
+            log.error("actor restart failed", extra={"fields": {"actor": name, "error": f"{type(e).__name__}: {e}"}})
+            return False
+        return True
+
     def _check_children(self) -> tuple[str | None, str] | None:
-        """(None: not restarted here, description) of a process or actor that ended. An actor that
-        ends ends the mesh: restarting the stage's actors is not built yet."""
+        """(name, description) of a process or actor that ended (the watcher restarts it)."""
         ended = super()._check_children()
         if ended or not self.runs:
             return ended
         import ray
 
         ready, _ = ray.wait(list(self.runs.values()), timeout=0)
-        for name, ref in self.runs.items():
+        for name, ref in list(self.runs.items()):
             if ref in ready:
+                del self.runs[name]
                 try:
-                    return None, f"{name} exited with status {ray.get(ref)}"
+                    return name, f"{name} exited with status {ray.get(ref)}"
                 except Exception as e:  # the actor died
-                    return None, f"{name} failed: {type(e).__name__}"
+                    return name, f"{name} failed: {type(e).__name__}"
         return None
 
     def stop(self) -> None:
