@@ -395,3 +395,59 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
         assert http("GET", f"{server.url}/ready")[0] == 200
     finally:
         server.stop()
+
+
+def _rss(pid) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.slow
+def test_256_streams_for_60_s_without_an_error_or_a_leak(model):
+    """A soak: 256 streaming clients, each sending requests back to back for 60 s (after 10 s of
+    warm-up), through the gateway and a two-stage mesh. No request fails, and no process (gateway,
+    coordinator, workers) grows by more than 10% from its size after the warm-up."""
+    import asyncio
+
+    import aiohttp
+
+    server = Server(model, "--pp", "2", "--max-pending", "4096")
+    procs = [server.proc.pid, *_children(server.proc.pid)]
+    counts = {"ok": 0, "errors": []}
+
+    async def client(session, i, until):
+        while time.monotonic() < until:
+            body = {"prompt": [5 + i % 50, 6, 7 + i % 13], "max_tokens": 24, "stream": True, "ignore_eos": True,
+                    "temperature": 0.8, "seed": i}
+            async with session.post(f"{server.url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    counts["errors"].append(resp.status)
+                    continue
+                text = (await resp.read()).decode()
+                if '"error"' in text or not text.rstrip().endswith("data: [DONE]"):
+                    counts["errors"].append(text[-200:])
+                else:
+                    counts["ok"] += 1
+
+    async def soak(seconds):
+        until = time.monotonic() + seconds
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            await asyncio.gather(*(client(session, i, until) for i in range(256)))
+
+    try:
+        asyncio.run(soak(10))
+        warm = {p: _rss(p) for p in procs}
+        done_warm = counts["ok"]
+        asyncio.run(soak(60))
+        after = {p: _rss(p) for p in procs}
+        assert counts["errors"] == [] and counts["ok"] - done_warm > 256
+        names = {p: " ".join(part.decode() for part in _cmdline(p).split(bytes(1))[2:4]) for p in procs}
+        grown = {f"{names[p]} (pid {p})": round(after[p] / warm[p], 3) for p in procs if warm[p]}
+        print(f"soak: {counts['ok'] - done_warm} requests in 60 s, RSS after / after warm-up: {grown}")
+        assert all(r <= 1.10 for r in grown.values()), grown
+        assert len(grown) == 4  # serve (the gateway), the coordinator, two workers
+    finally:
+        server.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,76 @@ def test_greedy_across_namespaces_with_keys_equals_one_process(tmp_path):
     except NetnsUnavailable as e:
         pytest.skip(f"network namespaces cannot be made here: {e}")
     assert not [ns for ns in leftover_namespaces() if ns.startswith(f"mm{__import__('os').getpid() % 100000}")]
+
+
+STREAMER = r"""
+import asyncio, json, sys
+from moemesh.client import CoordinatorClient
+from moemesh.netutil import run
+from moemesh.sampling import SamplingParams
+
+async def main(address, prompts, keys, n):
+    client = CoordinatorClient(address, mesh_keys=keys)
+    await client.wait_serving(timeout=120)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    started = asyncio.Event()
+    async def one(p):
+        tokens = []
+        async for out in client.generate(p, params):
+            assert out.error is None, out.error
+            tokens += out.token_ids
+            if len(tokens) >= 4 and not started.is_set():
+                started.set()
+                print("STREAMING", flush=True)
+        return tokens
+    tokens = await asyncio.gather(*(one(p) for p in prompts))
+    print(json.dumps({"tokens": tokens, "recoveries": (await client.status()).recoveries}), flush=True)
+    await client.close()
+
+run(main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])))
+"""
+
+
+def test_a_stage_whose_link_is_cut_for_8_s_is_recovered_and_nothing_is_lost(tmp_path):
+    """Stage 1's link down for 8 s mid-stream (its cable pulled): the coordinator loses it, its worker
+    hears nothing and exits, its supervisor (a restart loop, as compose's restart policy) starts it
+    again, and when the link comes back it registers, the pipeline recovers, and every stream
+    completes with the tokens of an undisturbed run."""
+    from moemesh.mesh_security import make_keys
+
+    build_hf_model("mixtral", tmp_path)
+    keys = str(make_keys(tmp_path / "keys"))
+    new = 160
+    want = [o.token_ids for o in LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64), progress=False)
+            .generate(PROMPTS, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))]
+    py = [sys.executable, "-m", "moemesh"]
+    try:
+        with Hosts(["front", "s0", "s1"]) as hosts:
+            front = hosts.address("front")
+            hosts.popen("front", [*py, "coordinator", "--model", str(tmp_path), "--pp", "2", "--host", "0.0.0.0",
+                                  "--port", "5555", "--client-port", "5556", "--mesh-keys", keys,
+                                  "--worker-timeout", "2", "--recovery-timeout", "60"], cwd=REPO,
+                        stdout=subprocess.DEVNULL)
+            for rank, name in enumerate(["s0", "s1"]):
+                worker = " ".join([*py, "stage-worker", "--coordinator", f"tcp://{front}:5555", "--pp-rank", str(rank),
+                                   "--host", "0.0.0.0", "--advertise-host", hosts.address(name), "--kv-memory",
+                                   str(8 << 20), "--mesh-keys", keys, "--coordinator-timeout", "3"])
+                hosts.popen(name, ["sh", "-c", f"while true; do {worker}; sleep 0.5; done"], cwd=REPO,
+                            start_new_session=True)
+            client = hosts.popen("front", [sys.executable, "-c", STREAMER, "tcp://127.0.0.1:5556", json.dumps(PROMPTS),
+                                           keys, str(new)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+            assert client.stdout.readline().strip() == "STREAMING", client.communicate()[1][-2000:]
+            hosts.link("s1", up=False)
+            time.sleep(8)
+            hosts.link("s1", up=True)
+            out, err = client.communicate(timeout=120)
+            assert client.returncode == 0, err[-2000:]
+            assert json.loads(out) == {"tokens": want, "recoveries": 1}
+    except NetnsUnavailable as e:
+        pytest.skip(f"network namespaces cannot be made here: {e}")
+    finally:
+        subprocess.run(["pkill", "-f", f"--mesh-keys {tmp_path}/keys"], capture_output=True)
 
 
 def test_namespaces_are_removed_when_the_body_fails():

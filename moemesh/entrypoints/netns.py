@@ -67,6 +67,10 @@ class Hosts:
             _ip("link", "set", host_end, "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
 
+    def link(self, name: str, up: bool) -> None:
+        """Cuts (or restores) host `name`'s link at the switch, as a pulled cable would."""
+        _ip("link", "set", f"{self.tag}s{self.names.index(name)}", "up" if up else "down", ns=self.switch)
+
     def popen(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], **kw)
         self.procs.append(proc)
