@@ -49,6 +49,7 @@ class WorkerInfo:
     num_blocks: int = 0
     refused: int = 0  # handshakes its activation socket refused (its heartbeat says)
     malformed: int = 0  # messages it could not decode or use (its heartbeat says)
+    last_step: int = -1  # the last step it finished (its heartbeat says)
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from moemesh.config import ModelConfig
 from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
-from moemesh.netutil import BadMessages, bind, set_heartbeats
+from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
                               Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
                               Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
@@ -107,6 +107,10 @@ class Coordinator:
         self.recovering: asyncio.Task | None = None
         self.abandoned: set[int] = set()  # steps in flight when a worker was lost: their results are void
         self.recoveries, self.recovery_seconds, self.requests_resumed, self.tokens_recomputed = 0, 0.0, 0, 0
+        self.workers_replaced = 0
+        self.issued: dict[int, float] = {}  # step id -> when it went out (--step-timeout)
+        self.results_taken = 0
+        self.step_resets, self._results_at_reset, self._resetting = 0, None, False
         self._recovery_started = 0.0
 
     @property
@@ -126,7 +130,8 @@ class Coordinator:
             print("MOEMESH_COORDINATOR " + json.dumps(self.addresses), file=announce, flush=True)
         log.info("listening", extra={"fields": self.addresses})
         tasks = [asyncio.ensure_future(c) for c in (self._worker_loop(), self._client_loop(), self._step_loop(),
-                                                    self._watchdog(), self._lifecycle(), self._ping())]
+                                                    self._watchdog(), self._lifecycle(), self._ping(),
+                                                    self._step_deadline())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -228,6 +233,7 @@ class Coordinator:
                                   f"within {cfg.recovery_timeout:g} s (--recovery-timeout)")
             new = [w for w in reg.workers.values() if w.phase is Phase.REGISTERING]
             replacements += new
+            self.workers_replaced += len(new)
             await self._assign(new)
             for w in new:  # the previous stage's worker of the same tensor rank sends to the replacement now
                 prev = reg.workers.get((w.pp_rank - 1, w.tp_rank))
@@ -277,7 +283,7 @@ class Coordinator:
     async def _messages(sock, codec: Codec, bad: BadMessages):
         """(sender identity, message) from a ROUTER socket; what does not decode is counted, skipped."""
         while True:
-            identity, *frames = await sock.recv_multipart(copy=False)
+            identity, *frames = await receive(sock)
             identity = identity.bytes
             try:
                 msg, _ = codec.decode(frames)
@@ -321,7 +327,7 @@ class Coordinator:
         reg.seen(w)
         if isinstance(msg, Heartbeat):
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
-            w.refused, w.malformed = msg.refused, msg.malformed
+            w.refused, w.malformed, w.last_step = msg.refused, msg.malformed, msg.last_step
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
@@ -345,7 +351,57 @@ class Coordinator:
         except ValueError as e:
             self.bad_worker(ProtocolError(str(e)), "last stage")
             return
+        self.results_taken += 1
+        self.issued.pop(result.step_id, None)
         await self.router.deliver(outputs)
+        self.wake.set()
+
+    async def _step_deadline(self) -> None:
+        """A step in flight past --step-timeout while every worker heartbeats: an activation or a
+        result lost on a connection that dropped and came back, or a stage stuck in its compute. The
+        first time, the pipeline is reset (a new epoch, the survivors drop their queued work, every
+        sequence recomputed, as in a recovery, but nobody replaced); if no step has finished since the
+        last reset, the first stage behind the overdue step is replaced."""
+        timeout = self.cfg.step_timeout
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            if self.failure:
+                return
+            if not self.serving:
+                continue
+            now = time.monotonic()
+            self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
+            overdue = [s for s, t in self.issued.items() if now - t > timeout]
+            if not overdue:
+                continue
+            step = min(overdue)
+            if self._results_at_reset == self.results_taken:  # the reset did not help: replace the stage
+                behind = sorted((w for w in self.registry.workers.values() if w.last_step < step), key=lambda w: w.rank)
+                if behind:
+                    w = behind[0]
+                    await self._send_worker(w.identity, Shutdown())
+                    self._lost(w, f"step {step} overdue ({timeout:g} s, --step-timeout) at stage worker "
+                                  f"pp={w.pp_rank} tp={w.tp_rank} after a reset")
+                    continue
+            await self._reset_pipeline(f"step {step} overdue ({timeout:g} s, --step-timeout)")
+
+    async def _reset_pipeline(self, reason: str) -> None:
+        """Every worker drops the steps not yet run; every unfinished sequence is recomputed."""
+        reg = self.registry
+        reg.epoch += 1
+        log.warning("pipeline reset", extra={"fields": {"reason": reason, "epoch": reg.epoch}})
+        self.step_resets += 1
+        self._results_at_reset = self.results_taken
+        self.abandoned.update(self.core.in_flight)
+        resumed, tokens = self.core.requeue_all()
+        self.requests_resumed += resumed
+        self.tokens_recomputed += tokens
+        self.issued.clear()
+        self._resetting = True  # nothing new goes out before every worker has the Reset
+        try:
+            await self._broadcast(Reset(reg.epoch))
+        finally:
+            self._resetting = False
         self.wake.set()
 
     async def _watchdog(self) -> None:
@@ -382,15 +438,16 @@ class Coordinator:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            if self.serving:
+            if self.serving and not self._resetting:
                 for sched in self.loop.issue():
+                    self.issued[sched.step_id] = time.monotonic()
                     await self.pipeline.send(sched)
 
     # -- clients ------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
         while True:
-            identity, *frames = await self.clients_sock.recv_multipart(copy=False)
+            identity, *frames = await receive(self.clients_sock)
             identity = identity.bytes
             try:
                 msg, _ = self.client_codec.decode(frames)
@@ -453,7 +510,7 @@ class Coordinator:
             num_preemptions=core.scheduler.num_preemptions if core else 0,
             stage_busy_seconds=reg.stage_rank0("busy_seconds"), stage_comm_seconds=reg.stage_rank0("comm_seconds"),
             stage_sent_bytes=reg.stage_rank0("sent_bytes"), uptime_seconds=time.monotonic() - self.started,
-            instance=self.instance,
+            instance=self.instance, workers_replaced=self.workers_replaced, step_resets=self.step_resets,
             malformed_messages=self.bad_worker.count + self.bad_client.count + reg.malformed_gone
             + sum(w.malformed for w in reg.workers.values()), model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,

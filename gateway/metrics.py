@@ -39,6 +39,8 @@ class Metrics:
                                       registry=r)
         self.requests_resumed = Gauge("moemesh:requests_resumed", "Sequences recomputed after a recovery", labels,
                                       registry=r)
+        self.worker_restarts = Gauge("moemesh:worker_restarts", "Lost stage workers replaced by a restarted "
+                                     "process, since the coordinator started", labels, registry=r)
         self.mesh_refused = Gauge("moemesh:mesh_handshakes_refused", "Connections to mesh sockets refused for a "
                                   "missing or unknown CurveZMQ key, since the coordinator started", labels, registry=r)
         self.malformed = Gauge("moemesh:malformed_messages", "Mesh messages that did not decode or could not be "
@@ -58,6 +60,7 @@ class Metrics:
         self.recovery_seconds.labels(m).set(status.recovery_seconds)
         self.requests_resumed.labels(m).set(status.requests_resumed)
         self.mesh_refused.labels(m).set(status.mesh_refused)
+        self.worker_restarts.labels(m).set(status.workers_replaced)
         self.malformed.labels(m).set(status.malformed_messages)
         if self._last_busy is not None:
             then, busy = self._last_busy

@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshKeys
-from moemesh.netutil import BadMessages, set_heartbeats
+from moemesh.netutil import BadMessages, receive, set_heartbeats
 from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
                               ProtocolError, RequestOutput, StatusReply, StatusRequest)
 from moemesh.sampling import SamplingParams
@@ -45,7 +45,7 @@ class CoordinatorClient:
 
     async def _read(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await receive(self.sock)
             try:
                 msg, _ = self.codec.decode(frames)
             except ProtocolError as e:

@@ -37,6 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
+from moemesh.netutil import receive
 
 log = get_logger("mesh_security")
 
@@ -159,7 +160,7 @@ class MeshGuard:
 
     async def _count(self, monitor, domain: str) -> None:
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
+            event = parse_monitor_message([f.bytes for f in await receive(monitor)])
             self.refused += 1
             if self.refused <= 10 or self.refused % 1000 == 0:
                 log.warning("mesh handshake refused", extra={"fields": {

@@ -35,6 +35,17 @@ def bind(sock: zmq.Socket, host: str, port: int) -> int:
     return port
 
 
+async def receive(sock: zmq.asyncio.Socket) -> list:
+    """The next multipart message (frames uncopied). pyzmq's asyncio receive can fail with EAGAIN when
+    libzmq reported a message ready that is gone by the time it is read (the connection it came on
+    dropped meanwhile, or a CURVE handshake stirred the socket): that is no error, the wait goes on."""
+    while True:
+        try:
+            return await sock.recv_multipart(copy=False)
+        except zmq.Again:
+            await asyncio.sleep(0)
+
+
 def set_heartbeats(sock: zmq.Socket, interval_ms: int = 1000) -> None:
     """ZMTP heartbeats: a dead peer's connection is noticed (and reconnected) in seconds."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
@@ -55,4 +66,4 @@ class BadMessages:
                 "link": self.link, "peer": peer, "error": str(error)[:200], "count": self.count}})
 
 
-__all__ = ["BadMessages", "ProtocolError", "bind", "new_event_loop", "run", "set_heartbeats"]
+__all__ = ["BadMessages", "ProtocolError", "bind", "new_event_loop", "receive", "run", "set_heartbeats"]

@@ -107,6 +107,8 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
     mesh_refused: int = 0  # handshakes the mesh's sockets refused (--mesh-keys: no key, or one not allowed)
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
+    workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
+    step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
@@ -157,6 +159,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     sent_bytes: int = 0  # activation bytes sent to the next stage, since start
     refused: int = 0  # handshakes its activation socket refused (no key, or one not allowed), since start
     malformed: int = 0  # messages it received that did not decode or did not fit, since start
+    last_step: int = -1  # the last step it finished computing
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

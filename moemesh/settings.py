@@ -311,6 +311,9 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, Mesh
                                           "(naming the missing)", parse=float)
     ready_timeout: float = flag(1800.0, "seconds to wait for the registered workers to load their layers and "
                                         "report ready", parse=float)
+    step_timeout: float = flag(120.0, "seconds a step may stay in flight before the pipeline is reset (every step "
+                                      "in flight recomputed); if that does not help, the stage behind it is replaced",
+                               parse=positive_float)
     recovery_timeout: float = flag(120.0, "seconds a recovering pipeline waits for a replacement of a lost worker "
                                           "(and its load) before it ends every request with 503", parse=float)
 

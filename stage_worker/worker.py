@@ -29,7 +29,7 @@ import zmq.asyncio
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
-from moemesh.netutil import BadMessages, bind, set_heartbeats
+from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
                               Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
 from moemesh.settings import WorkerSettings
@@ -72,6 +72,7 @@ class StageWorker:
         self.stopping = asyncio.Event()
         self.recorder = None
         self.sent_bytes = 0
+        self.last_step = -1  # the last step computed (heartbeats report it)
         if cfg.record:
             from stage_worker.standalone import Recorder
 
@@ -235,7 +236,7 @@ class StageWorker:
 
     async def _recv_one(self):
         while True:
-            frames = await self.ctrl.recv_multipart(copy=False)
+            frames = await receive(self.ctrl)
             try:
                 msg = self.codec.decode(frames)[0]
             except ProtocolError as e:
@@ -274,7 +275,7 @@ class StageWorker:
 
     async def _recv_activations(self) -> None:
         while True:
-            frames = await self.pull.recv_multipart(copy=False)
+            frames = await receive(self.pull)
             try:
                 msg, buffers = self.act_codec.decode(frames)
                 if len(buffers) != 2:
@@ -294,6 +295,7 @@ class StageWorker:
             if not first:
                 hidden, residual = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
             out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
+            self.last_step = sched.step_id
             if self.recorder is not None:
                 self.recorder.record(sched, (hidden, residual), out)
             if self.push is not None:
@@ -344,7 +346,7 @@ class StageWorker:
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
-                                       self.guard.refused, self.bad.count))
+                                       self.guard.refused, self.bad.count, self.last_step))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

@@ -310,3 +310,92 @@ def test_requests_past_max_waiting_get_429_and_the_client_socket_never_drops(tin
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = True):
+    """The only rank (pp=1): loads at once, heartbeats, and answers schedules like a last stage,
+    except the first `drop` schedules, which it never sees (lost on a connection that dropped). With
+    `answer` False it answers nothing after the first (a stage stuck in its compute). Logs what came."""
+    from moemesh.protocol import Ready, Reset, Schedule, Shutdown, Start
+    from test_core import FakeLastStage
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    last = [-1]
+
+    async def beat():
+        while True:
+            await sock.send_multipart(Codec.encode(Heartbeat(0, 0, 0.0, last_step=last[0])))
+            await asyncio.sleep(0.1)
+
+    beats = asyncio.ensure_future(beat())
+    stage, seen = FakeLastStage(), 0
+    try:
+        await sock.send_multipart(Codec.encode(reg(0, 0)))
+        while True:
+            msg, _ = Codec(CoordinatorMessage).decode(await sock.recv_multipart())
+            if isinstance(msg, Ping):
+                continue
+            log.append(type(msg).__name__)
+            if isinstance(msg, Assignment):
+                await sock.send_multipart(Codec.encode(Ready(0, 0, 64)))
+            elif isinstance(msg, Reset):
+                stage = FakeLastStage()  # (a reset drops the sampling state)
+            elif isinstance(msg, Schedule):
+                seen += 1
+                if seen <= drop or (not answer and seen > 1):
+                    continue
+                await sock.send_multipart(Codec.encode(stage(msg)))
+                last[0] = msg.step_id
+            elif isinstance(msg, Shutdown):
+                return
+            elif not isinstance(msg, Start):
+                raise AssertionError(msg)
+    finally:
+        beats.cancel()
+        sock.close(linger=0)
+
+
+def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny):
+    """A schedule that never arrives (its connection dropped): past --step-timeout the pipeline is
+    reset and the request completes, nobody replaced. A stage that stays stuck after the reset is
+    told to exit and the pipeline recovers without it."""
+    from moemesh.client import CoordinatorClient
+
+    async def scenario(answer: bool):
+        coord = _coordinator(tiny, step_timeout=0.5, worker_timeout=30, recovery_timeout=30)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        log: list = []
+        worker = asyncio.ensure_future(_worker_that_drops(coord.addresses["workers"], 1, log, answer))
+        client = CoordinatorClient(coord.addresses["clients"])
+        try:
+            await client.wait_serving(10)
+
+            async def one():
+                tokens = []
+                async for out in client.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)):
+                    assert not out.error, out.error
+                    tokens += out.token_ids
+                return tokens
+            if answer:
+                tokens = await asyncio.wait_for(one(), 10)
+                assert len(tokens) == 4
+            else:
+                request = asyncio.ensure_future(one())
+                await asyncio.wait_for(worker, 10)  # told to exit
+                await asyncio.sleep(0.2)
+                request.cancel()
+            return log, await client.status()
+        finally:
+            await client.close()
+            for t in (task, worker):
+                t.cancel()
+            await asyncio.gather(task, worker, return_exceptions=True)
+
+    log, status = asyncio.run(scenario(answer=True))
+    assert log[:4] == ["Assignment", "Start", "Schedule", "Reset"] and "Schedule" in log[4:]
+    assert (status.step_resets, status.recoveries, status.phase) == (1, 0, "serving")
+    log, status = asyncio.run(scenario(answer=False))
+    assert log.count("Reset") == 1 and log[-1] == "Shutdown"
+    assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")

@@ -283,6 +283,7 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         while time.monotonic() < deadline and metric(server, "moemesh:recoveries") < 1:
             time.sleep(0.2)
         assert metric(server, "moemesh:recoveries") == 1 and metric(server, "moemesh:requests_resumed") >= 1
+        assert metric(server, "moemesh:worker_restarts") == 1
         # the coordinator dies: the request it held ends with an error, /ready turns 503; `serve` starts it
         # again on the same ports, the workers (hearing nothing) exit, are started again and register
         # with it, and the gateway serves new requests without a restart

@@ -223,6 +223,7 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
     assert got == want
     assert all(len(t) == 40 for t in got)
     assert status.recoveries == 1 and status.requests_resumed > 0 and status.phase == "serving"
+    assert status.workers_replaced == 1
     assert died is None and restarts == 1
     assert status.num_free_blocks == status.num_blocks
 

@@ -171,6 +171,8 @@ class LocalMesh:
             ended = self._check_children()
             if ended and not self._stopping:
                 name, died = ended
+                if name is not None and name.startswith("stage-worker"):
+                    self._report_death(name)
                 if name is not None and self._restart(name, died):
                     continue
                 self.died = died
@@ -212,6 +214,31 @@ class LocalMesh:
             return True
         self._spawn(name, self.argv[name])
         return True
+
+    def _report_death(self, name: str) -> None:
+        """A worker killed by a signal could not say so: tell the coordinator in its name (its identity
+        is its ranks and pid), so the recovery starts now rather than at the heartbeat timeout."""
+        proc = self.procs[name]
+        if proc.returncode is None or proc.returncode >= 0 or self.worker_address is None:
+            return  # (one that exited on its own has said why, or was told to)
+        import zmq
+
+        from moemesh.mesh_security import MeshKeys
+        from moemesh.protocol import Codec, WorkerFailed
+
+        p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}".encode())
+            if self.worker.mesh_keys:
+                MeshKeys(self.worker.mesh_keys).connect(sock, "worker")
+            sock.connect(self.worker_address)
+            sock.send_multipart(Codec.encode(WorkerFailed(p, t, f"killed by signal {-proc.returncode} (its launcher "
+                                                                f"saw it)")))
+            sock.close(linger=1000)
+        finally:
+            ctx.term()
 
     def _check_children(self) -> tuple[str | None, str] | None:
         """(name, description) of a child that ended, if one did."""
