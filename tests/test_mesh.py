@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from hf_models import build_hf_model, hf_greedy
 from moemesh.client import CoordinatorClient
@@ -50,11 +52,23 @@ def _stop_meshes():
     _meshes.clear()
 
 
+def keys_for(model_dir) -> str:
+    """The mesh keys beside a test model (made once): every mesh of these tests runs CurveZMQ, as a
+    deployment does."""
+    from moemesh.mesh_security import make_keys
+
+    keys = Path(model_dir).parent / f"{Path(model_dir).name}-mesh-keys"
+    if not (keys / "server.key_secret").is_file():
+        make_keys(keys)
+    return str(keys)
+
+
 def mesh_for(model_dir, **kw) -> LocalMesh:
     """One running mesh per layout, shared by the tests of this module."""
     key = tuple(sorted(kw.items()))
     if key not in _meshes:
-        mesh = LocalMesh.of(EngineSettings(model=str(model_dir), kv_memory=kw.pop("kv_memory", KV), **kw))
+        mesh = LocalMesh.of(EngineSettings(model=str(model_dir), kv_memory=kw.pop("kv_memory", KV),
+                                           mesh_keys=keys_for(model_dir), **kw))
         mesh.start()
         _meshes[key] = mesh
     return _meshes[key]
@@ -83,7 +97,7 @@ def stream_all(client: CoordinatorClient, prompts, params):
 
 
 async def generate_all(mesh: LocalMesh, prompts, params):
-    client = CoordinatorClient(mesh.client_address)
+    client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
     try:
         await client.wait_serving(timeout=120)
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -133,7 +147,7 @@ def test_preemption_with_a_small_kv_pool(model, reference):
 def test_abort_frees_blocks_and_spares_the_others(model, reference):
     async def scenario():
         mesh = mesh_for(model[0], pp=2)
-        client = CoordinatorClient(mesh.client_address)
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
         try:
             await client.wait_serving(timeout=120)
             long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -166,15 +180,22 @@ def test_malformed_messages_do_not_crash_any_process(model, reference):
         junk = [[b"\x00garbage"], [b"\x92\x01\x02"], [b""], [b"\x81\xa4type\xa8generate"], [b"\xc1"] * 3,
                 [__import__("msgspec").msgpack.encode({"type": "generate", "request_id": "x", "prompt_ids": [1],
                                                         "params": {"top_p": 7.0}})]]
+        keys = Path(mesh.coordinator.mesh_keys)  # hostile peers that hold keys: the decoders must hold
+        server = zmq.auth.load_certificate(keys / "server.key")[0]
+
+        def keyed(sock, role):
+            sock.curve_serverkey = server
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(keys / f"{role}.key_secret")
+            return sock
         for frames in junk:
-            s = ctx.socket(zmq.DEALER)
+            s = keyed(ctx.socket(zmq.DEALER), "client")
             s.connect(client_addr)
             s.send_multipart(frames)
             s.close(linger=1000)
         worker_addr = mesh.worker_address
         for frames in junk + [[__import__("msgspec").msgpack.encode({"type": "result", "step_id": 99999,
                                                                        "sampled": []})]]:
-            s = ctx.socket(zmq.DEALER)
+            s = keyed(ctx.socket(zmq.DEALER), "worker")
             s.setsockopt(zmq.IDENTITY, b"intruder")
             s.connect(worker_addr)
             s.send_multipart(frames)
@@ -201,9 +222,10 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
     params = [LONG_GREEDY] * 16 + SEEDED
 
     async def scenario():
-        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=pp, kv_memory=KV), worker_timeout=2.0)
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=pp, kv_memory=KV, mesh_keys=keys_for(model[0])),
+                            worker_timeout=2.0)
         mesh.start()
-        client = CoordinatorClient(mesh.client_address)
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
         try:
             await client.wait_serving(timeout=120)
             undisturbed = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
@@ -242,9 +264,10 @@ def test_more_kills_lose_no_request(model, scenario):
     params = [SEEDED[i % 16] if i % 2 else LONG_GREEDY for i in range(len(prompts))]
 
     async def scenario_run():
-        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=pp, kv_memory=KV, **settings), worker_timeout=2.0)
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=pp, kv_memory=KV, mesh_keys=keys_for(model[0]),
+                                           **settings), worker_timeout=2.0)
         mesh.start()
-        client = CoordinatorClient(mesh.client_address)
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
         try:
             await client.wait_serving(timeout=120)
             undisturbed = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))

@@ -13,7 +13,7 @@ from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.loader import load_model
-from test_mesh import generate_all
+from test_mesh import generate_all, keys_for
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 41], [7], list(range(30, 52)), [299, 1, 298, 2]]
 NEW = 8
@@ -31,7 +31,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def run_layout(path, **layout):
-    with LocalMesh.of(EngineSettings(model=str(path), kv_memory=8 << 20, **layout)) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(path), kv_memory=8 << 20, mesh_keys=keys_for(path), **layout)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, GREEDY))
         again, status = run(generate_all(mesh, PROMPTS, GREEDY))  # the 22-token prompt's first block is cached
     assert status.num_free_blocks == status.num_blocks
@@ -118,9 +118,10 @@ def test_a_killed_rank_of_a_tensor_parallel_stage_is_replaced_with_every_worker(
               for i in range(16)]
 
     async def scenario():
-        mesh = LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20), worker_timeout=3.0)
+        mesh = LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20,
+                                           mesh_keys=keys_for(tmp_path)), worker_timeout=3.0)
         mesh.start()
-        client = CoordinatorClient(mesh.client_address)
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
         try:
             await client.wait_serving(timeout=120)
             want = await asyncio.gather(*(collect(client, p, sp) for p, sp in zip(prompts, params)))
