@@ -27,7 +27,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.requests: dict[str, Sequence] = {}
         self.in_flight: dict[int, Step] = {}
-        self._step_ids = itertools.count()
+        self.next_step_id = 0  # the id the next schedule gets
         self._seq_ids = itertools.count()
         self._forget: list[int] = []
 
@@ -73,7 +73,7 @@ class EngineCore:
         step = self.scheduler.schedule(max_seqs)
         if not step.items:
             return None
-        step_id = next(self._step_ids)
+        step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         self.in_flight[step_id] = step
         seqs = []
         now = time.monotonic()

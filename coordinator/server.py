@@ -111,6 +111,7 @@ class Coordinator:
         self.issued: dict[int, float] = {}  # step id -> when it went out (--step-timeout)
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
+        self.epoch_first_step = 0  # the first step id of the current epoch (Reset and Ping carry it)
         self._recovery_started = 0.0
 
     @property
@@ -224,7 +225,9 @@ class Coordinator:
         cfg, reg = self.cfg, self.registry
         started = self._recovery_started = time.monotonic()
         deadline = started + cfg.recovery_timeout
-        await self._broadcast(Reset(reg.epoch), only=Phase.SERVING)  # the survivors (not a replacement already in)
+        self.epoch_first_step = self.core.next_step_id
+        # the survivors (not a replacement already in)
+        await self._broadcast(Reset(reg.epoch, self.epoch_first_step), only=Phase.SERVING)
         replacements = []
         while True:
             reg.lost.clear()
@@ -251,7 +254,7 @@ class Coordinator:
             self.core.blocks.resize(num_blocks)  # nothing holds a block while recovering
         for w in replacements:
             if reg.workers.get(w.rank) is w:  # (not one that was lost again meanwhile)
-                await self._send_worker(w.identity, Start(num_blocks))
+                await self._send_worker(w.identity, Start(num_blocks, reg.epoch))
         reg.enter(Phase.SERVING)
         self.recovery_seconds += time.monotonic() - started
         log.info("recovered", extra={"fields": {"epoch": reg.epoch, "blocks": num_blocks,
@@ -352,6 +355,7 @@ class Coordinator:
             self.bad_worker(ProtocolError(str(e)), "last stage")
             return
         self.results_taken += 1
+        self._results_at_reset = None  # progress: a later stall is reset again first
         self.issued.pop(result.step_id, None)
         await self.router.deliver(outputs)
         self.wake.set()
@@ -375,13 +379,16 @@ class Coordinator:
             if not overdue:
                 continue
             step = min(overdue)
-            if self._results_at_reset == self.results_taken:  # the reset did not help: replace the stage
-                behind = sorted((w for w in self.registry.workers.values() if w.last_step < step), key=lambda w: w.rank)
-                if behind:
-                    w = behind[0]
+            # with tensor parallelism a reset could leave a stage's ranks one step apart in their
+            # collectives (as _lost says): replace instead
+            if self.cfg.tp > 1 or self._results_at_reset == self.results_taken:  # or the reset did not help
+                workers = sorted(self.registry.workers.values(), key=lambda w: w.rank)
+                behind = [w for w in workers if w.last_step < step]
+                if behind or (self.cfg.tp > 1 and workers):
+                    w = (behind or workers)[0]
                     await self._send_worker(w.identity, Shutdown())
                     self._lost(w, f"step {step} overdue ({timeout:g} s, --step-timeout) at stage worker "
-                                  f"pp={w.pp_rank} tp={w.tp_rank} after a reset")
+                                  f"pp={w.pp_rank} tp={w.tp_rank}")
                     continue
             await self._reset_pipeline(f"step {step} overdue ({timeout:g} s, --step-timeout)")
 
@@ -399,7 +406,8 @@ class Coordinator:
         self.issued.clear()
         self._resetting = True  # nothing new goes out before every worker has the Reset
         try:
-            await self._broadcast(Reset(reg.epoch))
+            self.epoch_first_step = self.core.next_step_id
+            await self._broadcast(Reset(reg.epoch, self.epoch_first_step))
         finally:
             self._resetting = False
         self.wake.set()
@@ -421,7 +429,7 @@ class Coordinator:
         that stops hearing it exits to be started again, and registers with the one that answers)."""
         while True:
             await asyncio.sleep(0.5)
-            await self._broadcast(Ping(self.registry.epoch))
+            await self._broadcast(Ping(self.registry.epoch, self.epoch_first_step))
 
     async def _send_worker(self, identity: bytes, msg) -> None:
         await self.workers_sock.send_multipart([identity, *Codec.encode(msg)], copy=False)

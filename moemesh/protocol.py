@@ -149,6 +149,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 
 class Start(msgspec.Struct, tag="start", frozen=True):
     num_blocks: int  # the smallest pool of any worker: block ids are shared across stages
+    epoch: int = 0  # the pipeline's epoch the worker joins (a replacement joins a later one)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -173,16 +174,20 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 class Reset(msgspec.Struct, tag="reset", frozen=True):
-    """A worker of the pipeline was lost: drop every step not yet run, the activations waiting for
-    them and every sequence's sampling state; steps of the new epoch follow (their ids are higher)."""
+    """A new epoch (a worker was lost, or a step overdue): drop every step below `first_step` not yet
+    run, the activations waiting for them and every sequence's sampling state; the epoch's steps
+    are numbered from `first_step` on."""
     epoch: int
+    first_step: int = 0
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     """The coordinator is alive (sent to every registered worker twice a second). A worker that
     hears nothing for --coordinator-timeout exits, so that its launcher starts it again and it
-    registers with whichever coordinator answers at that address."""
+    registers with whichever coordinator answers at that address. It carries the current epoch: a
+    worker that missed the epoch's Reset (its connection was down) resets on seeing it."""
     epoch: int
+    first_step: int = 0
 
 
 class Repoint(msgspec.Struct, tag="repoint", frozen=True):

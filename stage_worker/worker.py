@@ -73,6 +73,9 @@ class StageWorker:
         self.recorder = None
         self.sent_bytes = 0
         self.last_step = -1  # the last step computed (heartbeats report it)
+        self.epoch = 0  # the pipeline's epoch this worker has reset to
+        self.current_step = -1  # the step the stepper works on (or last took)
+        self.stepper: asyncio.Task | None = None  # runs the steps, once serving
         if cfg.record:
             from stage_worker.standalone import Recorder
 
@@ -138,7 +141,8 @@ class StageWorker:
         if await start is None:
             return 0
         start = start.result()
-        log.info("serving", extra={"fields": {"blocks": start.num_blocks}})
+        self.epoch = max(self.epoch, start.epoch)
+        log.info("serving", extra={"fields": {"blocks": start.num_blocks, "epoch": self.epoch}})
         self.stepper = asyncio.ensure_future(self._steps())
         tasks = [asyncio.ensure_future(c) for c in (self._recv_ctrl(), self._recv_activations())]
         stop = asyncio.ensure_future(self.stopping.wait())
@@ -191,18 +195,35 @@ class StageWorker:
             self._connect_next(self.next_address)
         return num_blocks
 
-    def _reset(self, epoch: int) -> None:
-        """Drops the steps not yet run and the activations waiting for them, and the sampling state;
-        a step computing now finishes, and its output is dropped downstream as stale (older id)."""
+    def _reset(self, epoch: int, first_step: int, in_order: bool = True) -> None:
+        """A new epoch: drops the steps below `first_step` not yet run and the activations waiting
+        for them (activations of the new epoch that came before the Reset stay), and the sampling
+        state; a step computing now finishes, and its output is dropped downstream as stale (older id).
+        A reset learnt late from a Ping (the Reset was lost with a connection) keeps the sampling
+        state: schedules of the new epoch may have set it already."""
+        self.epoch = epoch
+        if self.current_step >= first_step:  # (late: it already runs the new epoch's steps; let it)
+            self._drop_older(first_step)
+            log.info("reset", extra={"fields": {"epoch": epoch, "first_step": first_step, "late": True}})
+            return
         self.stepper.cancel()  # it may wait for activations from a stage that is gone, or on a full socket
-        for q in (self.schedules, self.activations):
-            while not q.empty():
-                q.get_nowait()
-        self.early.clear()
-        # on the compute thread, after the step it may be running (which reads the sampling state)
-        asyncio.get_running_loop().run_in_executor(self.compute, self.executor.seqs.clear)
+        self._drop_older(first_step)
+        if in_order:  # on the compute thread, after the step it may be running (which reads the sampling state)
+            asyncio.get_running_loop().run_in_executor(self.compute, self.executor.seqs.clear)
         self.stepper = asyncio.ensure_future(self._steps())
-        log.info("reset", extra={"fields": {"epoch": epoch}})
+        log.info("reset", extra={"fields": {"epoch": epoch, "first_step": first_step, "late": not in_order}})
+
+    def _drop_older(self, first_step: int) -> None:
+        """Drops the queued schedules and activations of steps below `first_step`."""
+        for q in (self.schedules, self.activations):
+            kept = []
+            while not q.empty():
+                item = q.get_nowait()
+                if (item.step_id if isinstance(item, Schedule) else item[0]) >= first_step:
+                    kept.append(item)
+            for item in kept:
+                q.put_nowait(item)
+        self.early = {s: t for s, t in self.early.items() if s >= first_step}
 
     def _connect_next(self, address: str) -> None:
         if self.push is not None:
@@ -231,6 +252,7 @@ class StageWorker:
                     self._connect_next(msg.next_address)
                 continue
             if isinstance(msg, Reset):  # nothing to drop yet
+                self.epoch = max(self.epoch, msg.epoch)
                 continue
             self.bad(ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}"), "coordinator")
 
@@ -245,6 +267,11 @@ class StageWorker:
             self.last_heard = time.monotonic()
             if not isinstance(msg, Ping):
                 return msg
+            if msg.epoch > self.epoch:  # an epoch this worker missed the Reset of
+                if self.stepper is not None:
+                    self._reset(msg.epoch, msg.first_step, in_order=False)
+                else:  # (not serving yet: a replacement joining the current epoch)
+                    self.epoch = msg.epoch
 
     async def _watch_coordinator(self) -> None:
         """Once the coordinator has spoken, a silence of --coordinator-timeout means it is gone (or
@@ -263,7 +290,8 @@ class StageWorker:
             if isinstance(msg, Schedule):
                 self.schedules.put_nowait(msg)
             elif isinstance(msg, Reset):
-                self._reset(msg.epoch)
+                if msg.epoch > self.epoch:
+                    self._reset(msg.epoch, msg.first_step)
             elif isinstance(msg, Repoint):
                 self._connect_next(msg.next_address)
                 log.info("next stage replaced", extra={"fields": {"address": msg.next_address}})
@@ -291,6 +319,7 @@ class StageWorker:
         first = self.cfg.pp_rank == 0
         while True:
             sched: Schedule = await self.schedules.get()
+            self.current_step = sched.step_id
             hidden = residual = None
             if not first:
                 hidden, residual = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
