@@ -45,7 +45,7 @@ from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
                               Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
                               Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
-                              max_client_message_bytes, max_result_bytes)
+                              max_client_message_bytes, max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -91,6 +91,8 @@ class Coordinator:
         max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
         self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs))
+        self.worker_message_bytes = worker_message_bytes(self.model_config.hidden_size, cfg.max_batched_tokens,
+                                                         cfg.max_seqs, max_len, cfg.block_size)
         self.clients_sock.setsockopt(zmq.MAXMSGSIZE, max_client_message_bytes(max_len))
         self.worker_codec, self.client_codec = Codec(WorkerMessage), Codec(ClientMessage)
         self.bad_worker = BadMessages(log, "worker")
@@ -306,6 +308,16 @@ class Coordinator:
     async def _on_worker(self, identity: bytes, msg) -> None:
         reg = self.registry
         if isinstance(msg, Register):
+            if 0 < msg.max_message_bytes < self.worker_message_bytes:  # it would cut off its own traffic
+                reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} takes messages up to "
+                          f"{msg.max_message_bytes} bytes, but this model's activations or schedules at "
+                          f"--max-batched-tokens {self.cfg.max_batched_tokens} need {self.worker_message_bytes}: "
+                          f"start it with --max-message-bytes {self.worker_message_bytes}")
+                log.error("worker refused", extra={"fields": {"reason": reason}})
+                await self._send_worker(identity, Shutdown())
+                if reg.phase is Phase.REGISTERING:  # a misconfiguration: say so now, not at a timeout
+                    self._fail(reason)
+                return
             old = reg.workers.get((msg.pp_rank, msg.tp_rank))
             if old is not None and reg.phase in (Phase.SERVING, Phase.RECOVERING):
                 # a worker registers again for its rank: it was restarted, the old one is gone

@@ -12,6 +12,7 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import os
@@ -393,14 +394,16 @@ class Gateway:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
-        async def send(payload) -> None:
+        async def send_raw(data: bytes) -> None:
             # a client that stops reading fills its connection's buffers and the write waits: past
             # --stream-timeout it is cut off, and its sequences aborted (their KV blocks freed)
             try:
-                await asyncio.wait_for(resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n"),
-                                       self.cfg.stream_timeout)
+                await asyncio.wait_for(resp.write(data), self.cfg.stream_timeout)
             except asyncio.TimeoutError:
                 raise SlowClient from None
+
+        async def send(payload) -> None:
+            await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         def chunk(choices, usage=None):
             c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -427,48 +430,48 @@ class Gateway:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
         await resp.prepare(request)
         try:
-            if chat:
-                for i, _, _ in jobs:
-                    await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]))
-            async for index, kind, payload in all_events():
-                if kind == "done":
-                    choices[index] = payload
-                    continue
-                text, out, choice = payload
-                new_lps = choice.logprobs[len(choice.logprobs) - len(out.logprobs or []):] if out.logprobs else []
-                # one event per step that produced tokens (its text may be empty while a character is
-                # incomplete), so clients and benchmarks see every token's arrival
+            try:
                 if chat:
-                    if text or choice.finish_reason or new_lps or out.token_ids:
-                        lp = {"content": [self._chat_logprob(x) for x in new_lps]} if body.logprobs else None
-                        await send(chunk([{"index": index, "delta": {"content": text} if text else {},
-                                           "logprobs": lp, "finish_reason": _reason(choice.finish_reason)}]))
-                else:
-                    prefix = ""
-                    if body.echo and index not in started:
-                        prefix = self.tokenizer.decode(jobs[index][1])
-                    started.add(index)
-                    if text or prefix or choice.finish_reason or out.token_ids:
-                        lp = self._completion_logprobs(new_lps, None, None) if body.logprobs is not None else None
-                        await send(chunk([{"index": index, "text": prefix + text, "logprobs": lp,
-                                           "finish_reason": _reason(choice.finish_reason)}]))
-            if body.stream_options and body.stream_options.include_usage:
-                await send(chunk([], usage=_usage(jobs, choices)))
-        except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
-            await send(e.body())
+                    for i, _, _ in jobs:
+                        await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]))
+                async for index, kind, payload in all_events():
+                    if kind == "done":
+                        choices[index] = payload
+                        continue
+                    text, out, choice = payload
+                    new_lps = choice.logprobs[len(choice.logprobs) - len(out.logprobs or []):] if out.logprobs else []
+                    # one event per step that produced tokens (its text may be empty while a character is
+                    # incomplete), so clients and benchmarks see every token's arrival
+                    if chat:
+                        if text or choice.finish_reason or new_lps or out.token_ids:
+                            lp = {"content": [self._chat_logprob(x) for x in new_lps]} if body.logprobs else None
+                            await send(chunk([{"index": index, "delta": {"content": text} if text else {},
+                                               "logprobs": lp, "finish_reason": _reason(choice.finish_reason)}]))
+                    else:
+                        prefix = ""
+                        if body.echo and index not in started:
+                            prefix = self.tokenizer.decode(jobs[index][1])
+                        started.add(index)
+                        if text or prefix or choice.finish_reason or out.token_ids:
+                            lp = self._completion_logprobs(new_lps, None, None) if body.logprobs is not None else None
+                            await send(chunk([{"index": index, "text": prefix + text, "logprobs": lp,
+                                               "finish_reason": _reason(choice.finish_reason)}]))
+                if body.stream_options and body.stream_options.include_usage:
+                    await send(chunk([], usage=_usage(jobs, choices)))
+            except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
+                await send(e.body())
+            await send_raw(b"data: [DONE]\n\n")
+            await asyncio.wait_for(resp.write_eof(), self.cfg.stream_timeout)
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client left: _gather's cleanup aborted every sequence
-        except SlowClient:
+        except (SlowClient, asyncio.TimeoutError):
             await events.aclose()  # aborts every sequence of the request
             self.metrics.slow_clients.labels(self.model_name).inc()
             log.warning("client stopped reading, request aborted", extra={"fields": {
                 "request_id": rid, "seconds": self.cfg.stream_timeout}})
             if request.transport is not None:
                 request.transport.abort()
-            return resp
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
         return resp
 
     # -- helpers -------------------------------------------------------------------------------
@@ -581,6 +584,10 @@ def _text_content(content) -> str:
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 
 
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+
+
 def load_api_keys(key: str | None, key_file: str | None) -> list[bytes]:
     """--api-key and the keys of --api-key-file (one a line; blank lines and # comments skipped)."""
     keys = [key] if key else []
@@ -592,13 +599,15 @@ def load_api_keys(key: str | None, key_file: str | None) -> list[bytes]:
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         if not keys:
             raise ConfigError(f"--api-key-file {key_file} holds no key")
-    return [f"Bearer {k}".encode() for k in keys]
+    return [_digest(k) for k in keys]  # (kept as digests: equal lengths, nothing to learn from timing)
 
 
 def key_matches(header: str, keys: list[bytes]) -> bool:
-    """Whether an Authorization header carries one of the keys, each compared in constant time (and
-    every key compared, so the time does not tell which one nearly matched)."""
-    given = header.encode("utf-8", "surrogateescape")
+    """Whether an Authorization header (`Bearer KEY`, the scheme in any case) carries one of the keys.
+    SHA-256 digests are compared, each in constant time, and every key is compared: the time tells
+    neither how close a guess was, nor which key it nearly matched, nor the keys' lengths."""
+    scheme, _, token = header.strip().partition(" ")
+    given = _digest(token.strip() if scheme.lower() == "bearer" else "\0" + header)
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(given, key)

@@ -22,11 +22,11 @@ the operator has made the network safe some other way (`check_exposure`).
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import zmq
@@ -37,12 +37,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
-from moemesh.netutil import receive
 
 log = get_logger("mesh_security")
 
 ROLES = ("server", "worker", "client")
 DOMAINS = {"workers": "worker", "clients": "client"}  # ZAP domain (a listening socket's) -> the role let in
+# a peer without CURVE (mechanism mismatch), with a key not allowed, or a connection that ended before
+# completing a handshake (libzmq reports some refusals that way; a bare TCP port probe counts too)
 REFUSALS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -132,7 +133,9 @@ class MeshGuard:
         self.keys = MeshKeys(keys_dir) if keys_dir else None
         self.refused = 0
         self._auth: ThreadAuthenticator | None = None
-        self._monitors: list[asyncio.Task] = []
+        self._monitors: list[tuple[zmq.Socket, str]] = []
+        self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @property
     def enabled(self) -> bool:
@@ -151,25 +154,39 @@ class MeshGuard:
             for d in DOMAINS:
                 self._auth.configure_curve_callback(d, _AllowedKeys(self.keys.directory / d))
         self.keys.serve(sock, domain)
+        # read on a thread of its own, blocking: on the event loop the first event could wait for the next
         monitor = sock.get_monitor_socket(REFUSALS)
-        self._monitors.append(asyncio.ensure_future(self._count(monitor, domain)))
+        self._monitors.append((zmq.Socket.shadow(monitor.underlying), domain, monitor))
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._count, name="mesh-refusals", daemon=True)
+            self._watcher.start()
 
     def connect(self, sock: zmq.Socket, role: str) -> None:
         if self.keys is not None:
             self.keys.connect(sock, role)
 
-    async def _count(self, monitor, domain: str) -> None:
-        while True:
-            event = parse_monitor_message([f.bytes for f in await receive(monitor)])
-            self.refused += 1
-            if self.refused <= 10 or self.refused % 1000 == 0:
-                log.warning("mesh handshake refused", extra={"fields": {
-                    "socket": domain, "peer": event.get("endpoint", b"").decode(errors="replace"),
-                    "event": zmq.Event(event["event"]).name, "count": self.refused}})
+    def _count(self) -> None:
+        poller = zmq.Poller()
+        watched = 0
+        while not self._stop.is_set():
+            for monitor, _, _ in self._monitors[watched:]:  # (sockets served after the thread started)
+                poller.register(monitor, zmq.POLLIN)
+            watched = len(self._monitors)
+            for monitor, _ in poller.poll(200):
+                event = parse_monitor_message(monitor.recv_multipart())
+                domain = next(d for m, d, _ in self._monitors if m is monitor)
+                self.refused += 1
+                if self.refused <= 10 or self.refused % 1000 == 0:
+                    log.warning("mesh handshake refused", extra={"fields": {
+                        "socket": domain, "peer": event.get("endpoint", b"").decode(errors="replace"),
+                        "event": zmq.Event(event["event"]).name, "count": self.refused}})
 
     def close(self) -> None:
-        for t in self._monitors:
-            t.cancel()
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2)
+        for shadow, _, monitor in self._monitors:
+            monitor.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
 

@@ -124,6 +124,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     device: str
     pid: int
     rendezvous_address: str = ""  # a free tcp://host:port for its stage's process group (used from tp rank 0)
+    max_message_bytes: int = 0  # the largest message its sockets take (--max-message-bytes; 0: not said)
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):
@@ -320,6 +321,13 @@ def max_result_bytes(max_batched_tokens: int, max_seqs: int) -> int:
 def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:
     """A tensor frame between stages: a step's hidden states (or residual) in 32-bit floats at most."""
     return HEADER_SLACK + 4 * hidden_size * max_batched_tokens
+
+
+def worker_message_bytes(hidden_size: int, max_batched_tokens: int, max_seqs: int, max_model_len: int,
+                         block_size: int) -> int:
+    """The largest message a stage worker can be sent: a schedule, or a step's activations."""
+    return max(max_activation_bytes(hidden_size, max_batched_tokens),
+               max_schedule_bytes(max_batched_tokens, max_seqs, max_model_len, block_size))
 
 
 def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:

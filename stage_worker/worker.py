@@ -93,7 +93,8 @@ class StageWorker:
         rendezvous = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
         self.guard.connect(self.ctrl, "worker")
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
-        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous))
+        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
+                                  cfg.max_message_bytes))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
         watch = asyncio.ensure_future(self._watch_coordinator())

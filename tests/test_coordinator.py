@@ -399,3 +399,30 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
     log, status = asyncio.run(scenario(answer=False))
     assert log.count("Reset") == 1 and log[-1] == "Shutdown"
     assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")
+
+
+def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_flag(tiny):
+    from moemesh.protocol import Shutdown
+
+    async def scenario():
+        coord = _coordinator(tiny, register_timeout=30)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.connect(coord.addresses["workers"])
+        try:
+            small = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000)
+            await sock.send_multipart(Codec.encode(small))
+            while True:
+                msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+                if not isinstance(msg, Ping):
+                    break
+            assert isinstance(msg, Shutdown)
+            return await _status(coord.addresses["clients"])
+        finally:
+            sock.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    status = asyncio.run(scenario())
+    assert status.phase == "down" and f"--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure

@@ -53,6 +53,51 @@ def test_keys_have_zmq_auths_layout_and_are_never_overwritten(tmp_path):
         MeshKeys(tmp_path / "missing")
 
 
+def test_each_host_works_with_only_the_key_files_deploy_readme_gives_it(tmp_path):
+    """deploy/README.md hands a stage host server.key, server.key_secret, worker.key_secret and
+    workers/, and a gateway host server.key and client.key_secret: with only those, a stage host's
+    activation socket takes a worker's message and a gateway host's client connects (and a stage
+    host's worker key is refused on the client port)."""
+    import shutil
+
+    from moemesh.mesh_security import MeshGuard
+
+    full = make_keys(tmp_path / "full")
+    stage_host, gateway_host = tmp_path / "stage-host", tmp_path / "gateway-host"
+    for host, files in ((stage_host, ["server.key", "server.key_secret", "worker.key_secret", "workers/worker.key"]),
+                        (gateway_host, ["server.key", "client.key_secret"])):
+        for f in files:
+            (host / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(full / f, host / f)
+
+    async def scenario():
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        guard = MeshGuard(ctx, str(stage_host))  # a stage host: its activation socket
+        pull = ctx.socket(zmq.PULL)
+        guard.serve(pull, "workers")
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        guard.connect(push, "worker")  # the previous stage, from its own copy of the same files
+        push.connect(f"tcp://127.0.0.1:{port}")
+        await push.send_multipart([b"activations"])
+        got = await asyncio.wait_for(pull.recv_multipart(), 10)
+        client_side = ctx.socket(zmq.PUSH)  # a gateway host's key on a workers socket: refused
+        MeshKeys(gateway_host).connect(client_side, "client")
+        client_side.connect(f"tcp://127.0.0.1:{port}")
+        await client_side.send_multipart([b"injected"])
+        await asyncio.sleep(1.0)
+        assert await pull.poll(100) == 0  # nothing of it arrived
+        refused = guard.refused
+        guard.close()
+        ctx.destroy(linger=0)
+        return got, refused
+
+    got, refused = asyncio.run(scenario())
+    assert got == [b"activations"] and refused >= 1
+
+
 def test_only_loopback_is_allowed_without_keys():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("*") and not is_loopback("10.0.0.2")
@@ -153,7 +198,10 @@ def _answered(address: str, kind: int, frames: list[bytes], curve: tuple | None 
             s.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
-        return kind != zmq.PUSH and bool(s.poll(wait_ms))
+        if kind == zmq.PUSH:  # nothing comes back on a PUSH: give the handshake time to be refused
+            time.sleep(wait_ms / 1000)
+            return False
+        return bool(s.poll(wait_ms))
     finally:
         ctx.destroy(linger=0)
 
@@ -176,23 +224,31 @@ def test_strangers_get_no_answer_from_any_port_and_reach_no_decoder(mesh, keys, 
                                         "device": "cpu", "pid": 1})]
     activations = [msgspec.msgpack.encode({"type": "activations", "step_id": 10 ** 9, "tensors": []})]
     act = f"tcp://127.0.0.1:{_activation_port(mesh, 1)}"
-    probes = [
-        (mesh.client_address, zmq.DEALER, status_request, None), (mesh.client_address, zmq.DEALER, generate, None),
-        (mesh.client_address, zmq.DEALER, status_request, stranger),
-        (mesh.client_address, zmq.DEALER, status_request, worker_key),  # a worker's key is not a client's
-        (mesh.worker_address, zmq.DEALER, register, None), (mesh.worker_address, zmq.DEALER, register, stranger),
-        (act, zmq.PUSH, activations, None), (act, zmq.PUSH, activations, stranger),
-    ]
-    for address, kind, frames, curve in probes:
-        assert not _answered(address, kind, frames, curve), (address, curve is not None)
-    deadline = time.monotonic() + 10
-    while True:  # (a worker reports its refusals with its heartbeat)
-        results, status = run(_generate(mesh, keys))
-        if status.mesh_refused >= before.mesh_refused + len(probes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    client_key = (server_public, *zmq.auth.load_certificate(keys / "client.key_secret"))
+    groups = {  # each port's probes, then that port's refusals counted
+        "client port": [(mesh.client_address, zmq.DEALER, status_request, None),
+                        (mesh.client_address, zmq.DEALER, generate, None),
+                        (mesh.client_address, zmq.DEALER, status_request, stranger),
+                        (mesh.client_address, zmq.DEALER, status_request, worker_key)],  # not a client's key
+        "worker port": [(mesh.worker_address, zmq.DEALER, register, None),
+                        (mesh.worker_address, zmq.DEALER, register, stranger),
+                        (mesh.worker_address, zmq.DEALER, register, client_key)],  # not a worker's key
+        "activation port": [(act, zmq.PUSH, activations, None), (act, zmq.PUSH, activations, stranger),
+                            (act, zmq.PUSH, activations, client_key)],
+    }
+    for port, probes in groups.items():
+        counted = run(_generate(mesh, keys, PROMPTS[:1]))[1].mesh_refused
+        for address, kind, frames, curve in probes:
+            assert not _answered(address, kind, frames, curve), (port, curve is not None)
+        deadline = time.monotonic() + 10
+        while True:  # (a worker reports its refusals with its heartbeat)
+            status = run(_generate(mesh, keys, PROMPTS[:1]))[1]
+            if status.mesh_refused >= counted + len(probes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert status.mesh_refused >= counted + len(probes), port
+    results, status = run(_generate(mesh, keys))
     assert results == reference and status.serving and mesh.died is None
-    assert status.mesh_refused >= before.mesh_refused + len(probes)
     assert status.malformed_messages == before.malformed_messages  # nothing reached a decoder
     assert status.recoveries == before.recoveries  # the fake registration never reached the coordinator
 
@@ -203,7 +259,7 @@ def test_an_oversized_message_cuts_its_sender_off(mesh, keys, reference):
     huge = [msgspec.msgpack.encode({"type": "generate", "request_id": "big", "prompt_ids": [5] * (4 << 20),
                                     "params": {"max_tokens": 2}})]
     assert not _answered(mesh.client_address, zmq.DEALER, huge, client_key, wait_ms=1500)
-    assert _answered(mesh.client_address, zmq.DEALER, Codec.encode(StatusRequest()), client_key)
+    assert _answered(mesh.client_address, zmq.DEALER, Codec.encode(StatusRequest()), client_key, wait_ms=5000)
     assert run(_generate(mesh, keys))[0] == reference
 
 
@@ -362,8 +418,8 @@ def test_tls_keys_from_a_file_and_the_keys_serve_made(tls_server):
     url, context, d = tls_server
     assert (d / "new-keys" / "server.key_secret").is_file()  # made by serve, used by every process
     body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
-    for key in ("alpha-key", "beta-key"):
-        status, raw = _https("POST", f"{url}/v1/completions", context, body, {"Authorization": f"Bearer {key}"})
+    for header in ("Bearer alpha-key", "Bearer beta-key", "bearer  alpha-key "):
+        status, raw = _https("POST", f"{url}/v1/completions", context, body, {"Authorization": header})
         assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
     for header in ({}, {"Authorization": "Bearer alpha-ke"}, {"Authorization": "Bearer alpha-keyy"},
                    {"Authorization": "alpha-key"}, {"Authorization": "Bearer # the team's keys"}):

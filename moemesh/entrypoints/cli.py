@@ -301,7 +301,11 @@ def cmd_coordinator(args) -> int:
 def cmd_stage(args) -> int:
     from moemesh.entrypoints.launcher import run_stage, threads_per_worker
 
+    from moemesh.mesh_security import check_exposure
+
     stage = StageSettings.from_args(args)
+    # before any worker starts (each would refuse alone, and a restart policy would start them again)
+    check_exposure(stage.mesh_keys, stage.insecure_mesh, host=stage.host, coordinator=stage.coordinator)
     return run_stage(StageSettings.derive(stage, threads=threads_per_worker(stage.threads, stage.tp)))
 
 

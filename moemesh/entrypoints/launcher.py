@@ -25,7 +25,7 @@ import dataclasses
 
 from moemesh.config import ModelConfig
 from moemesh.log import get_logger
-from moemesh.protocol import max_activation_bytes, max_schedule_bytes
+from moemesh.protocol import worker_message_bytes
 from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings
 
 log = get_logger("launcher")
@@ -56,8 +56,7 @@ def worker_message_limit(engine: EngineSettings) -> int:
     activations at the token budget (moemesh/protocol.py's limits)."""
     mc = ModelConfig.from_dir(engine.model)
     max_len = min(engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    return max(max_activation_bytes(mc.hidden_size, engine.max_batched_tokens),
-               max_schedule_bytes(engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size))
+    return worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size)
 
 
 _PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL")  # not a role's settings: every process reads them
@@ -228,7 +227,7 @@ class LocalMesh:
 
         p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
         ctx = zmq.Context()
-        try:
+        try:  # best effort: the heartbeat timeout and the replacement's registration tell it anyway
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}".encode())
             if self.worker.mesh_keys:
@@ -237,6 +236,8 @@ class LocalMesh:
             sock.send_multipart(Codec.encode(WorkerFailed(p, t, f"killed by signal {-proc.returncode} (its launcher "
                                                                 f"saw it)")))
             sock.close(linger=1000)
+        except Exception as e:  # (the watcher must go on restarting children whatever happens here)
+            log.warning("could not report a death", extra={"fields": {"child": name, "error": str(e)}})
         finally:
             ctx.term()
 
