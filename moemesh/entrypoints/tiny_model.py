@@ -325,6 +325,12 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int 
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    save_tokenizer(tok, out_dir, model_max_length)
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+    """tokenizer.json, and tokenizer_config.json (ChatML template) and special_tokens_map.json for the
+    special tokens at ids 0..3."""
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
     tok.save(str(out_dir / "tokenizer.json"))
 
