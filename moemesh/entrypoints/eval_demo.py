@@ -151,11 +151,22 @@ def summarize(raw: dict, tokenizer) -> dict:
     byte perplexity, bits per byte and next-line exact match."""
     ppl, nextline = raw["results"]["demo_stdlib_ppl"], raw["results"]["demo_stdlib_nextline"]
     docs = raw["samples"]["demo_stdlib_ppl"]
-    loglik = sum(s["resps"][0][0] if isinstance(s["resps"][0], list) else s["resps"][0] for s in docs)
+    loglik = sum(_number(s["resps"]) for s in docs)
     tokens = sum(len(tokenizer.encode(s["doc"]["text"], add_special_tokens=False).ids) for s in docs)
     return {"token_ppl": math.exp(-loglik / tokens), "loss": -loglik / tokens, "tokens": tokens,
             "byte_ppl": ppl["byte_perplexity,none"], "bits_per_byte": ppl["bits_per_byte,none"],
             "exact_match": nextline["exact_match,none"], "items": len(raw["samples"]["demo_stdlib_nextline"])}
+
+
+def _number(x) -> float:
+    """lm-eval's logged response, e.g. "[['-6979.37']]" (a string, or lists of them), as a float."""
+    while True:
+        if isinstance(x, str):
+            x = ast.literal_eval(x)
+        if isinstance(x, (list, tuple)):
+            x = x[0]
+        else:
+            return float(x)
 
 
 # -- the reference: transformers in this process ----------------------------------------------------
