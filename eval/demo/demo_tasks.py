@@ -1,6 +1,7 @@
 """The demo model's lm-eval tasks (demo_stdlib_ppl.yaml, demo_stdlib_nextline.yaml): data from the JSONL
 files beside this one, written by `moemesh train-demo --write-eval-data eval/demo`; nothing from a hub."""
 
+import difflib
 import json
 from pathlib import Path
 
@@ -25,5 +26,8 @@ def nextline(**kwargs) -> datasets.DatasetDict:
 
 
 def next_line_match(doc: dict, results: list[str]) -> dict:
-    """Greedy generation stopped at the first newline: the whole line, trailing spaces aside."""
-    return {"exact_match": float(results[0].split("\n")[0].rstrip() == doc["target"])}
+    """Greedy generation stopped at the first newline, against the line, trailing spaces aside: exact
+    match, and edit similarity (difflib's ratio, 0..1; CodeXGLUE's line completion reports both)."""
+    line = results[0].split("\n")[0].rstrip()
+    return {"exact_match": float(line == doc["target"]),
+            "edit_sim": difflib.SequenceMatcher(None, line, doc["target"]).ratio()}

@@ -16,6 +16,7 @@ venv of its own) and point --lm-eval at its command.
 from __future__ import annotations
 
 import ast
+import difflib
 import glob
 import json
 import math
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moemesh.entrypoints.tiny_model import ENDOFTEXT_ID
 from moemesh.errors import CLIError
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval" / "demo"  # the repository's; not installed
@@ -129,7 +131,10 @@ def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | No
     """lm-eval's results and samples for TASKS against the server on `port`."""
     args = ",".join([f"model={SERVED_NAME}", f"base_url=http://127.0.0.1:{port}/v1/completions",
                      f"tokenizer={model}", "tokenizer_backend=huggingface", "tokenized_requests=True",
-                     "max_length=512", "num_concurrent=8", "max_retries=1"])
+                     "max_length=512", "num_concurrent=8", "max_retries=1",
+                     # documents start after <|endoftext|>, as in training (lm-eval's default is the BOS,
+                     # which the model never saw)
+                     f"custom_prefix_token_id={ENDOFTEXT_ID}"])
     cmd = [lm_eval, "run", "--model", "local-completions", "--model_args", args, "--tasks", ",".join(TASKS),
            "--include_path", str(EVAL_DIR), "--output_path", str(out), "--log_samples"]
     if limit:
@@ -155,7 +160,8 @@ def summarize(raw: dict, tokenizer) -> dict:
     tokens = sum(len(tokenizer.encode(s["doc"]["text"], add_special_tokens=False).ids) for s in docs)
     return {"token_ppl": math.exp(-loglik / tokens), "loss": -loglik / tokens, "tokens": tokens,
             "byte_ppl": ppl["byte_perplexity,none"], "bits_per_byte": ppl["bits_per_byte,none"],
-            "exact_match": nextline["exact_match,none"], "items": len(raw["samples"]["demo_stdlib_nextline"])}
+            "exact_match": nextline["exact_match,none"], "edit_sim": nextline["edit_sim,none"],
+            "items": len(raw["samples"]["demo_stdlib_nextline"])}
 
 
 def _number(x) -> float:
@@ -184,27 +190,33 @@ def transformers_row(model: Path, limit: int | None) -> dict:
     logits = lambda ids: hf(torch.tensor([ids])).logits[0]  # noqa: E731
     nll, tokens, nbytes = heldout_nll(logits, tok, docs, 510)
     items = [json.loads(x) for x in open(EVAL_DIR / "nextline.jsonl")][:limit]
-    hits = 0
+    hits, sim = 0, 0.0
     with torch.no_grad():
         for item in items:
-            ids = tok.encode(item["prompt"], add_special_tokens=False).ids
+            # as lm-eval does: the prompt left-truncated to leave room for 48 new tokens in 511
+            ids = tok.encode(item["prompt"], add_special_tokens=False).ids[-(511 - 48):]
             out = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=[0, 3],
                               pad_token_id=0)[0, len(ids):]
-            text = tok.decode(out.tolist(), skip_special_tokens=True).split("\n")[0]
-            hits += text.rstrip() == item["target"]
+            line = tok.decode(out.tolist(), skip_special_tokens=True).split("\n")[0].rstrip()
+            hits += line == item["target"]
+            sim += difflib.SequenceMatcher(None, line, item["target"]).ratio()
     return {"token_ppl": math.exp(nll / tokens), "loss": nll / tokens, "tokens": tokens,
             "byte_ppl": math.exp(nll / nbytes), "bits_per_byte": nll / nbytes / math.log(2),
-            "exact_match": hits / len(items), "items": len(items)}
+            "exact_match": hits / len(items), "edit_sim": sim / len(items), "items": len(items)}
 
 
 # -- the table --------------------------------------------------------------------------------------
 
 def table(rows: list[tuple[str, str, dict]]) -> str:
-    lines = ["| weights | pp | token perplexity | byte perplexity | bits/byte | next-line exact match |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| weights | pp | token perplexity | byte perplexity | bits/byte | next line: exact match | "
+             "next line: edit similarity |", "|---|---|---|---|---|---|---|"]
     for name, pp, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | {pp} | failed: {r['error']} | | | | |")
+            continue
         lines.append(f"| {name} | {pp} | {r['token_ppl']:.4f} | {r['byte_ppl']:.4f} | {r['bits_per_byte']:.4f} | "
-                     f"{r['exact_match']:.3f} ({round(r['exact_match'] * r['items'])}/{r['items']}) |")
+                     f"{r['exact_match']:.3f} ({round(r['exact_match'] * r['items'])}/{r['items']}) | "
+                     f"{r['edit_sim']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,7 +241,7 @@ def run_eval_demo(args) -> int:
     def emit(name: str, pp: str, r: dict, seconds: float) -> None:
         results.append((name, pp, r))
         print(f"row={name!r} pp={pp} token_ppl={r['token_ppl']:.4f} byte_ppl={r['byte_ppl']:.4f} "
-              f"exact_match={r['exact_match']:.3f} seconds={seconds:.0f}", flush=True)
+              f"exact_match={r['exact_match']:.3f} edit_sim={r['edit_sim']:.4f} seconds={seconds:.0f}", flush=True)
 
     if wanted is None or "transformers" in wanted:
         t0 = time.perf_counter()
@@ -249,11 +261,16 @@ def run_eval_demo(args) -> int:
             out = work / f"{row.key}-pp{pp}"
             out.mkdir(parents=True, exist_ok=True)
             port = free_port()
-            proc = serve(served, pp, row.serve_flags, port, out / "serve.log")
             try:
-                raw = run_lm_eval(lm_eval, served, port, out, args.limit)
-            finally:
-                stop(proc)
+                proc = serve(served, pp, row.serve_flags, port, out / "serve.log")
+                try:
+                    raw = run_lm_eval(lm_eval, served, port, out, args.limit)
+                finally:
+                    stop(proc)
+            except CLIError as e:  # the row says so, and the others still run
+                print(f"row={row.name!r} pp={pp} failed: {e}", flush=True)
+                results.append((row.name, str(pp), {"error": str(e)}))
+                continue
             emit(row.name, str(pp), summarize(raw, tokenizer), time.perf_counter() - t0)
 
     text = table(results)
