@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: serve the built-in default model (written on first use) at http://127.0.0.1:8000,
+# The main job: serve the built-in model (moemesh/demo_model, trained on the stdlib) at http://127.0.0.1:8000,
 # coordinator, two pipeline stages and the gateway all on this machine. Ctrl-C stops everything.
 run: $(STAMP)
 	$(BIN)/moemesh serve --pp 2

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 
 from moemesh.entrypoints.cli import main
 from moemesh.config import ModelConfig
-from moemesh.entrypoints.tiny_model import ARCHS, DEFAULT_SPEC
+from moemesh.entrypoints.default_model import DEMO_MODEL_DIR
+from moemesh.entrypoints.tiny_model import ARCHS
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = ["--layers", "2", "--hidden", "64", "--intermediate", "64", "--heads", "4", "--kv-heads", "2",
@@ -143,19 +144,12 @@ def test_layer_partition_gives_the_same_greedy_tokens(model, capsys):
     assert split[0]["token_ids"] == whole[0]["token_ids"] and len(whole[0]["token_ids"]) == 10
 
 
-def test_without_model_the_default_model_is_written_under_moemesh_home(tmp_path, monkeypatch, capsys):
+def test_without_model_generate_uses_the_shipped_demo_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MOEMESH_HOME", str(tmp_path / "home"))
-    target = tmp_path / "home" / "models" / "default-tiny-mixtral"
-    (first,) = generate(capsys, None, "--prompt-ids", "1000,5,6", "--max-tokens", "4", *GREEDY)
-    assert len(first["token_ids"]) == 4  # id 1000 is inside the default model's 1024-token vocab
-    mc = ModelConfig.from_dir(target)
-    assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (
-        DEFAULT_SPEC.num_layers, DEFAULT_SPEC.hidden_size, DEFAULT_SPEC.vocab_size)
-    stamp = (target / "model.safetensors").stat().st_mtime_ns
-    (again,) = generate(capsys, None, "--prompt-ids", "1000,5,6", "--max-tokens", "4", *GREEDY)
-    assert again == first
-    assert (target / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert [p.name for p in (tmp_path / "home" / "models").iterdir()] == ["default-tiny-mixtral"]
+    (first,) = generate(capsys, None, "--prompt-ids", "4000,5,6", "--max-tokens", "4", *GREEDY)
+    (named,) = generate(capsys, DEMO_MODEL_DIR, "--prompt-ids", "4000,5,6", "--max-tokens", "4", *GREEDY)
+    assert first == named and len(first["token_ids"]) == 4  # id 4000 is inside the demo model's 4096-token vocab
+    assert not (tmp_path / "home").exists()  # shipped, not written on first use
 
 
 def test_python_dash_m_moemesh_runs_as_a_program(model, tmp_path, capsys):

@@ -7,6 +7,8 @@
     moemesh generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F.jsonl) [--pp N]
     moemesh keys --out DIR                                             CurveZMQ keys for --mesh-keys
     moemesh make-tiny-model --arch mixtral --out DIR [sizes]
+    moemesh train-demo --out DIR                                      the built-in model, trained on the stdlib
+    moemesh eval-demo --lm-eval PATH                                  its accuracy table, through the HTTP API
     moemesh bench model | throughput | serve ...
 
 A bad flag gets a one-line message naming it and exit status 2, never a traceback.
@@ -119,6 +121,29 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", required=True, type=Path, help="the directory to write them to (must not hold keys)")
     k.add_argument("--if-missing", action="store_true", help="keys already there are fine: keep them (for a "
                                                             "one-shot container that runs at every start)")
+
+    td = sub.add_parser("train-demo", help="train the built-in demo model on the standard library (CPU, ~25 min)")
+    td.add_argument("--out", type=Path, help="where to write the checkpoint (the shipped one: moemesh/demo_model)")
+    td.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 800)")
+    td.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default 8)")
+    td.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    td.add_argument("--seed", type=int, default=None, help="(default 0)")
+    td.add_argument("--threads", type=positive_int, default=None, help="torch threads (default 2)")
+    td.add_argument("--log-every", type=positive_int, default=None, help="steps per progress line (default 10)")
+    td.add_argument("--stdlib", type=Path, default=None, help="the standard library to read (default: this Python's)")
+    td.add_argument("--write-eval-data", type=Path, default=None, metavar="DIR",
+                    help="instead of training, write the held-out files and the next-line task as JSONL to DIR")
+
+    ev = sub.add_parser("eval-demo", help="the accuracy table: moemesh serve per row, lm-eval through the API")
+    ev.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo model)")
+    ev.add_argument("--lm-eval", default="lm_eval", help="lm-eval's command (a path, or a name on PATH)")
+    ev.add_argument("--rows", default=None, help="comma-separated subset of transformers,float32,bfloat16,fp8,"
+                                                 "autofp8,int8 (default: all)")
+    ev.add_argument("--pp", default="1,2", help="pipeline stages of each row, e.g. 1,2")
+    ev.add_argument("--limit", type=positive_int, default=None, help="only the first N documents of each task")
+    ev.add_argument("--work-dir", type=Path, default=None, help="servers' logs and lm-eval's output (default: a "
+                                                                 "temporary directory)")
+    ev.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
 
     q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
     q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
@@ -244,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                 make_keys(args.out)
             print(args.out)
             return 0
+        if args.command == "train-demo":
+            from moemesh.entrypoints.train_demo import run_train_demo
+
+            return run_train_demo(args)
+        if args.command == "eval-demo":
+            from moemesh.entrypoints.eval_demo import run_eval_demo
+
+            return run_eval_demo(args)
         if args.command == "quantize":
             from moemesh.entrypoints.quantize import quantize_checkpoint
 

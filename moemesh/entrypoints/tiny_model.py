@@ -2,8 +2,8 @@
 
 `write_tiny_model(spec, out_dir)` writes what `save_pretrained` plus a tokenizer would put in a hub
 repo: config.json, generation_config.json, model.safetensors (or shards + index), tokenizer.json,
-tokenizer_config.json and special_tokens_map.json. Tests, benchmarks and the built-in default model
-use it, since nothing can be downloaded here.
+tokenizer_config.json and special_tokens_map.json. Tests and benchmarks use it, since nothing can be
+downloaded here; the trained demo model (train_demo.py) reuses its config and tokenizer writers.
 
 Hub spellings are used on purpose (they are what real checkpoints carry): top-level `rope_theta`
 with `rope_scaling: null` rather than 5.x's `rope_parameters`, `num_experts` for Qwen3-MoE rather
@@ -129,7 +129,8 @@ class TinyModelSpec:
         )
 
 
-# Sizes for the benchmark model (matches the CPU baselines in FACTS.md) and the built-in default.
+# Sizes for the benchmark model (matches the CPU baselines in FACTS.md) and `make-tiny-model --preset default`
+# (the random model that was built in before the trained demo model, moemesh/demo_model).
 BENCH_SPEC = TinyModelSpec(
     arch="mixtral", num_layers=8, hidden_size=512, intermediate_size=1024,
     num_heads=8, num_kv_heads=2, num_experts=8, top_k=2, vocab_size=32000,
@@ -325,6 +326,12 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int 
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    save_tokenizer(tok, out_dir, model_max_length)
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+    """tokenizer.json, and tokenizer_config.json (ChatML template) and special_tokens_map.json for the
+    special tokens at ids 0..3."""
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
     tok.save(str(out_dir / "tokenizer.json"))
 
