@@ -23,7 +23,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -119,7 +118,7 @@ def serve(model: Path, pp: int, flags: tuple[str, ...], port: int, log_path: Pat
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # (not SIGINT: a job started in the background may have inherited it ignored)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -127,11 +126,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | None) -> dict:
+def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | None, concurrency: int) -> dict:
     """lm-eval's results and samples for TASKS against the server on `port`."""
     args = ",".join([f"model={SERVED_NAME}", f"base_url=http://127.0.0.1:{port}/v1/completions",
                      f"tokenizer={model}", "tokenizer_backend=huggingface", "tokenized_requests=True",
-                     "max_length=512", "num_concurrent=8", "max_retries=1",
+                     "max_length=512", f"num_concurrent={concurrency}", "max_retries=1",
                      # documents start after <|endoftext|>, as in training (lm-eval's default is the BOS,
                      # which the model never saw)
                      f"custom_prefix_token_id={ENDOFTEXT_ID}"])
@@ -264,7 +263,7 @@ def run_eval_demo(args) -> int:
             try:
                 proc = serve(served, pp, row.serve_flags, port, out / "serve.log")
                 try:
-                    raw = run_lm_eval(lm_eval, served, port, out, args.limit)
+                    raw = run_lm_eval(lm_eval, served, port, out, args.limit, args.concurrency)
                 finally:
                     stop(proc)
             except CLIError as e:  # the row says so, and the others still run
