@@ -21,7 +21,6 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -54,41 +53,6 @@ ROWS = (
     Row("autofp8", "AutoFP8 checkpoint (`moemesh quantize`)", autofp8=True),
     Row("int8", "int8 (`--quantization int8`)", ("--quantization", "int8")),
 )
-
-
-# -- the next-line task's data ----------------------------------------------------------------------
-
-def next_line_items(sources: list[tuple[str, str]], n: int, seed: int = 0,
-                    max_prompt_chars: int = 1000) -> list[dict]:
-    """`n` lines drawn (seeded) from the bodies of the functions in `sources` (path, text): not
-    blank, not a comment, not the docstring. The prompt is the whole lines before it, at most
-    max_prompt_chars, ending in a newline; the target is the line without it."""
-    candidates = []
-    for rel, text in sources:
-        lines = text.split("\n")
-        for node in ast.walk(ast.parse(text)):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            body = node.body
-            if ast.get_docstring(node, clean=False) is not None:
-                body = body[1:]
-            if not body:
-                continue
-            for ln in range(body[0].lineno, node.end_lineno + 1):  # 1-based
-                s = lines[ln - 1].strip()
-                if s and not s.startswith("#"):
-                    candidates.append((rel, ln))
-    chosen = sorted(random.Random(seed).sample(sorted(set(candidates)), n))
-    texts = dict(sources)
-    items = []
-    for rel, ln in chosen:
-        lines = texts[rel].split("\n")
-        start = ln - 1
-        while start > 0 and sum(len(x) + 1 for x in lines[start - 1:ln - 1]) <= max_prompt_chars:
-            start -= 1
-        items.append({"path": rel, "line": ln, "prompt": "".join(x + "\n" for x in lines[start:ln - 1]),
-                      "target": lines[ln - 1].rstrip()})
-    return items
 
 
 # -- rows through the API ---------------------------------------------------------------------------
