@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "autofp8,int8 (default: all)")
     ev.add_argument("--pp", default="1,2", help="pipeline stages of each row, e.g. 1,2")
     ev.add_argument("--limit", type=positive_int, default=None, help="only the first N documents of each task")
+    ev.add_argument("--concurrency", type=positive_int, default=8, help="lm-eval's requests in flight (1: every "
+                                                                       "step holds one sequence)")
     ev.add_argument("--work-dir", type=Path, default=None, help="servers' logs and lm-eval's output (default: a "
                                                                  "temporary directory)")
     ev.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")

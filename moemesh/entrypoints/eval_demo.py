@@ -21,9 +21,7 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -57,41 +55,6 @@ ROWS = (
 )
 
 
-# -- the next-line task's data ----------------------------------------------------------------------
-
-def next_line_items(sources: list[tuple[str, str]], n: int, seed: int = 0,
-                    max_prompt_chars: int = 1000) -> list[dict]:
-    """`n` lines drawn (seeded) from the bodies of the functions in `sources` (path, text): not
-    blank, not a comment, not the docstring. The prompt is the whole lines before it, at most
-    max_prompt_chars, ending in a newline; the target is the line without it."""
-    candidates = []
-    for rel, text in sources:
-        lines = text.split("\n")
-        for node in ast.walk(ast.parse(text)):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            body = node.body
-            if ast.get_docstring(node, clean=False) is not None:
-                body = body[1:]
-            if not body:
-                continue
-            for ln in range(body[0].lineno, node.end_lineno + 1):  # 1-based
-                s = lines[ln - 1].strip()
-                if s and not s.startswith("#"):
-                    candidates.append((rel, ln))
-    chosen = sorted(random.Random(seed).sample(sorted(set(candidates)), n))
-    texts = dict(sources)
-    items = []
-    for rel, ln in chosen:
-        lines = texts[rel].split("\n")
-        start = ln - 1
-        while start > 0 and sum(len(x) + 1 for x in lines[start - 1:ln - 1]) <= max_prompt_chars:
-            start -= 1
-        items.append({"path": rel, "line": ln, "prompt": "".join(x + "\n" for x in lines[start:ln - 1]),
-                      "target": lines[ln - 1].rstrip()})
-    return items
-
-
 # -- rows through the API ---------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -119,7 +82,7 @@ def serve(model: Path, pp: int, flags: tuple[str, ...], port: int, log_path: Pat
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # (not SIGINT: a job started in the background may have inherited it ignored)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -127,11 +90,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | None) -> dict:
+def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | None, concurrency: int) -> dict:
     """lm-eval's results and samples for TASKS against the server on `port`."""
     args = ",".join([f"model={SERVED_NAME}", f"base_url=http://127.0.0.1:{port}/v1/completions",
                      f"tokenizer={model}", "tokenizer_backend=huggingface", "tokenized_requests=True",
-                     "max_length=512", "num_concurrent=8", "max_retries=1",
+                     "max_length=512", f"num_concurrent={concurrency}", "max_retries=1",
                      # documents start after <|endoftext|>, as in training (lm-eval's default is the BOS,
                      # which the model never saw)
                      f"custom_prefix_token_id={ENDOFTEXT_ID}"])
@@ -264,7 +227,7 @@ def run_eval_demo(args) -> int:
             try:
                 proc = serve(served, pp, row.serve_flags, port, out / "serve.log")
                 try:
-                    raw = run_lm_eval(lm_eval, served, port, out, args.limit)
+                    raw = run_lm_eval(lm_eval, served, port, out, args.limit, args.concurrency)
                 finally:
                     stop(proc)
             except CLIError as e:  # the row says so, and the others still run
