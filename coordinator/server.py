@@ -213,6 +213,8 @@ class Coordinator:
         self.tokens_recomputed += tokens
         if not recovering:
             self.recoveries += 1
+            # now, with the epoch: a Ping sent before _recover runs must not pair it with the old first step
+            self.epoch_first_step = self.core.next_step_id
             self.recovering = asyncio.ensure_future(self._recover_or_fail())
 
     async def _recover_or_fail(self) -> None:

@@ -169,24 +169,31 @@ class MeshGuard:
         poller = zmq.Poller()
         watched = 0
         while not self._stop.is_set():
-            for monitor, _, _ in self._monitors[watched:]:  # (sockets served after the thread started)
+            new = self._monitors[watched:]  # (sockets served after the thread started)
+            watched += len(new)
+            for monitor, _, _ in new:
                 poller.register(monitor, zmq.POLLIN)
-            watched = len(self._monitors)
-            for monitor, _ in poller.poll(200):
-                event = parse_monitor_message(monitor.recv_multipart())
-                domain = next(d for m, d, _ in self._monitors if m is monitor)
-                self.refused += 1
-                if self.refused <= 10 or self.refused % 1000 == 0:
-                    log.warning("mesh handshake refused", extra={"fields": {
-                        "socket": domain, "peer": event.get("endpoint", b"").decode(errors="replace"),
-                        "event": zmq.Event(event["event"]).name, "count": self.refused}})
+            try:
+                for monitor, _ in poller.poll(200):
+                    event = parse_monitor_message(monitor.recv_multipart())
+                    domain = next(d for m, d, _ in self._monitors if m is monitor)
+                    self.refused += 1
+                    if self.refused <= 10 or self.refused % 1000 == 0:
+                        log.warning("mesh handshake refused", extra={"fields": {
+                            "socket": domain, "peer": event.get("endpoint", b"").decode(errors="replace"),
+                            "event": zmq.Event(event["event"]).name, "count": self.refused}})
+            except zmq.ContextTerminated:
+                return
+            except Exception as e:  # an odd event must not end the count
+                log.warning("mesh monitor", extra={"fields": {"error": str(e)}})
 
     def close(self) -> None:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=2)
-        for shadow, _, monitor in self._monitors:
-            monitor.close(linger=0)
+        if self._watcher is None or not self._watcher.is_alive():  # (never close what another thread polls)
+            for shadow, _, monitor in self._monitors:
+                monitor.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
 

@@ -329,7 +329,7 @@ class WorkerSettings(WorkerResources, MeshSecurity):
     device: str = flag("cpu", "cpu, cuda or cuda:N")
     record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
     record_steps: int = flag(16, "steps --record writes", parse=positive_int)
-    max_message_bytes: int = flag(256 << 20, "the largest message this worker accepts (a schedule, the previous "
+    max_message_bytes: int = flag(1 << 30, "the largest message this worker accepts (a schedule, the previous "
                                              "stage's activations; a peer that sends more is cut off); serve and "
                                              "generate derive it from the model and --max-batched-tokens",
                                   parse=positive_int)

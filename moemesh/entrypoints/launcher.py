@@ -225,9 +225,9 @@ class LocalMesh:
         from moemesh.mesh_security import MeshKeys
         from moemesh.protocol import Codec, WorkerFailed
 
-        p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
         ctx = zmq.Context()
         try:  # best effort: the heartbeat timeout and the replacement's registration tell it anyway
+            p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}".encode())
             if self.worker.mesh_keys:
@@ -239,7 +239,7 @@ class LocalMesh:
         except Exception as e:  # (the watcher must go on restarting children whatever happens here)
             log.warning("could not report a death", extra={"fields": {"child": name, "error": str(e)}})
         finally:
-            ctx.term()
+            ctx.destroy(linger=1000)  # (closes a socket an exception left open: term() would wait for it)
 
     def _check_children(self) -> tuple[str | None, str] | None:
         """(name, description) of a child that ended, if one did."""
