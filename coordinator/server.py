@@ -36,6 +36,7 @@ import zmq.asyncio
 from coordinator.core import EngineCore
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.router import ClientRouter
+from coordinator.scheduler import SchedulerConfig
 from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.layout import resolve_layout
@@ -88,8 +89,8 @@ class Coordinator:
         # the gateway cuts off its own slow HTTP readers (--stream-timeout)
         self.clients_sock.setsockopt(zmq.SNDHWM, 0)
         # a peer that sends more than the largest legitimate message is cut off by libzmq
-        max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
+        max_len = SchedulerConfig.for_model(cfg.max_batched_tokens, cfg.max_seqs, cfg.max_model_len,
+                                            self.model_config.max_position_embeddings).max_model_len
         self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs))
         self.worker_message_bytes = worker_message_bytes(self.model_config.hidden_size, cfg.max_batched_tokens,
                                                          cfg.max_seqs, max_len, cfg.block_size)
@@ -207,15 +208,20 @@ class Coordinator:
             for peer in list(self.registry.workers.values()):
                 self.registry.lose(peer)
                 asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
-        self.abandoned.update(self.core.in_flight)
-        resumed, tokens = self.core.requeue_all()
-        self.requests_resumed += resumed
-        self.tokens_recomputed += tokens
+        self._requeue_all()
         if not recovering:
             self.recoveries += 1
             # now, with the epoch: a Ping sent before _recover runs must not pair it with the old first step
             self.epoch_first_step = self.core.next_step_id
             self.recovering = asyncio.ensure_future(self._recover_or_fail())
+
+    def _requeue_all(self) -> None:
+        """The steps in flight are void (their results dropped when they come); every unfinished
+        sequence goes back to be recomputed as prompt + output."""
+        self.abandoned.update(self.core.in_flight)
+        resumed, tokens = self.core.requeue_all()
+        self.requests_resumed += resumed
+        self.tokens_recomputed += tokens
 
     async def _recover_or_fail(self) -> None:
         try:
@@ -413,10 +419,7 @@ class Coordinator:
         log.warning("pipeline reset", extra={"fields": {"reason": reason, "epoch": reg.epoch}})
         self.step_resets += 1
         self._results_at_reset = self.results_taken
-        self.abandoned.update(self.core.in_flight)
-        resumed, tokens = self.core.requeue_all()
-        self.requests_resumed += resumed
-        self.tokens_recomputed += tokens
+        self._requeue_all()
         self.issued.clear()
         self._resetting = True  # nothing new goes out before every worker has the Reset
         try:

@@ -38,24 +38,20 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 
 # -- flag types ---------------------------------------------------------------------------------
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError
-    return value
+def _int_at_least(low: int, name: str):
+    """An integer flag's parser, refusing values below `low`; `name` is what argparse's errors say."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise ValueError
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-positive_int.__name__ = "positive integer"
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError
-    return value
-
-
-non_negative_int.__name__ = "non-negative integer"
+positive_int = _int_at_least(1, "positive integer")
+non_negative_int = _int_at_least(0, "non-negative integer")
 
 
 def int_list(text: str) -> list[int]:

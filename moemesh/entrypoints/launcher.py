@@ -54,8 +54,11 @@ def threads_per_worker(threads: int | None, workers: int) -> int:
 def worker_message_limit(engine: EngineSettings) -> int:
     """The largest message a stage worker of this engine's mesh can be sent: a schedule, or a step's
     activations at the token budget (moemesh/protocol.py's limits)."""
+    from coordinator.scheduler import SchedulerConfig
+
     mc = ModelConfig.from_dir(engine.model)
-    max_len = min(engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_len = SchedulerConfig.for_model(engine.max_batched_tokens, engine.max_seqs, engine.max_model_len,
+                                        mc.max_position_embeddings).max_model_len
     return worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size)
 
 
