@@ -81,9 +81,11 @@ class EngineCore:
             seq = item.seq
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
-            first = item.admitted  # a new or recomputed sequence: the last stage needs its params
+            first = item.admitted  # a new or recomputed sequence: its whole table, and its params for the last stage
+            new_blocks = seq.block_ids if first else seq.block_ids[seq.blocks_sent:]
+            seq.blocks_sent = len(seq.block_ids)
             seqs.append(SeqWork(
-                seq.seq_id, item.token_ids, item.context_len, list(seq.block_ids), item.sample,
+                seq.seq_id, item.token_ids, item.context_len, list(new_blocks), item.sample,
                 params=seq.params if first else None, prompt_len=len(seq.prompt_ids) if first else 0,
                 prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
                 cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None))
@@ -147,5 +149,5 @@ class EngineCore:
         self.blocks.reset_cache()
         if num_blocks is not None and num_blocks != self.blocks.num_blocks:
             self.blocks.resize(num_blocks)
-        self._forget.clear()  # the last stage forgets every sequence on the reset anyway
+        self._forget.clear()  # the stages forget every sequence on the reset anyway
         return n

@@ -25,6 +25,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    blocks_sent: int = 0  # leading block_ids the workers have been sent (schedules carry only the rest)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0

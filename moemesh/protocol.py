@@ -199,11 +199,16 @@ class Repoint(msgspec.Struct, tag="repoint", frozen=True):
 class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     """One sequence's share of a step. `params` and `prompt_len` come with its first chunk after
     admission (a new or recomputed sequence); `prompt_ids` too when prompt logprobs are wanted, and
-    `cached_ids` when that chunk starts after a prefix found in the cache (the tokens before it)."""
+    `cached_ids` when that chunk starts after a prefix found in the cache (the tokens before it).
+
+    Only what changed travels: the first chunk after admission carries the sequence's whole block
+    table, every later one only the blocks appended since (usually none: a decode takes a new
+    block once every block_size tokens). Workers keep the tables (`StageExecutor`), so a step's
+    schedule grows with the tokens it computes, not with its sequences' context lengths."""
     seq_id: int
     token_ids: list[int]  # new tokens, at positions context_len ..
     context_len: int
-    block_table: list[int]
+    new_blocks: list[int]  # the whole table on admission (params set), else the blocks added since
     sample: bool
     params: SamplingParams | None = None
     prompt_len: int = 0
@@ -214,7 +219,37 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
 class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     step_id: int
     seqs: list[SeqWork]
-    forget: list[int] = []  # sequences that ended: drop their sampling state
+    forget: list[int] = []  # sequences that ended: drop their block table and sampling state
+
+
+class BlockTables:
+    """A worker's copy of every running sequence's block table, kept up to date from schedules
+    (the receiving side of `SeqWork.new_blocks`); cleared on a Reset."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}
+
+    def apply(self, sched: Schedule) -> list[list[int]]:
+        """Forgets the sequences `sched` ends, applies its blocks; the tables of its sequences, in its
+        order. Raises ValueError for a sequence never admitted here."""
+        tables = self.tables
+        for seq_id in sched.forget:
+            tables.pop(seq_id, None)
+        out = []
+        for w in sched.seqs:
+            if w.params is not None:  # admitted: the whole table
+                table = tables[w.seq_id] = list(w.new_blocks)
+            else:
+                table = tables.get(w.seq_id)
+                if table is None:
+                    raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no block table here "
+                                     f"(its first chunk did not carry params)")
+                table += w.new_blocks
+            out.append(table)
+        return out
+
+    def clear(self) -> None:
+        self.tables.clear()
 
 
 class SampledToken(msgspec.Struct, array_like=True, frozen=True):
@@ -331,7 +366,7 @@ def worker_message_bytes(hidden_size: int, max_batched_tokens: int, max_seqs: in
 
 
 def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:
-    """A schedule to a worker: per sequence its block table and parameters, the step's token ids
+    """A schedule to a worker: per sequence its block table (on admission) and parameters, the step's token ids
     (a first chunk may also carry its prompt ids and cached ids: up to max_model_len each)."""
     per_seq = 512 + 9 * (-(-max_model_len // block_size)) + 9 * MAX_STOP_TOKEN_IDS + 18 * max_model_len
     return HEADER_SLACK + max_seqs * per_seq + 9 * max_batched_tokens

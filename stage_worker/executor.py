@@ -1,5 +1,7 @@
-"""Runs the coordinator's schedules on one stage. The last stage also keeps what sampling needs
-of each sequence (its parameters and the tokens fed so far) and turns logits into a StepResult.
+"""Runs the coordinator's schedules on one stage. Every stage keeps each running sequence's block
+table (schedules carry only the blocks added since the last one); the last stage also keeps what
+sampling needs of each sequence (its parameters and the tokens fed so far) and turns logits into a
+StepResult.
 
 This is the one code path for a stage, whether it runs in a worker process on the mesh or in the
 in-process engine.
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.protocol import PromptLogprobs, SampledToken, Schedule, StepResult
+from moemesh.protocol import BlockTables, PromptLogprobs, SampledToken, Schedule, StepResult
 from moemesh.sampling import SamplingParams
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.sampler import SampleRow, sample, token_logprobs
@@ -36,24 +38,34 @@ class StageExecutor:
             generator = torch.Generator(device=runner.device)
             generator.seed()
         self.generator = generator
-        self.seqs: dict[int, SeqState] = {}
+        self.seqs: dict[int, SeqState] = {}  # (last stage)
+        self.block_tables = BlockTables()
         self.busy_seconds = 0.0
+
+    def reset(self) -> None:
+        """A new epoch: every sequence will be admitted afresh."""
+        self.seqs.clear()
+        self.block_tables.clear()
 
     def run(self, sched: Schedule, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         """-> (hidden, residual) for the next stage, or a StepResult on the last stage."""
         start = time.perf_counter()
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
-                             [w.block_table for w in sched.seqs], [w.sample for w in sched.seqs])
+                             self._apply(sched), [w.sample for w in sched.seqs])
             if not self.is_last:
                 return self.runner.execute(step, hidden, residual)
             return self._sample(sched, step, hidden, residual)
         finally:
             self.busy_seconds += time.perf_counter() - start
 
-    def _sample(self, sched: Schedule, step: StepInput, hidden, residual) -> StepResult:
+    def _apply(self, sched: Schedule) -> list[list[int]]:
+        """Forgets the sequences that ended; the step's block tables, brought up to date."""
         for seq_id in sched.forget:
             self.seqs.pop(seq_id, None)
+        return self.block_tables.apply(sched)
+
+    def _sample(self, sched: Schedule, step: StepInput, hidden, residual) -> StepResult:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:

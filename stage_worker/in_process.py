@@ -45,5 +45,8 @@ class InProcessPipeline:
         return self.stages[-1].run(sched, hidden, residual)
 
     def drop(self) -> None:
-        """Forgets the schedules not yet run (their steps were abandoned)."""
+        """Forgets the schedules not yet run (their steps were abandoned), and every sequence's
+        state: the core re-admits them all."""
         self.queue.clear()
+        for stage in self.stages:
+            stage.reset()

@@ -362,3 +362,81 @@ def test_step_ids_are_unique_and_increasing():
     schedules, _ = run(core, FakeLastStage())
     ids = [s.step_id for s in schedules]
     assert ids == sorted(set(ids)) and len(ids) == 5 + 2
+
+
+# -- block tables travel as deltas ---------------------------------------------------------------
+
+def _replay_tables(core: EngineCore, schedules_in_flight: int, requeue_at: int | None = None, max_steps=2000):
+    """Drives the core with up to `schedules_in_flight` schedules outstanding (a pipeline's
+    microbatches), replaying every schedule into a worker's `BlockTables`; after each schedule the
+    replayed table of every sequence in it must be the coordinator's. `requeue_at`: after that many
+    schedules a stage 'loses its state' (requeue_all, and the worker resets). -> schedules."""
+    from collections import deque
+
+    from moemesh.protocol import BlockTables
+
+    tables, stage = BlockTables(), FakeLastStage()
+    seqs = {seq.seq_id: seq for seq in [*core.scheduler.waiting, *core.scheduler.running]}
+    pending, schedules = deque(), []
+    for _ in range(max_steps):
+        while len(pending) < schedules_in_flight and (sched := core.next_schedule()) is not None:
+            got = tables.apply(sched)
+            for w, table in zip(sched.seqs, got):
+                assert table == seqs[w.seq_id].block_ids, f"step {sched.step_id}: seq {w.seq_id}"
+            schedules.append(sched)
+            pending.append(sched)
+            if requeue_at is not None and len(schedules) == requeue_at:
+                core.requeue_all()
+                tables.clear()
+                pending.clear()
+        if not pending:
+            break
+        core.process_result(stage(pending.popleft()))
+    assert not core.has_work()
+    # every ended sequence was forgotten, but those whose end the next schedule (never sent) would tell
+    assert set(tables.tables) <= set(core._forget)
+    return schedules
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_block_table_deltas_rebuild_every_table_through_preemption_and_caching(in_flight):
+    core = EngineCore(SchedulerConfig(12, 16, 512), 14, 2, (EOS,), VOCAB, prefix_caching=True)
+    shared = prompt(9)
+    for i in range(6):  # a shared prefix (cache hits), prompts longer than a step (chunks)
+        core.add(f"r{i}", shared + prompt(i + 1, base=100 + 10 * i), SamplingParams(max_tokens=7, ignore_eos=True))
+    schedules = _replay_tables(core, in_flight)
+    assert core.scheduler.num_preemptions > 0  # the pool is small on purpose
+    assert core.blocks.hits > 0
+    decodes = [w for s in schedules for w in s.seqs if w.params is None]
+    assert decodes and any(not w.new_blocks for w in decodes) and any(w.new_blocks for w in decodes)
+    for w in decodes:  # a later chunk carries only the blocks its new tokens open
+        assert len(w.new_blocks) <= -(-len(w.token_ids) // 2)
+
+
+def test_block_table_deltas_after_the_stages_lose_their_state():
+    core = make_core(num_blocks=32, block_size=2, budget=8)
+    for i in range(4):
+        core.add(f"r{i}", prompt(5, base=10 * i + 10), SamplingParams(max_tokens=6, ignore_eos=True))
+    schedules = _replay_tables(core, 2, requeue_at=5)
+    assert len(schedules) > 5
+
+
+def test_a_decode_schedule_does_not_grow_with_context_length():
+    """The bytes of a decode step of 8 sequences are the same at 40 and at 400 tokens of context
+    (only a step that opens a new block carries one more block id)."""
+    from moemesh.protocol import Codec
+
+    def decode_bytes(prompt_len):
+        core = make_core(num_blocks=1024, block_size=16, budget=4096, max_model_len=1024)
+        for i in range(8):
+            core.add(f"r{i}", prompt(prompt_len, base=1), SamplingParams(max_tokens=8, ignore_eos=True))
+        stage = FakeLastStage()
+        core.process_result(stage(core.next_schedule()))  # the prompts
+        sizes = []
+        while (sched := core.next_schedule()) is not None:
+            if not any(w.new_blocks for w in sched.seqs):
+                sizes.append(len(Codec.encode(sched)[0]))
+            core.process_result(stage(sched))
+        return max(sizes)
+
+    assert decode_bytes(400) <= decode_bytes(40) + 8 * 2  # (token ids and positions may take a byte more)
