@@ -86,3 +86,14 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
         assert r["coordinator_ms_per_step"] > 0 and r["schedule_bytes_per_step"] > 0
         assert len(r["stage_busy_fraction"]) == r["pp"]
 
+
+
+def test_bench_scheduler_schedule_bytes_stay_flat_as_contexts_grow(capsys):
+    """A decode step's schedule is the same size at 300 and at 4,000 tokens of context (both
+    lengths take 3 bytes in msgpack); whole block tables would have grown ~13x."""
+    assert main(["bench", "scheduler", "--seqs", "16", "--context", "300,4000", "--steps", "10", "--json"]) == 0
+    short, long = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert short["seqs"] == long["seqs"] == 16 and short["steps"] == long["steps"] == 10
+    assert long["schedule_bytes_per_step"] <= short["schedule_bytes_per_step"] * 1.05
+    assert long["whole_table_bytes_per_step"] > 3 * short["whole_table_bytes_per_step"]
+    assert long["coordinator_ms_per_step"] > 0 and "ms_vs_first" in long

@@ -9,7 +9,7 @@
     moemesh make-tiny-model --arch mixtral --out DIR [sizes]
     moemesh train-demo --out DIR                                      the built-in model, trained on the stdlib
     moemesh eval-demo --lm-eval PATH                                  its accuracy table, through the HTTP API
-    moemesh bench model | throughput | serve ...
+    moemesh bench model | throughput | scheduler | serve ...
 
 A bad flag gets a one-line message naming it and exit status 2, never a traceback.
 """
@@ -223,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--worker-timeout", type=float, default=5.0, help="the coordinator's heartbeat timeout")
     rb.add_argument("--json", action="store_true")
 
+    cb = bsub.add_parser("scheduler", help="the coordinator's CPU time and schedule bytes per decode step, by "
+                                           "context length (no model)")
+    cb.add_argument("--seqs", type=positive_int, default=256, help="running sequences")
+    cb.add_argument("--context", type=int_list, default=[32, 512, 2048], help="prompt lengths, e.g. 32,512,2048")
+    cb.add_argument("--steps", type=positive_int, default=200, help="decode steps measured")
+    cb.add_argument("--block-size", type=positive_int, default=16)
+    cb.add_argument("--in-flight", type=positive_int, default=1, help="microbatches in flight (a pipeline's stages)")
+    cb.add_argument("--json", action="store_true")
+
     sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
     sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     sb.add_argument("--concurrency", type=int_list, default=[64], help="requests in flight; a list gives a curve")
@@ -302,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.kill_stage is None:
                 args.kill_stage = args.pp - 1
             return run_recovery_bench(args)
+        if args.command == "bench" and args.bench == "scheduler":
+            from moemesh.entrypoints.bench.scheduler import run_scheduler_bench
+
+            return run_scheduler_bench(args)
         if args.command == "bench" and args.bench == "serve":
             from moemesh.entrypoints.bench.serve import run_serve_bench
 
