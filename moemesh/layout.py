@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from moemesh.settings import auto_mix
 from moemesh.config import ModelConfig, check_quantization
 from moemesh.errors import ConfigError
 
@@ -33,14 +34,16 @@ class Layout:
 def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None, expert_parallel: bool = False,
                    quantization: str | None = None) -> Layout:
     """Flags -> a Layout the model can take, or a ConfigError naming the flag. `partition` is None
-    (even split, earlier stages taking the remainder), "auto" (balanced decode cost) or layers per stage."""
+    (even split, earlier stages taking the remainder), "auto" or "auto:PROMPT:OUTPUT" (`balanced_partition`
+    for that token mix; 1:1 by default) or layers per stage."""
     n = model.num_layers
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
     if partition is None:
         counts = even_partition(n, pp)
-    elif partition == "auto":
-        counts = balanced_partition(model, pp)
+    elif isinstance(partition, str):  # auto[:PROMPT:OUTPUT]
+        prompt, output = auto_mix(partition)
+        counts = balanced_partition(model, pp, output / (prompt + output))
     else:
         counts = tuple(partition)
         if len(counts) != pp:
@@ -105,11 +108,17 @@ def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
     return layers, float(model.vocab_size * H)
 
 
-def balanced_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
+def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) -> tuple[int, ...]:
     """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
-    largest stage's decode cost (`decode_costs`; the last stage also carries the head), so that the
-    stages of a pipeline are equally busy."""
+    largest stage's cost per token (`decode_costs`), so that the stages of a pipeline are equally busy.
+    Every token, prompt or generated, goes through every layer; only the tokens sampled after pay
+    the head, on the last stage: `sampled_share` of them (output / (prompt + output) tokens of the
+    workload: 1 for pure decode). Balancing decode alone overloads the first stages with prefill
+    wherever the head is large beside a layer (docs/benchmarks.md)."""
+    if not 0 <= sampled_share <= 1:
+        raise ValueError(f"sampled_share {sampled_share} is outside [0, 1]")
     layers, head = decode_costs(model)
+    head *= sampled_share
     n = len(layers)
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")

@@ -62,11 +62,28 @@ int_list.__name__ = "comma-separated list of integers"
 
 
 def partition_arg(text: str):
-    """--layer-partition: "auto" or layers per stage, e.g. 3,5."""
-    return "auto" if text.strip() == "auto" else tuple(int_list(text))
+    """--layer-partition: "auto", "auto:PROMPT:OUTPUT" (the workload's token mix) or layers per stage, e.g. 3,5."""
+    text = text.strip()
+    if text == "auto" or text.startswith("auto:"):
+        auto_mix(text)  # (refuses a malformed mix)
+        return text
+    return tuple(int_list(text))
 
 
-partition_arg.__name__ = "auto or a comma-separated list of integers"
+partition_arg.__name__ = "auto, auto:PROMPT:OUTPUT or a comma-separated list of integers"
+
+
+def auto_mix(text: str) -> tuple[int, int]:
+    """"auto" -> (1, 1); "auto:P:O" -> (P, O): prompt and output tokens of a typical request."""
+    if text == "auto":
+        return 1, 1
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] != "auto":
+        raise ValueError(text)
+    prompt, output = int(parts[1]), int(parts[2])
+    if prompt < 0 or output < 1:
+        raise ValueError(text)
+    return prompt, output
 
 
 def positive_float(text: str) -> float:
@@ -253,8 +270,9 @@ class LayoutSettings(Settings):
     pp: int = flag(1, "pipeline stages", parse=positive_int)
     tp: int = flag(1, "tensor-parallel ranks per stage", parse=positive_int)
     layer_partition: tuple[int, ...] | str | None = flag(
-        None, "layers per pipeline stage, e.g. 3,5; auto: balance the stages' decode cost (the last stage also "
-              "carries the lm_head)", parse=partition_arg)
+        None, "layers per pipeline stage, e.g. 3,5; auto: balance the stages' cost per token (the last stage also "
+              "carries the lm_head, which only sampled tokens pay) for requests of as many prompt as output tokens; "
+              "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
 

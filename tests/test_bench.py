@@ -75,11 +75,11 @@ def test_bench_model_compares_backends_and_reports_the_roofline(tiny, capsys):
 def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
     capsys.readouterr()
     assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "4",
-                 "--new", "3", "--layer-partition", "auto", "--no-baseline", "--json"]) == 0
+                 "--new", "3", "--layer-partition", "auto:4:3", "--no-baseline", "--json"]) == 0
     out = json_rows(capsys)
     from moemesh.layout import balanced_partition
 
-    want = list(balanced_partition(ModelConfig.from_dir(tiny), 2))
+    want = list(balanced_partition(ModelConfig.from_dir(tiny), 2, 3 / 7))
     assert [(r["pp"], r["layers"]) for r in out] == [(1, [4]), (2, want)]
     for r in out:
         assert r["tok_per_s"] > 0 and r["steps"] > 0

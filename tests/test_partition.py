@@ -1,4 +1,5 @@
-"""`--layer-partition auto`: stages balanced by their decode cost, the last one carrying the head."""
+"""`--layer-partition auto`: stages balanced by their cost per token, the last one carrying the head
+(paid by sampled tokens only)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def config(layers=8, vocab=32000, hidden=512, mlp_only=()):
                        mlp_only_layers=tuple(mlp_only))
 
 
-def worst_stage(model, counts):
+def worst_stage(model, counts, sampled_share=1.0):
     layers, head = decode_costs(model)
+    head *= sampled_share
     out, start = [], 0
     for i, n in enumerate(counts):
         out.append(sum(layers[start:start + n]) + (head if i == len(counts) - 1 else 0))
@@ -36,13 +38,33 @@ def test_the_benchmark_model_gives_the_last_stage_fewer_layers():
         balanced_partition(config(), 9)
 
 
+def test_prefill_moves_layers_back_to_the_last_stage():
+    """Prompt tokens skip the head: the more of them, the more layers the last stage takes."""
+    assert balanced_partition(config(), 2, 64 / 96) == (5, 3)  # 32-token prompts, 64 generated
+    assert balanced_partition(config(), 2, 0.2) == (4, 4)  # long prompts, short answers
+    assert balanced_partition(config(), 2, 0.0) == (4, 4)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
 @pytest.mark.parametrize("layers,pp,vocab,mlp_only", [(7, 3, 4000, ()), (9, 4, 20000, (1, 2)), (6, 2, 500, (0,))])
-def test_no_other_split_has_a_cheaper_busiest_stage(layers, pp, vocab, mlp_only):
+def test_no_other_split_has_a_cheaper_busiest_stage(layers, pp, vocab, mlp_only, share):
     model = config(layers, vocab, mlp_only=mlp_only)
-    got = balanced_partition(model, pp)
+    got = balanced_partition(model, pp, share)
     assert sum(got) == layers and min(got) >= 1 and len(got) == pp
     splits = [c for c in itertools.product(range(1, layers + 1), repeat=pp) if sum(c) == layers]
-    assert worst_stage(model, got) == min(worst_stage(model, c) for c in splits)
+    assert worst_stage(model, got, share) == min(worst_stage(model, c, share) for c in splits)
+
+
+def test_auto_takes_the_workloads_mix():
+    from moemesh.layout import resolve_layout
+    from moemesh.settings import partition_arg
+
+    assert resolve_layout(config(), 2, partition=partition_arg("auto")).stage_layers == (5, 3)  # 1:1
+    assert resolve_layout(config(), 2, partition=partition_arg("auto:0:1")).stage_layers == (6, 2)  # pure decode
+    assert resolve_layout(config(), 2, partition=partition_arg("auto:2000:100")).stage_layers == (4, 4)
+    for bad in ["auto:", "auto:1", "auto:1:0", "auto:-1:2", "auto:a:b", "auto:1:2:3"]:
+        with pytest.raises(ValueError):
+            partition_arg(bad)
 
 
 def test_generate_takes_auto(tmp_path, capsys):

@@ -25,7 +25,7 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
-                              partition_arg, positive_int)
+                              SchedulerSettings, partition_arg, positive_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -180,14 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel ranks of each layout, e.g. 1,2")
     tb.add_argument("--expert-parallel", action="store_true")
     tb.add_argument("--layer-partition", type=partition_arg, default=None,
-                    help="auto: balanced stages for every --pp; or layers per stage for the layout with that many")
+                    help="auto or auto:PROMPT:OUTPUT: balanced stages for every --pp (e.g. auto:32:64 for this "
+                         "benchmark's default mix); or layers per stage for the layout with that many")
     tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
     tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
     tb.add_argument("--prompt-len", type=positive_int, default=32)
     tb.add_argument("--new", type=positive_int, default=64, help="tokens generated per request")
     tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
-    tb.add_argument("--max-batched-tokens", type=positive_int, default=2048)
+    tb.add_argument("--max-batched-tokens", type=positive_int, default=SchedulerSettings.max_batched_tokens,
+                    help="token budget of one step (default: the servers' own)")
     tb.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="P",
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],

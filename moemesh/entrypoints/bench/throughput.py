@@ -120,7 +120,7 @@ def run_throughput_bench(args) -> int:
     for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
                                    for k in args.curve]:
         partition = None
-        if args.layer_partition == "auto" or (args.layer_partition and len(args.layer_partition) == pp):
+        if isinstance(args.layer_partition, str) or (args.layer_partition and len(args.layer_partition) == pp):
             partition = args.layer_partition
         try:
             expert_parallel = args.expert_parallel and tp > 1
