@@ -22,9 +22,23 @@ class AttentionGroup:
     token_index: torch.Tensor  # [B, Q] long: row of each query in the flat batch (padding: any valid row)
     valid: torch.Tensor  # [B, Q] bool: real query (not padding)
     block_table: torch.Tensor  # [B, L / block_size] long: KV blocks holding each context (padding: block 0)
-    mask: torch.Tensor  # [B, 1, Q, L] float: 0 where the query may attend to the key, -inf elsewhere
     is_decode: bool
     kv_len: torch.Tensor  # [B] long: keys of each sequence after this step (cached + new)
+    context_len: torch.Tensor  # [B] long: keys cached before this step (the first query's position)
+    num_keys: int  # L: the keys gathered per sequence (whole blocks)
+    _mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, Q, L] float: 0 where the query may attend to the key, -inf elsewhere (additive: SDPA's
+        fast path). Built on first use: the native decode kernel never needs it."""
+        if self._mask is None:
+            # query j of sequence b sits at position context_len[b] + j and sees keys at positions <= that
+            dev = self.context_len.device
+            q_pos = self.context_len.unsqueeze(1) + torch.arange(self.token_index.shape[1], device=dev)  # [B, Q]
+            allowed = torch.arange(self.num_keys, device=dev).view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, L]
+            self._mask = torch.zeros(allowed.shape, device=dev).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+        return self._mask
 
 
 @dataclass
@@ -86,26 +100,27 @@ def build_context(query_lens: list[int], context_lens: list[int], block_tables: 
 
 
 def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode):
-    qs = torch.tensor([query_lens[i] for i in idx])
-    cs = torch.tensor([context_lens[i] for i in idx])
-    total = qs + cs
-    Q, L = int(qs.max()), int(total.max())
-    q_off = torch.arange(Q)
-    token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1) + q_off  # [B, Q]
-    valid = q_off < qs.unsqueeze(1)
-    token_index = torch.where(valid, token_index, token_index[:, :1])
+    qs_l = [query_lens[i] for i in idx]
+    cs_l = [context_lens[i] for i in idx]
+    Q, L = max(qs_l), max(q + c for q, c in zip(qs_l, cs_l))
     n_blocks = -(-L // block_size)
-    table = torch.zeros(len(idx), n_blocks, dtype=torch.long)
-    for row, i in enumerate(idx):
-        blocks = block_tables[i][:n_blocks]
-        table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    rows = []  # each table cut or padded (block 0) to n_blocks: one tensor built at once
+    for i in idx:
+        blocks = block_tables[i]
+        rows.append(blocks[:n_blocks] if len(blocks) >= n_blocks else blocks + [0] * (n_blocks - len(blocks)))
+    table = torch.tensor(rows, dtype=torch.long)
+    cs = torch.tensor(cs_l)
+    total = cs + torch.tensor(qs_l)
+    if Q == 1:
+        token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1)
+        valid = torch.ones(len(idx), 1, dtype=torch.bool)
+    else:
+        q_off = torch.arange(Q)
+        token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1) + q_off  # [B, Q]
+        valid = q_off < torch.tensor(qs_l).unsqueeze(1)
+        token_index = torch.where(valid, token_index, token_index[:, :1])
     # keys are gathered whole blocks at a time: L rounds up to whole blocks
-    k_pos = torch.arange(n_blocks * block_size)
-    # query j of sequence b sits at position cs[b] + j and sees keys at positions <= that
-    q_pos = cs.unsqueeze(1) + q_off  # [B, Q]
-    allowed = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(2)  # [B, Q, L]
-    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # additive: SDPA's fast path
-    return AttentionGroup(token_index, valid, table, mask.unsqueeze(1), is_decode, total)
+    return AttentionGroup(token_index, valid, table, is_decode, total, cs, n_blocks * block_size)
 
 
 def check_bounds(ctx: ForwardContext, num_blocks: int, block_size: int, max_positions: int) -> None:
@@ -124,6 +139,6 @@ def check_bounds(ctx: ForwardContext, num_blocks: int, block_size: int, max_posi
 
 
 def _to_device(ctx: ForwardContext, device) -> ForwardContext:
-    groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.block_table.to(device),
-                             g.mask.to(device), g.is_decode, g.kv_len.to(device)) for g in ctx.groups]
+    groups = [AttentionGroup(g.token_index.to(device), g.valid.to(device), g.block_table.to(device), g.is_decode,
+                             g.kv_len.to(device), g.context_len.to(device), g.num_keys) for g in ctx.groups]
     return ForwardContext(ctx.positions.to(device), ctx.slot_mapping.to(device), groups)
