@@ -90,13 +90,20 @@ class Scheduler:
         scheduled: set[int] = set()
 
         preempted = False
+        block_size = self.blocks.block_size
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
                 break
-            if seq.num_pending == 0 or seq.status is not Status.RUNNING:
+            pending = seq.num_pending
+            if pending == 0 or seq.status is not Status.RUNNING:
                 continue  # awaiting its sampled token, or preempted just now to make room for an older one
+            if pending == 1 and seq.num_computed < len(seq.block_ids) * block_size:
+                items.append(self._take(seq, 1))  # a decode with room in its last block (most steps' rows)
+                scheduled.add(seq.seq_id)
+                budget -= 1
+                continue
             # a prefill chunk shrinks to the room left; only what cannot take one token preempts
-            n = min(seq.num_pending, budget, max(1, self.blocks.room(seq)))
+            n = min(pending, budget, max(1, self.blocks.room(seq)))
             while not self.blocks.can_grow(seq, n):
                 victim = next((s for s in reversed(self.running)
                                if s.seq_id not in self.in_flight and s.seq_id not in scheduled), None)
@@ -132,7 +139,8 @@ class Scheduler:
         return Step(items)
 
     def _take(self, seq: Sequence, n: int, admitted: bool = False) -> ScheduledSeq:
-        self.blocks.grow(seq, n)
+        if seq.num_computed + n > len(seq.block_ids) * self.blocks.block_size:
+            self.blocks.grow(seq, n)
         item = ScheduledSeq(seq, n, seq.num_computed, sample=seq.num_computed + n == seq.num_tokens, admitted=admitted)
         seq.num_computed += n  # the cache will hold them once the step has run
         return item

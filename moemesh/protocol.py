@@ -224,10 +224,13 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
 
 class BlockTables:
     """A worker's copy of every running sequence's block table, kept up to date from schedules
-    (the receiving side of `SeqWork.new_blocks`); cleared on a Reset."""
+    (the receiving side of `SeqWork.new_blocks`), with the step that admitted each: a Reset drops
+    those admitted before the new epoch's first step (every sequence of the epoch is admitted
+    afresh, at or after it)."""
 
     def __init__(self):
         self.tables: dict[int, list[int]] = {}
+        self.admitted: dict[int, int] = {}  # seq id -> the step whose schedule carried its whole table
 
     def apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences `sched` ends, applies its blocks; the tables of its sequences, in its
@@ -235,10 +238,12 @@ class BlockTables:
         tables = self.tables
         for seq_id in sched.forget:
             tables.pop(seq_id, None)
+            self.admitted.pop(seq_id, None)
         out = []
         for w in sched.seqs:
             if w.params is not None:  # admitted: the whole table
                 table = tables[w.seq_id] = list(w.new_blocks)
+                self.admitted[w.seq_id] = sched.step_id
             else:
                 table = tables.get(w.seq_id)
                 if table is None:
@@ -248,8 +253,12 @@ class BlockTables:
             out.append(table)
         return out
 
-    def clear(self) -> None:
-        self.tables.clear()
+    def drop_admitted_before(self, step_id: int) -> list[int]:
+        """Forgets the sequences admitted by a step below `step_id`; -> their ids."""
+        stale = [seq_id for seq_id, step in self.admitted.items() if step < step_id]
+        for seq_id in stale:
+            del self.tables[seq_id], self.admitted[seq_id]
+        return stale
 
 
 class SampledToken(msgspec.Struct, array_like=True, frozen=True):

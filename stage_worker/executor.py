@@ -42,10 +42,13 @@ class StageExecutor:
         self.block_tables = BlockTables()
         self.busy_seconds = 0.0
 
-    def reset(self) -> None:
-        """A new epoch: every sequence will be admitted afresh."""
-        self.seqs.clear()
-        self.block_tables.clear()
+    def reset(self, first_step: int) -> None:
+        """A new epoch from `first_step` on: every sequence of it is admitted afresh by a step at or
+        after that, so what was admitted before is stale (a sequence that ended in the lost epoch,
+        whose forget never came). What a step of the new epoch already admitted stays: a worker
+        that learns of the epoch late may have run some."""
+        for seq_id in self.block_tables.drop_admitted_before(first_step):
+            self.seqs.pop(seq_id, None)
 
     def run(self, sched: Schedule, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         """-> (hidden, residual) for the next stage, or a StepResult on the last stage."""

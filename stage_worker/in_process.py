@@ -44,9 +44,9 @@ class InProcessPipeline:
             hidden, residual = stage.run(sched, hidden, residual)
         return self.stages[-1].run(sched, hidden, residual)
 
-    def drop(self) -> None:
-        """Forgets the schedules not yet run (their steps were abandoned), and every sequence's
-        state: the core re-admits them all."""
+    def drop(self, first_step: int) -> None:
+        """Forgets the schedules not yet run (their steps were abandoned), and the state of every
+        sequence admitted before `first_step`: the core re-admits them all from that step on."""
         self.queue.clear()
         for stage in self.stages:
-            stage.reset()
+            stage.reset(first_step)

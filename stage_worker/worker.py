@@ -198,20 +198,21 @@ class StageWorker:
 
     def _reset(self, epoch: int, first_step: int, in_order: bool = True) -> None:
         """A new epoch: drops the steps below `first_step` not yet run and the activations waiting
-        for them (activations of the new epoch that came before the Reset stay), and every sequence's
-        block table and sampling state; a step computing now finishes, and its output is dropped
-        downstream as stale (older id). A reset learnt late from a Ping (the Reset was lost with a
-        connection) keeps that state: schedules of the new epoch may have set it already (each of
-        the epoch's sequences is admitted afresh, with its whole table, before any delta)."""
+        for them (activations of the new epoch that came before the Reset stay), and the block table
+        and sampling state of every sequence admitted before `first_step` (each of the epoch's
+        sequences is admitted afresh, with its whole table, at or after it); a step computing now
+        finishes, and its output is dropped downstream as stale (older id). A reset learnt late from
+        a Ping (the Reset was lost with a connection) may find steps of the new epoch already run:
+        what they admitted stays."""
         self.epoch = epoch
+        # on the compute thread, after the step it may be running (which reads that state)
+        asyncio.get_running_loop().run_in_executor(self.compute, self.executor.reset, first_step)
         if self.current_step >= first_step:  # (late: it already runs the new epoch's steps; let it)
             self._drop_older(first_step)
             log.info("reset", extra={"fields": {"epoch": epoch, "first_step": first_step, "late": True}})
             return
         self.stepper.cancel()  # it may wait for activations from a stage that is gone, or on a full socket
         self._drop_older(first_step)
-        if in_order:  # on the compute thread, after the step it may be running (which reads that state)
-            asyncio.get_running_loop().run_in_executor(self.compute, self.executor.reset)
         self.stepper = asyncio.ensure_future(self._steps())
         log.info("reset", extra={"fields": {"epoch": epoch, "first_step": first_step, "late": not in_order}})
 

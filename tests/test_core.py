@@ -366,11 +366,13 @@ def test_step_ids_are_unique_and_increasing():
 
 # -- block tables travel as deltas ---------------------------------------------------------------
 
-def _replay_tables(core: EngineCore, schedules_in_flight: int, requeue_at: int | None = None, max_steps=2000):
+def _replay_tables(core: EngineCore, schedules_in_flight: int, requeue_at: int | None = None, late: bool = False,
+                   max_steps=2000):
     """Drives the core with up to `schedules_in_flight` schedules outstanding (a pipeline's
     microbatches), replaying every schedule into a worker's `BlockTables`; after each schedule the
     replayed table of every sequence in it must be the coordinator's. `requeue_at`: after that many
-    schedules a stage 'loses its state' (requeue_all, and the worker resets). -> schedules."""
+    schedules a stage 'loses its state' (requeue_all, and the worker resets; `late`: only after it
+    ran the new epoch's first schedule). -> schedules."""
     from collections import deque
 
     from moemesh.protocol import BlockTables
@@ -387,8 +389,20 @@ def _replay_tables(core: EngineCore, schedules_in_flight: int, requeue_at: int |
             pending.append(sched)
             if requeue_at is not None and len(schedules) == requeue_at:
                 core.requeue_all()
-                tables.clear()
                 pending.clear()
+                if late:  # the worker runs the new epoch's first schedule before it learns of the reset
+                    first = core.next_step_id
+                    sched = core.next_schedule()
+                    got = tables.apply(sched)
+                    assert all(w.params is not None for w in sched.seqs)  # every one admitted afresh
+                    tables.drop_admitted_before(first)
+                    assert set(tables.tables) == {w.seq_id for w in sched.seqs}  # kept; the lost epoch's gone
+                    assert all(t == seqs[w.seq_id].block_ids for w, t in zip(sched.seqs, got))
+                    schedules.append(sched)
+                    pending.append(sched)
+                else:
+                    assert tables.drop_admitted_before(core.next_step_id)
+                    assert not tables.tables
         if not pending:
             break
         core.process_result(stage(pending.popleft()))
@@ -413,11 +427,13 @@ def test_block_table_deltas_rebuild_every_table_through_preemption_and_caching(i
         assert len(w.new_blocks) <= -(-len(w.token_ids) // 2)
 
 
-def test_block_table_deltas_after_the_stages_lose_their_state():
+@pytest.mark.parametrize("late", [False, True])
+def test_block_table_deltas_after_the_stages_lose_their_state(late):
     core = make_core(num_blocks=32, block_size=2, budget=8)
     for i in range(4):
         core.add(f"r{i}", prompt(5, base=10 * i + 10), SamplingParams(max_tokens=6, ignore_eos=True))
-    schedules = _replay_tables(core, 2, requeue_at=5)
+    core.add("short", prompt(3, base=90), SamplingParams(max_tokens=1))  # ends in the epoch that is lost
+    schedules = _replay_tables(core, 2, requeue_at=5, late=late)
     assert len(schedules) > 5
 
 

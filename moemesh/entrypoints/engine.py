@@ -78,7 +78,7 @@ class LLMEngine:
             result = self.pipeline.poll()
         except BaseException:  # a stage raised: what the steps in flight were to write is not there;
             self.core.requeue_all()  # recompute every sequence, share no block
-            self.pipeline.drop()
+            self.pipeline.drop(self.core.next_step_id)
             raise
         return self.loop.take(result)
 
