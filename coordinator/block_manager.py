@@ -89,6 +89,7 @@ class BlockManager:
                     self._free.append(b)
         seq.block_ids = []
         seq.blocks_hashed = 0
+        seq.blocks_sent = 0
 
     def _allocate(self) -> int:
         if self._free:

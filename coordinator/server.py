@@ -62,7 +62,7 @@ class ZmqPipeline:
 
     async def send(self, sched: Schedule) -> None:
         started = time.thread_time()
-        frames = Codec.encode(sched)
+        frames = Codec.encode(msgspec.structs.replace(sched, epoch=self.registry.epoch))
         self.encode_seconds += time.thread_time() - started
         self.schedule_bytes += sum(len(f) for f in frames)
         for w in self.registry.workers.values():

@@ -220,6 +220,9 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     step_id: int
     seqs: list[SeqWork]
     forget: list[int] = []  # sequences that ended: drop their block table and sampling state
+    epoch: int = 0  # the pipeline's epoch it belongs to: a worker that missed the epoch's Reset (and
+    # perhaps the schedules that admitted its sequences afresh) resets before running it, so that
+    # no block-table delta is ever applied to a table of an earlier epoch
 
 
 class BlockTables:

@@ -291,6 +291,8 @@ class StageWorker:
         while True:
             msg = await self._recv_one()
             if isinstance(msg, Schedule):
+                if msg.epoch > self.epoch:  # its epoch's Reset was lost (a dropped connection)
+                    self._reset(msg.epoch, msg.step_id, in_order=False)
                 self.schedules.put_nowait(msg)
             elif isinstance(msg, Reset):
                 if msg.epoch > self.epoch:

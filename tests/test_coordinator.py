@@ -342,6 +342,7 @@ async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = 
             elif isinstance(msg, Reset):
                 stage = FakeLastStage()  # (a reset drops the sampling state)
             elif isinstance(msg, Schedule):
+                log.append(msg.epoch)  # (the epoch each schedule belongs to)
                 seen += 1
                 if seen <= drop or (not answer and seen > 1):
                     continue
@@ -394,9 +395,11 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
             await asyncio.gather(task, worker, return_exceptions=True)
 
     log, status = asyncio.run(scenario(answer=True))
-    assert log[:4] == ["Assignment", "Start", "Schedule", "Reset"] and "Schedule" in log[4:]
+    assert log[:5] == ["Assignment", "Start", "Schedule", 0, "Reset"] and "Schedule" in log[5:]
+    assert {e for e in log[5:] if isinstance(e, int)} == {1}  # every later schedule says its epoch
     assert (status.step_resets, status.recoveries, status.phase) == (1, 0, "serving")
     log, status = asyncio.run(scenario(answer=False))
+    log = [e for e in log if isinstance(e, str)]
     assert log.count("Reset") == 1 and log[-1] == "Shutdown"
     assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")
 
@@ -426,3 +429,60 @@ def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_fl
 
     status = asyncio.run(scenario())
     assert status.phase == "down" and f"--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
+
+
+def test_a_worker_that_missed_a_reset_learns_the_epoch_from_the_next_schedule(tiny):
+    """A real stage worker against a scripted coordinator. A connection drop can lose a Reset and the
+    schedules that re-admitted a sequence; the next schedule's epoch then tells the worker, which
+    drops what it admitted before: a block-table delta for that sequence fails the worker loudly
+    (WorkerFailed) instead of being appended to a table of the lost epoch. A re-admission works."""
+    from moemesh.config import ModelConfig
+    from moemesh.protocol import Ready, Schedule, SeqWork, Start, StepResult, WorkerFailed, WorkerMessage
+    from moemesh.settings import WorkerSettings
+    from stage_worker.worker import StageWorker
+
+    layers = ModelConfig.from_dir(tiny).num_layers
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def scenario(readmit: bool):
+        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        worker = StageWorker(WorkerSettings(coordinator=f"tcp://127.0.0.1:{port}", pp_rank=0, threads=1,
+                                            kv_memory=1 << 20))
+        task = asyncio.ensure_future(worker.run())
+        codec = Codec(WorkerMessage)
+
+        async def expect(kind):
+            while True:
+                identity, *frames = await asyncio.wait_for(sock.recv_multipart(), 60)
+                msg, _ = codec.decode(frames)
+                if isinstance(msg, kind) or isinstance(msg, WorkerFailed):
+                    return identity, msg
+
+        async def send(identity, msg):
+            await sock.send_multipart([identity, *Codec.encode(msg)])
+
+        try:
+            identity, _ = await expect(Register)
+            await send(identity, Assignment(str(tiny), 0, layers, 1, 1, None, "float32", 4))
+            await expect(Ready)
+            await send(identity, Start(16, epoch=0))
+            await send(identity, Schedule(0, [SeqWork(1, [5, 6, 7], 0, [0], True, greedy, 3)], epoch=0))
+            _, first = await expect(StepResult)
+            token = first.sampled[0].token_id
+            # the Reset to epoch 1 and the schedule that re-admitted sequence 1 (blocks 2, 3) are lost
+            if readmit:
+                work = SeqWork(1, [5, 6, 7, token], 0, [2, 3], True, greedy, 3)
+            else:  # a delta: what the lost re-admission would have started
+                work = SeqWork(1, [9], 4, [3], True)
+            await send(identity, Schedule(7, [work], epoch=1))
+            return first, (await expect(StepResult))[1]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sock.close(linger=0)
+
+    first, got = asyncio.run(scenario(readmit=False))
+    assert isinstance(got, WorkerFailed) and "no block table" in got.error, got
+    first, got = asyncio.run(scenario(readmit=True))
+    assert isinstance(got, StepResult) and got.step_id == 7 and len(got.sampled) == 1
