@@ -61,6 +61,7 @@ class WorkerRegistry:
         self.pp, self.tp, self.clock = pp, tp, clock
         self.phase = Phase.REGISTERING
         self.epoch = 0  # bumped by every recovery
+        self.first_step = 0  # the epoch's first step id (Reset, Ping and every Schedule carry it)
         self.refused_gone = self.malformed_gone = 0  # counted by workers no longer in the pipeline
         self.workers: dict[tuple[int, int], WorkerInfo] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}

@@ -62,7 +62,8 @@ class ZmqPipeline:
 
     async def send(self, sched: Schedule) -> None:
         started = time.thread_time()
-        frames = Codec.encode(msgspec.structs.replace(sched, epoch=self.registry.epoch))
+        reg = self.registry
+        frames = Codec.encode(msgspec.structs.replace(sched, epoch=reg.epoch, first_step=reg.first_step))
         self.encode_seconds += time.thread_time() - started
         self.schedule_bytes += sum(len(f) for f in frames)
         for w in self.registry.workers.values():
@@ -114,8 +115,16 @@ class Coordinator:
         self.issued: dict[int, float] = {}  # step id -> when it went out (--step-timeout)
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
-        self.epoch_first_step = 0  # the first step id of the current epoch (Reset and Ping carry it)
         self._recovery_started = 0.0
+
+    @property
+    def epoch_first_step(self) -> int:
+        """The first step id of the current epoch (Reset, Ping and every Schedule carry it)."""
+        return self.registry.first_step
+
+    @epoch_first_step.setter
+    def epoch_first_step(self, step_id: int) -> None:
+        self.registry.first_step = step_id
 
     @property
     def serving(self) -> bool:

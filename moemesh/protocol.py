@@ -176,8 +176,8 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 class Reset(msgspec.Struct, tag="reset", frozen=True):
     """A new epoch (a worker was lost, or a step overdue): drop every step below `first_step` not yet
-    run, the activations waiting for them and every sequence's sampling state; the epoch's steps
-    are numbered from `first_step` on."""
+    run, the activations waiting for them, and the block table and sampling state of every sequence
+    admitted before `first_step`; the epoch's steps are numbered from `first_step` on."""
     epoch: int
     first_step: int = 0
 
@@ -223,6 +223,7 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     epoch: int = 0  # the pipeline's epoch it belongs to: a worker that missed the epoch's Reset (and
     # perhaps the schedules that admitted its sequences afresh) resets before running it, so that
     # no block-table delta is ever applied to a table of an earlier epoch
+    first_step: int = 0  # that epoch's first step id: with it a worker tells a lost schedule (a gap)
 
 
 class BlockTables:

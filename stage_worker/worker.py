@@ -75,6 +75,11 @@ class StageWorker:
         self.last_step = -1  # the last step computed (heartbeats report it)
         self.epoch = 0  # the pipeline's epoch this worker has reset to
         self.current_step = -1  # the step the stepper works on (or last took)
+        # the step id the next schedule must have (None: any, until the first): every worker gets
+        # every schedule, in order; a gap means one was lost with a connection, and the state the
+        # later ones build on (block tables, K/V) is incomplete
+        self.next_schedule: int | None = None
+        self.schedule_gap = False  # one was lost: run nothing more until the next reset
         self.stepper: asyncio.Task | None = None  # runs the steps, once serving
         if cfg.record:
             from stage_worker.standalone import Recorder
@@ -201,10 +206,13 @@ class StageWorker:
         for them (activations of the new epoch that came before the Reset stay), and the block table
         and sampling state of every sequence admitted before `first_step` (each of the epoch's
         sequences is admitted afresh, with its whole table, at or after it); a step computing now
-        finishes, and its output is dropped downstream as stale (older id). A reset learnt late from
+        finishes, and its output is not sent. A reset learnt late from
         a Ping (the Reset was lost with a connection) may find steps of the new epoch already run:
         what they admitted stays."""
         self.epoch = epoch
+        # the epoch's schedules run from first_step on (a late reset may have taken some already)
+        self.next_schedule = max(first_step, self.next_schedule or 0)
+        self.schedule_gap = False
         # on the compute thread, after the step it may be running (which reads that state)
         asyncio.get_running_loop().run_in_executor(self.compute, self.executor.reset, first_step)
         if self.current_step >= first_step:  # (late: it already runs the new epoch's steps; let it)
@@ -292,7 +300,16 @@ class StageWorker:
             msg = await self._recv_one()
             if isinstance(msg, Schedule):
                 if msg.epoch > self.epoch:  # its epoch's Reset was lost (a dropped connection)
-                    self._reset(msg.epoch, msg.step_id, in_order=False)
+                    self._reset(msg.epoch, msg.first_step, in_order=False)
+                if self.next_schedule is not None and msg.step_id != self.next_schedule and not self.schedule_gap:
+                    # a schedule was lost: the pipeline's step deadline will reset it (its step never
+                    # comes back); computing the later ones on incomplete state would be wrong
+                    self.schedule_gap = True
+                    log.warning("schedule lost, waiting for a reset",
+                                extra={"fields": {"expected": self.next_schedule, "got": msg.step_id}})
+                if self.schedule_gap:
+                    continue
+                self.next_schedule = msg.step_id + 1
                 self.schedules.put_nowait(msg)
             elif isinstance(msg, Reset):
                 if msg.epoch > self.epoch:

@@ -431,20 +431,21 @@ def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_fl
     assert status.phase == "down" and f"--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
 
 
-def test_a_worker_that_missed_a_reset_learns_the_epoch_from_the_next_schedule(tiny):
-    """A real stage worker against a scripted coordinator. A connection drop can lose a Reset and the
-    schedules that re-admitted a sequence; the next schedule's epoch then tells the worker, which
-    drops what it admitted before: a block-table delta for that sequence fails the worker loudly
-    (WorkerFailed) instead of being appended to a table of the lost epoch. A re-admission works."""
+def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
+    """A real stage worker against a scripted coordinator. A connection drop can lose a Reset, or
+    schedules (those that re-admitted a sequence, say). The schedules after them carry their epoch
+    and its first step id, so the worker knows: it resets to a newer epoch, and after a gap in the
+    step ids it runs nothing (its block tables and K/V would be incomplete) until the next Reset,
+    which the coordinator's step deadline sends (the lost step never comes back). Nothing fails."""
     from moemesh.config import ModelConfig
-    from moemesh.protocol import Ready, Schedule, SeqWork, Start, StepResult, WorkerFailed, WorkerMessage
+    from moemesh.protocol import Ready, Reset, Schedule, SeqWork, Start, StepResult, WorkerFailed, WorkerMessage
     from moemesh.settings import WorkerSettings
     from stage_worker.worker import StageWorker
 
     layers = ModelConfig.from_dir(tiny).num_layers
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
-    async def scenario(readmit: bool):
+    async def scenario(lost_reset: bool):
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
         worker = StageWorker(WorkerSettings(coordinator=f"tcp://127.0.0.1:{port}", pp_rank=0, threads=1,
@@ -452,37 +453,47 @@ def test_a_worker_that_missed_a_reset_learns_the_epoch_from_the_next_schedule(ti
         task = asyncio.ensure_future(worker.run())
         codec = Codec(WorkerMessage)
 
-        async def expect(kind):
+        async def expect(kind, timeout=60):
             while True:
-                identity, *frames = await asyncio.wait_for(sock.recv_multipart(), 60)
+                identity, *frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
                 msg, _ = codec.decode(frames)
-                if isinstance(msg, kind) or isinstance(msg, WorkerFailed):
+                if isinstance(msg, (kind, WorkerFailed)):
                     return identity, msg
 
         async def send(identity, msg):
             await sock.send_multipart([identity, *Codec.encode(msg)])
+
+        def admit(step, epoch, blocks):
+            return Schedule(step, [SeqWork(1, [5, 6, 7], 0, blocks, True, greedy, 3)], epoch=epoch, first_step=step)
 
         try:
             identity, _ = await expect(Register)
             await send(identity, Assignment(str(tiny), 0, layers, 1, 1, None, "float32", 4))
             await expect(Ready)
             await send(identity, Start(16, epoch=0))
-            await send(identity, Schedule(0, [SeqWork(1, [5, 6, 7], 0, [0], True, greedy, 3)], epoch=0))
+            await send(identity, admit(0, 0, [0]))
             _, first = await expect(StepResult)
             token = first.sampled[0].token_id
-            # the Reset to epoch 1 and the schedule that re-admitted sequence 1 (blocks 2, 3) are lost
-            if readmit:
-                work = SeqWork(1, [5, 6, 7, token], 0, [2, 3], True, greedy, 3)
-            else:  # a delta: what the lost re-admission would have started
-                work = SeqWork(1, [9], 4, [3], True)
-            await send(identity, Schedule(7, [work], epoch=1))
-            return first, (await expect(StepResult))[1]
+            if lost_reset:  # Reset(1, 7) and schedule 7 (sequence 1 re-admitted on blocks 2, 3) are lost
+                await send(identity, Schedule(8, [SeqWork(1, [token], 3, [], True)], epoch=1, first_step=7))
+            else:  # schedule 1 of epoch 0 is lost
+                await send(identity, Schedule(2, [SeqWork(1, [9], 4, [1], True)], epoch=0, first_step=0))
+            deadline = asyncio.get_running_loop().time() + 1.0  # the schedule after the loss is not run
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                if await sock.poll(int(left * 1000)):
+                    msg, _ = codec.decode((await sock.recv_multipart())[1:])
+                    assert not isinstance(msg, (StepResult, WorkerFailed)), msg
+            # the coordinator's step deadline: a reset, every sequence re-admitted
+            await send(identity, Reset(2, first_step=9))
+            await send(identity, admit(9, 2, [4]))
+            _, again = await expect(StepResult)
+            return first, again
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             sock.close(linger=0)
 
-    first, got = asyncio.run(scenario(readmit=False))
-    assert isinstance(got, WorkerFailed) and "no block table" in got.error, got
-    first, got = asyncio.run(scenario(readmit=True))
-    assert isinstance(got, StepResult) and got.step_id == 7 and len(got.sampled) == 1
+    for lost_reset in (True, False):
+        first, again = asyncio.run(scenario(lost_reset))
+        assert isinstance(again, StepResult), again  # not WorkerFailed
+        assert again.step_id == 9 and again.sampled[0].token_id == first.sampled[0].token_id  # same prompt
