@@ -109,15 +109,15 @@ def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_d
         blocks = block_tables[i]
         rows.append(blocks[:n_blocks] if len(blocks) >= n_blocks else blocks + [0] * (n_blocks - len(blocks)))
     table = torch.tensor(rows, dtype=torch.long)
-    cs = torch.tensor(cs_l)
-    total = cs + torch.tensor(qs_l)
+    cs, qs = torch.tensor(cs_l), torch.tensor(qs_l)
+    total = cs + qs
     if Q == 1:
         token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1)
         valid = torch.ones(len(idx), 1, dtype=torch.bool)
     else:
         q_off = torch.arange(Q)
         token_index = torch.tensor([starts[i] for i in idx]).unsqueeze(1) + q_off  # [B, Q]
-        valid = q_off < torch.tensor(qs_l).unsqueeze(1)
+        valid = q_off < qs.unsqueeze(1)
         token_index = torch.where(valid, token_index, token_index[:, :1])
     # keys are gathered whole blocks at a time: L rounds up to whole blocks
     return AttentionGroup(token_index, valid, table, is_decode, total, cs, n_blocks * block_size)

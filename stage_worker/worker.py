@@ -206,11 +206,11 @@ class StageWorker:
         for them (activations of the new epoch that came before the Reset stay), and the block table
         and sampling state of every sequence admitted before `first_step` (each of the epoch's
         sequences is admitted afresh, with its whole table, at or after it); a step computing now
-        finishes, and its output is not sent. A reset learnt late from
-        a Ping (the Reset was lost with a connection) may find steps of the new epoch already run:
-        what they admitted stays."""
+        finishes, and its output is not sent. (A worker that missed the Reset learns the epoch from
+        the next Ping or schedule, before it runs any step of the epoch, so the late branch below is
+        a guard: it lets a step of the new epoch finish and keeps what such steps admitted.)"""
         self.epoch = epoch
-        # the epoch's schedules run from first_step on (a late reset may have taken some already)
+        # the epoch's schedules run from first_step on (past any the guarded late case already took)
         self.next_schedule = max(first_step, self.next_schedule or 0)
         self.schedule_gap = False
         # on the compute thread, after the step it may be running (which reads that state)
