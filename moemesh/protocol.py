@@ -367,7 +367,7 @@ def max_result_bytes(max_batched_tokens: int, max_seqs: int) -> int:
 
 
 def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:
-    """A tensor frame between stages: a step's hidden states (or residual) in 32-bit floats at most."""
+    """A tensor frame between stages: a step's residual stream in 32-bit floats at most."""
     return HEADER_SLACK + 4 * hidden_size * max_batched_tokens
 
 

@@ -50,15 +50,16 @@ class StageExecutor:
         for seq_id in self.block_tables.drop_admitted_before(first_step):
             self.seqs.pop(seq_id, None)
 
-    def run(self, sched: Schedule, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-        """-> (hidden, residual) for the next stage, or a StepResult on the last stage."""
+    def run(self, sched: Schedule, stream: torch.Tensor | None = None):
+        """The previous stage's residual stream (None on the first stage) -> this stage's for the next
+        stage, or a StepResult on the last stage."""
         start = time.perf_counter()
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
                              self._apply(sched), [w.sample for w in sched.seqs])
             if not self.is_last:
-                return self.runner.execute(step, hidden, residual)
-            return self._sample(sched, step, hidden, residual)
+                return self.runner.execute(step, stream)
+            return self._sample(sched, step, stream)
         finally:
             self.busy_seconds += time.perf_counter() - start
 
@@ -68,7 +69,7 @@ class StageExecutor:
             self.seqs.pop(seq_id, None)
         return self.block_tables.apply(sched)
 
-    def _sample(self, sched: Schedule, step: StepInput, hidden, residual) -> StepResult:
+    def _sample(self, sched: Schedule, step: StepInput, stream) -> StepResult:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:
@@ -89,7 +90,7 @@ class StageExecutor:
             row += len(w.token_ids)
             if w.sample:
                 sample_rows.append((row - 1, w.seq_id))
-        logits = self.runner.execute(step, hidden, residual,
+        logits = self.runner.execute(step, stream,
                                      logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
         tokens, logprobs = sample(logits[:len(sample_rows)], rows, self.eos_token_ids, self.generator)

@@ -39,10 +39,10 @@ class InProcessPipeline:
     def poll(self) -> StepResult:
         """Runs the oldest schedule sent through every stage; its StepResult."""
         sched = self.queue.popleft()
-        hidden = residual = None
+        stream = None
         for stage in self.stages[:-1]:
-            hidden, residual = stage.run(sched, hidden, residual)
-        return self.stages[-1].run(sched, hidden, residual)
+            stream = stage.run(sched, stream)
+        return self.stages[-1].run(sched, stream)
 
     def drop(self, first_step: int) -> None:
         """Forgets the schedules not yet run (their steps were abandoned), and the state of every

@@ -3,7 +3,10 @@ owns its KV cache, turns a step's schedule into a forward pass.
 
 A step (`StepInput`) lists, per sequence, its new tokens, how many tokens its cache already holds,
 its block table, and whether to sample after it. The first stage embeds the tokens; every stage
-runs its layers on (hidden, residual); the last stage returns logits of the rows to sample.
+runs its layers on (hidden, residual) and hands the next stage the residual stream, hidden +
+residual: the sum the next stage's first norm would compute, so one tensor crosses a stage
+boundary instead of two (the same values, half the bytes); the last stage returns logits of the
+rows to sample.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ class StageRunner:
         return num_layers * 2 * block_size * kvh * config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, logit_rows: list[int] | None = None):
-        """First stage: hidden is None. Returns (hidden, residual), or on the last stage logits
-        [len(logit_rows), V] float32 (default rows: each sampling sequence's last token)."""
+    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None):
+        """stream: the previous stage's residual stream [T, H] (None on the first stage). Returns this
+        stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
+        rows: each sampling sequence's last token)."""
+        hidden, residual = stream, None
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
         if self.model.backend == "native":
             check_bounds(ctx, self.kv_cache.shape[2], self.block_size, self.config.max_position_embeddings)
@@ -81,7 +85,7 @@ class StageRunner:
             else:
                 hidden, residual = self.model(hidden, residual)
         if not self.model.has_head:
-            return hidden, residual
+            return hidden + residual
         if logit_rows is None:
             logit_rows = step.sample_rows()
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)

@@ -25,26 +25,25 @@ from stage_worker.runner import StageRunner
 
 
 class Recorder:
-    """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors) or .result (msgpack)."""
+    """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors: the residual stream as
+    "stream") or .result (msgpack)."""
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def record(self, sched: Schedule, inputs, out) -> None:
+    def record(self, sched: Schedule, stream: torch.Tensor | None, out) -> None:
         if self.count >= self.max_steps:
             return
         self.count += 1
         stem = self.dir / f"step-{sched.step_id:06d}"
         stem.with_suffix(".schedule").write_bytes(msgspec.msgpack.encode(sched))
-        if inputs[0] is not None:
-            save_file({"hidden": inputs[0].contiguous(), "residual": inputs[1].contiguous()},
-                      str(stem.with_suffix(".inputs")))
+        if stream is not None:
+            save_file({"stream": stream.contiguous()}, str(stem.with_suffix(".inputs")))
         if isinstance(out, StepResult):
             stem.with_suffix(".result").write_bytes(msgspec.msgpack.encode(out))
         else:
-            save_file({"hidden": out[0].contiguous(), "residual": out[1].contiguous()},
-                      str(stem.with_suffix(".outputs")))
+            save_file({"stream": out.contiguous()}, str(stem.with_suffix(".outputs")))
 
 
 def run_standalone(model: str, layers: range, recording: str | None, tokens: int, seqs: int,
@@ -58,8 +57,8 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     executor = StageExecutor(runner, mc.eos_token_ids)
     steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
     worst = 0.0
-    for sched, inputs, expected in steps:
-        got, per_layer = _timed_run(executor, sched, inputs)
+    for sched, stream, expected in steps:
+        got, per_layer = _timed_run(executor, sched, stream)
         n_tokens = sum(len(w.token_ids) for w in sched.seqs)
         out(f"step {sched.step_id}: {len(sched.seqs)} sequences, {n_tokens} tokens, "
             f"{sum(per_layer.values()) * 1000:.2f} ms in layers")
@@ -72,11 +71,10 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
                 out(f"  recorded: {[s.token_id for s in expected.sampled]} -> {'same' if same else 'DIFFERENT'}")
                 worst = max(worst, 0.0 if same else float("inf"))
         else:
-            for label, t in zip(("hidden", "residual"), got):
-                out(f"  {label}: shape {list(t.shape)} mean {t.mean():.4g} std {t.std():.4g} "
-                    f"absmax {t.abs().max():.4g}")
+            out(f"  residual stream: shape {list(got.shape)} mean {got.mean():.4g} std {got.std():.4g} "
+                f"absmax {got.abs().max():.4g}")
             if expected is not None:
-                diff = max((a - b).abs().max().item() for a, b in zip(got, expected))
+                diff = (got - expected).abs().max().item()
                 worst = max(worst, diff)
                 out(f"  max abs difference from the recording: {diff:.3g}")
     if recording:
@@ -86,7 +84,7 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     return 0
 
 
-def _timed_run(executor: StageExecutor, sched: Schedule, inputs):
+def _timed_run(executor: StageExecutor, sched: Schedule, stream):
     """The executor's forward, one decoder layer at a time with a clock around each."""
     model = executor.runner.model
     per_layer: dict[str, float] = {}
@@ -101,7 +99,7 @@ def _timed_run(executor: StageExecutor, sched: Schedule, inputs):
             return result
         layer.forward = timed
     try:
-        return executor.run(sched, *inputs), per_layer
+        return executor.run(sched, stream), per_layer
     finally:
         for name, layer in model.model.layers.items():
             layer.forward = originals[name]
@@ -114,17 +112,21 @@ def _recorded(directory: str):
         raise FileNotFoundError(f"no recorded steps (step-*.schedule) in {directory}")
     for path in schedules:
         sched = msgspec.msgpack.decode(path.read_bytes(), type=Schedule)
-        inputs = (None, None)
+        stream = None
         if path.with_suffix(".inputs").exists():
-            t = load_file(str(path.with_suffix(".inputs")))
-            inputs = (t["hidden"], t["residual"])
+            stream = _stream(load_file(str(path.with_suffix(".inputs"))))
         expected = None
         if path.with_suffix(".result").exists():
             expected = msgspec.msgpack.decode(path.with_suffix(".result").read_bytes(), type=StepResult)
         elif path.with_suffix(".outputs").exists():
-            t = load_file(str(path.with_suffix(".outputs")))
-            expected = (t["hidden"], t["residual"])
-        yield sched, inputs, expected
+            expected = _stream(load_file(str(path.with_suffix(".outputs"))))
+        yield sched, stream, expected
+
+
+def _stream(t: dict) -> torch.Tensor:
+    """A recorded residual stream; recordings made before stages sent one tensor hold hidden and
+    residual apart, whose sum it is."""
+    return t["stream"] if "stream" in t else t["hidden"] + t["residual"]
 
 
 def _synthetic(mc: ModelConfig, runner: StageRunner, tokens: int, seqs: int, block_size: int):
@@ -137,9 +139,8 @@ def _synthetic(mc: ModelConfig, runner: StageRunner, tokens: int, seqs: int, blo
         next_block += len(blocks)
         ids = torch.randint(0, mc.vocab_size, (n,), generator=g).tolist()
         work.append(SeqWork(i, ids, 0, blocks, True, SamplingParams(temperature=0), n))
-    hidden = residual = None
-    if not runner.model.has_embedding:  # activations as an earlier stage would send them
-        hidden = torch.randn(tokens, mc.hidden_size, generator=g)
-        residual = torch.randn(tokens, mc.hidden_size, generator=g)
-    return Schedule(0, work), (hidden, residual), None
+    stream = None
+    if not runner.model.has_embedding:  # a residual stream as an earlier stage would send it
+        stream = torch.randn(tokens, mc.hidden_size, generator=g)
+    return Schedule(0, work), stream, None
 

@@ -328,8 +328,8 @@ class StageWorker:
             frames = await receive(self.pull)
             try:
                 msg, buffers = self.act_codec.decode(frames)
-                if len(buffers) != 2:
-                    raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 2")
+                if len(buffers) != 1:
+                    raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
                 tensors = [from_frame(m, b) for m, b in zip(msg.tensors, buffers)]
             except ProtocolError as e:
                 self.bad(e, "previous stage")
@@ -342,15 +342,15 @@ class StageWorker:
         while True:
             sched: Schedule = await self.schedules.get()
             self.current_step = sched.step_id
-            hidden = residual = None
+            stream = None
             if not first:
-                hidden, residual = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
-            out = await loop.run_in_executor(self.compute, self.executor.run, sched, hidden, residual)
+                stream = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
+            out = await loop.run_in_executor(self.compute, self.executor.run, sched, stream)
             self.last_step = sched.step_id
             if self.recorder is not None:
-                self.recorder.record(sched, (hidden, residual), out)
+                self.recorder.record(sched, stream, out)
             if self.push is not None:
-                metas, buffers = frames_of(out)
+                metas, buffers = frames_of([out])
                 frames = Codec.encode(Activations(sched.step_id, metas), buffers)
                 self.sent_bytes += sum(len(f) for f in frames)
                 await self.push.send_multipart(frames, copy=False)
@@ -358,7 +358,7 @@ class StageWorker:
                 await self._send(out)
 
     async def _activations_for(self, step_id: int, num_tokens: int):
-        """The previous stage's output for `step_id`. Stages run steps in issue order, so older
+        """The previous stage's residual stream for `step_id`. Stages run steps in issue order, so older
         activations are stale (a reset dropped their step); newer ones wait here (a few, bounded),
         counted as odd: only a bad peer sends a step before the one its own schedule says. Tensors
         that do not fit the step (shape, dtype) are refused, and the wait goes on."""
@@ -366,12 +366,12 @@ class StageWorker:
             if step_id in self.early:
                 tensors = self.early.pop(step_id)
                 if self._fit(step_id, tensors, num_tokens):
-                    return tensors
+                    return tensors[0]
                 continue
             got, tensors = await self.activations.get()
             if got == step_id:
                 if self._fit(step_id, tensors, num_tokens):
-                    return tensors
+                    return tensors[0]
                 continue
             if got < step_id:
                 self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
@@ -382,7 +382,7 @@ class StageWorker:
                 self.early.pop(min(self.early))
 
     def _fit(self, step_id: int, tensors, num_tokens: int) -> bool:
-        """Whether the activations of a step are [num_tokens, hidden] twice, in this stage's dtype."""
+        """Whether the activations of a step are [num_tokens, hidden] in this stage's dtype."""
         want = (num_tokens, self.executor.runner.config.hidden_size)
         dtype = self.executor.runner.kv_cache.dtype
         if all(tuple(t.shape) == want and t.dtype == dtype for t in tensors):

@@ -87,6 +87,31 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
         assert len(r["stage_busy_fraction"]) == r["pp"]
 
 
+def test_bench_throughput_ceiling_runs_independent_engines_beside_the_layouts(tiny, capsys):
+    """--ceiling: two engines in their own processes share the prompts and generate every token
+    between them; the pp=2 layout is read against them."""
+    capsys.readouterr()
+    assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "5", "--prompt-len", "4",
+                 "--new", "3", "--ceiling", "--json"]) == 0
+    out = json_rows(capsys)
+    assert [r["impl"] for r in out] == ["in-process", "ceiling", "mesh", "mesh"]
+    ceiling = out[1]
+    assert ceiling["engines"] == 2 and len(ceiling["engine_seconds"]) == 2
+    assert ceiling["seconds"] >= max(ceiling["engine_seconds"])
+    # every generated token counted: 5 prompts x 3 tokens, split 3 + 2 between the engines
+    assert ceiling["tokens"] == 15
+    assert "vs_ceiling" not in out[2] and out[3]["vs_ceiling"] > 0 and ceiling["vs_in_process"] > 0
+
+
+def test_ceiling_engine_failure_is_an_error_not_a_hang(tmp_path):
+    from moemesh.entrypoints.bench.ceiling import bench_ceiling
+    from moemesh.sampling import SamplingParams
+    from moemesh.settings import EngineSettings
+
+    with pytest.raises(RuntimeError, match="did not start"):
+        bench_ceiling(EngineSettings(model=str(tmp_path / "missing")), [[5, 6]] * 2, SamplingParams(max_tokens=2), 2)
+
+
 
 def test_bench_scheduler_schedule_bytes_stay_flat_as_contexts_grow(capsys):
     """A decode step's schedule is the same size at 300 and at 4,000 tokens of context (both

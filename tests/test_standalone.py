@@ -18,7 +18,17 @@ def test_synthetic_input_reports_every_layer(tmp_path, capsys):
     assert main(["stage-worker", "--standalone", "--model", str(tmp_path), "--layers", "1:3", "--tokens", "20"]) == 0
     out = capsys.readouterr().out
     assert "layer 1:" in out and "layer 2:" in out and "layer 3:" not in out
-    assert "hidden: shape [20, 64]" in out and "residual: shape [20, 64]" in out
+    assert "residual stream: shape [20, 64]" in out
+
+
+def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
+    import torch
+
+    from stage_worker.standalone import _stream
+
+    hidden, residual = torch.randn(3, 4), torch.randn(3, 4)
+    assert torch.equal(_stream({"hidden": hidden, "residual": residual}), hidden + residual)
+    assert _stream({"stream": hidden}) is hidden
 
 
 def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
@@ -29,6 +39,10 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
     assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]
+    from safetensors.torch import load_file
+
+    sent = load_file(str(next((rec / "pp1-tp0").glob("*.inputs"))))
+    assert list(sent) == ["stream"]  # one tensor crosses the boundary: hidden + residual
     assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:2",
                  "--replay", str(rec / "pp0-tp0")]) == 0
     first = capsys.readouterr().out

@@ -90,9 +90,9 @@ class LLMEngine:
             raise RuntimeError("prompt_logits needs an idle engine with room for the prompt")
         self.blocks.reset_cache()  # its scratch blocks may hold a cached prefix: not any more
         step = StepInput([prompt], [0], [list(range(blocks))], [True])
-        out = (None, None)
+        out = None  # the residual stream between stages, then the logits
         for stage in self.stages:
-            out = stage.runner.execute(step, *out, logit_rows=list(range(len(prompt))))
+            out = stage.runner.execute(step, out, logit_rows=list(range(len(prompt))))
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:

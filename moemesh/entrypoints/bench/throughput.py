@@ -3,7 +3,10 @@
 For each layout: start a local mesh (one torch thread per worker), send `--num-prompts` random
 prompts with at most `--concurrency` in flight, and time from the first request to the last token.
 `tok_per_s` counts generated tokens, `total_tok_per_s` prompt and generated tokens.
-The in-process engine runs the same prompts in this process first, as the baseline.
+The in-process engine runs the same prompts in this process first, as the baseline. With
+`--ceiling`, N independent in-process engines (N = the workers of a layout, each its own process
+and core) then run the prompts split among them (moemesh.entrypoints.bench.ceiling): what the
+machine's cores do with no pipeline, and each layout with N workers prints its share of that.
 Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble; with
 tensor parallelism, the share of that busy time spent in collectives is reported too.
 """
@@ -23,6 +26,7 @@ from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
+from moemesh.entrypoints.bench.ceiling import bench_ceiling
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.netutil import run
@@ -108,6 +112,21 @@ def run_throughput_bench(args) -> int:
                      "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
+    ceilings = {}  # engines -> tok/s
+    worker_counts = sorted({pp * tp for pp in args.pp for tp in args.tp} - {1}) if args.ceiling else []
+    for engines in worker_counts:
+        try:
+            r = bench_ceiling(base_settings, prompts, params, engines)
+        except RuntimeError as e:
+            raise CLIError(f"--ceiling: {e}") from None
+        ceilings[engines] = r["tokens"] / r["seconds"]
+        row = {"impl": "ceiling", "engines": engines, "tokens": r["tokens"], "tok_per_s": round(ceilings[engines], 1),
+               "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
+               "seconds": round(r["seconds"], 2), "engine_seconds": [round(x, 2) for x in r["engine_seconds"]]}
+        if base:
+            row["vs_in_process"] = round(ceilings[engines] / base, 2)
+        rows.append(row)
+        _emit(row, args.json)
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     keys_dir = None
@@ -153,6 +172,8 @@ def run_throughput_bench(args) -> int:
             row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
         if base:
             row["vs_in_process"] = round(tps / base, 2)
+        if pp * tp in ceilings:  # of what as many independent engines do on these cores
+            row["vs_ceiling"] = round(tps / ceilings[pp * tp], 2)
         single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1
                        and x["prefix_caching"] == caching and x["curve"] == curve), None)
         if single and (pp, tp) != (1, 1):
