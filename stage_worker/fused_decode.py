@@ -120,9 +120,10 @@ class FusedDecode:
             return None
         return cls(model, descs, keep, dtype)
 
-    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None):
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, stream: bool = False):
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
-        through every layer of the stage."""
+        through every layer of the stage. stream: return the residual stream instead, hidden +
+        residual added in float32 and rounded to the model's dtype once."""
         group = ctx.groups[0]
         T = ctx.positions.shape[0]
         # the step's indices were checked by the runner (context.check_bounds); the rows are checked here
@@ -135,4 +136,6 @@ class FusedDecode:
             cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
                                    group.kv_len, self.lib)
             first = False
+        if stream:
+            return (hidden + residual).to(self.dtype)
         return hidden.to(self.dtype), residual.to(self.dtype)

@@ -5,8 +5,9 @@ A step (`StepInput`) lists, per sequence, its new tokens, how many tokens its ca
 its block table, and whether to sample after it. The first stage embeds the tokens; every stage
 runs its layers on (hidden, residual) and hands the next stage the residual stream, hidden +
 residual: the sum the next stage's first norm would compute, so one tensor crosses a stage
-boundary instead of two (the same values, half the bytes); the last stage returns logits of the
-rows to sample.
+boundary instead of two (half the bytes; the same values in float32, within one rounding in
+16-bit dtypes: the fused decode path adds in float32 and rounds the sum once); the last stage
+returns logits of the rows to sample.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class StageRunner:
                 flat = [t for ids in step.token_ids for t in ids]
                 hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
             if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
+                if not self.model.has_head:
+                    return self.fused.forward(ctx, hidden, residual, stream=True)
                 hidden, residual = self.fused.forward(ctx, hidden, residual)
             else:
                 hidden, residual = self.model(hidden, residual)

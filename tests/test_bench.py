@@ -103,13 +103,25 @@ def test_bench_throughput_ceiling_runs_independent_engines_beside_the_layouts(ti
     assert "vs_ceiling" not in out[2] and out[3]["vs_ceiling"] > 0 and ceiling["vs_in_process"] > 0
 
 
-def test_ceiling_engine_failure_is_an_error_not_a_hang(tmp_path):
+def test_ceiling_engines_that_fail_are_errors_not_hangs(tiny, tmp_path, monkeypatch):
+    """An engine that cannot load, one that fails while generating, one that never loads in time:
+    each a RuntimeError naming what it did not do. Lines a library prints on the children's stdout
+    (a sitecustomize here) do not confuse the handshake."""
     from moemesh.entrypoints.bench.ceiling import bench_ceiling
     from moemesh.sampling import SamplingParams
     from moemesh.settings import EngineSettings
 
-    with pytest.raises(RuntimeError, match="did not start"):
-        bench_ceiling(EngineSettings(model=str(tmp_path / "missing")), [[5, 6]] * 2, SamplingParams(max_tokens=2), 2)
+    (tmp_path / "sitecustomize.py").write_text("print('a library says hello on stdout')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    params = SamplingParams(max_tokens=2)
+    r = bench_ceiling(EngineSettings(model=str(tiny)), [[5, 6]] * 3, params, 2)
+    assert r["tokens"] == 6 and len(r["engine_seconds"]) == 2
+    with pytest.raises(RuntimeError, match="engine 0 ended before it could load"):
+        bench_ceiling(EngineSettings(model=str(tmp_path / "missing")), [[5, 6]] * 2, params, 2)
+    with pytest.raises(RuntimeError, match="ended before it could report"):
+        bench_ceiling(EngineSettings(model=str(tiny)), [[5, 10 ** 9]] * 2, params, 2)  # a token past the vocabulary
+    with pytest.raises(RuntimeError, match="did not load in time"):
+        bench_ceiling(EngineSettings(model=str(tiny)), [[5, 6]] * 2, params, 2, load_timeout=0.01)
 
 
 

@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "without, or both and compare")
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
     tb.add_argument("--ceiling", action="store_true",
-                    help="also run N independent in-process engines at once (N = each layout's workers), the "
-                         "prompts split among them: what the cores do with no pipeline; layouts print vs_ceiling")
+                    help="also run N independent in-process engines at once (N = each layout's workers, each "
+                         "holding the whole model), the prompts split among them: what the cores do with no "
+                         "pipeline; layouts print vs_ceiling")
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")

@@ -71,7 +71,7 @@ def child_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_") or k in _PROCESS_WIDE}
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -132,7 +132,7 @@ class LocalMesh:
         env = {**child_environment(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         self.procs[name], self.argv[name] = proc, args
         return proc
 
@@ -283,7 +283,7 @@ def run_stage(stage: StageSettings) -> int:
             worker = WorkerSettings.derive(stage, tp_rank=t, device=f"cuda:{t}" if stage.device == "cuda" else stage.device)
             procs.append(subprocess.Popen([sys.executable, "-m", "moemesh", "stage-worker", *worker.to_argv()],
                                           env=child_environment(), stdin=subprocess.DEVNULL,
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=die_with_parent))
         while True:
             for proc in procs:
                 code = proc.poll()
