@@ -42,6 +42,15 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 log = get_logger("stage_worker")
 
 
+def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
+    """(step id, the residual stream) of an activations message from the previous stage: exactly one
+    tensor (a view of its frame, no copy); ProtocolError for anything else."""
+    msg, buffers = codec.decode(frames)
+    if len(buffers) != 1:
+        raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
+    return msg.step_id, from_frame(msg.tensors[0], buffers[0])
+
+
 class StageWorker:
     def __init__(self, cfg: WorkerSettings):
         self.cfg = cfg
@@ -62,7 +71,7 @@ class StageWorker:
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
         self.activations: asyncio.Queue = asyncio.Queue()
-        self.early: dict[int, list] = {}  # activations that came before their step's turn
+        self.early: dict[int, torch.Tensor] = {}  # residual streams that came before their step's turn
         self.last_heard: float | None = None  # when the coordinator last sent anything
         self.next_address: str | None = None  # the next stage's worker of this tensor rank
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
@@ -327,14 +336,11 @@ class StageWorker:
         while True:
             frames = await receive(self.pull)
             try:
-                msg, buffers = self.act_codec.decode(frames)
-                if len(buffers) != 1:
-                    raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
-                tensors = [from_frame(m, b) for m, b in zip(msg.tensors, buffers)]
+                step_id, stream = received_stream(self.act_codec, frames)
             except ProtocolError as e:
                 self.bad(e, "previous stage")
                 continue
-            self.activations.put_nowait((msg.step_id, tensors))
+            self.activations.put_nowait((step_id, stream))
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
@@ -364,30 +370,30 @@ class StageWorker:
         that do not fit the step (shape, dtype) are refused, and the wait goes on."""
         while True:
             if step_id in self.early:
-                tensors = self.early.pop(step_id)
-                if self._fit(step_id, tensors, num_tokens):
-                    return tensors[0]
+                stream = self.early.pop(step_id)
+                if self._fit(step_id, stream, num_tokens):
+                    return stream
                 continue
-            got, tensors = await self.activations.get()
+            got, stream = await self.activations.get()
             if got == step_id:
-                if self._fit(step_id, tensors, num_tokens):
-                    return tensors[0]
+                if self._fit(step_id, stream, num_tokens):
+                    return stream
                 continue
             if got < step_id:
                 self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
                 continue
             self.bad(ProtocolError(f"activations of step {got} before step {step_id}"), "previous stage")
-            self.early[got] = tensors
+            self.early[got] = stream
             while len(self.early) > 16:
                 self.early.pop(min(self.early))
 
-    def _fit(self, step_id: int, tensors, num_tokens: int) -> bool:
-        """Whether the activations of a step are [num_tokens, hidden] in this stage's dtype."""
+    def _fit(self, step_id: int, stream: torch.Tensor, num_tokens: int) -> bool:
+        """Whether a step's residual stream is [num_tokens, hidden] in this stage's dtype."""
         want = (num_tokens, self.executor.runner.config.hidden_size)
         dtype = self.executor.runner.kv_cache.dtype
-        if all(tuple(t.shape) == want and t.dtype == dtype for t in tensors):
+        if tuple(stream.shape) == want and stream.dtype == dtype:
             return True
-        self.bad(ProtocolError(f"activations of step {step_id} are {[(tuple(t.shape), str(t.dtype)) for t in tensors]}, "
+        self.bad(ProtocolError(f"the residual stream of step {step_id} is {tuple(stream.shape)} of {stream.dtype}, "
                                f"the step needs {want} of {dtype}"), "previous stage")
         return False
 

@@ -320,6 +320,22 @@ def test_malformed_activations_are_a_protocol_error(name):
         Codec(Activations).decode(BAD_ACTIVATIONS[name])
 
 
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_a_stage_takes_exactly_one_tensor_the_residual_stream(count):
+    """Two tensors (hidden and residual apart, as stages sent before) or none are refused; one is
+    a view of its frame."""
+    from stage_worker.worker import received_stream
+
+    tensors = [torch.arange(6.0).view(3, 2) + i for i in range(count)]
+    frames = _activations(tensors)
+    if count != 1:
+        with pytest.raises(ProtocolError, match=f"activations carry {count} tensors, expected 1"):
+            received_stream(Codec(Activations), frames)
+        return
+    step_id, stream = received_stream(Codec(Activations), frames)
+    assert step_id == 9 and torch.equal(stream, tensors[0])
+
+
 @pytest.mark.parametrize("shape", [[2**63, 0], [2**40, 2**40, 0], [0, 2**39, 2**39, 2**39]])
 def test_empty_tensor_with_huge_dimension_is_a_protocol_error(shape):
     with pytest.raises(ProtocolError):
