@@ -345,3 +345,20 @@ def test_argmax_rows_is_torchs_first_maximum():
     assert torch.equal(got, x.max(dim=-1).indices)
     assert got[2] == 10 and got[3] == 7 and got[4] == 0 and got[5] == 0
     assert torch.equal(cpu_gemm.argmax_rows(x[:, ::2], lib), x[:, ::2].max(dim=-1).indices)  # strided
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 64, 1003, 32000])
+def test_argmax_rows_finds_the_first_maximum_wherever_it_lies(n):
+    """Every position class of the vector loops: the four-vector chunks, the single vectors after
+    them, the scalar tail; ties within a chunk and across chunks; NaN past the maximum."""
+    g = torch.Generator().manual_seed(n)
+    positions = sorted({0, n // 3, n - 1, max(0, n - 5), min(n - 1, 35)})
+    x = torch.randn(3 * len(positions) + 1, n, generator=g)
+    for r, p in enumerate(positions):
+        x[3 * r, p] = 50.0  # a unique maximum at p
+        x[3 * r + 1, p] = x[3 * r + 1, n - 1] = 50.0  # tied with the last: p is the first
+        x[3 * r + 2, p] = 50.0
+        x[3 * r + 2, n - 1] = float("nan")  # NaN counts as the maximum, wherever it is
+    x[-1] = 0.0  # all equal: the first
+    got = cpu_gemm.argmax_rows(x, lib)
+    assert torch.equal(got, x.max(dim=-1).indices)

@@ -894,34 +894,61 @@ done:
 /* Greedy sampling: the first index of each row's maximum (a NaN counts as the maximum, as in
  * torch.max), rows of x [R, n] float32 ld apart. */
 void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *out) {
+    const vf ninf = splat(-INFINITY_F);
     for (int64_t r = 0; r < R; r++) {
         const float *row = x + r * ld;
-        /* pass 1: the maximum and whether any NaN, VW lanes at a time */
-        vf mv = splat(-INFINITY_F);
+        /* pass 1: the maximum and whether any NaN; four independent running maxima keep the
+         * compare-and-select chains apart (a NaN never wins a compare, so it never enters them) */
+        vf m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
         vi nan = {0};
         int64_t i = 0;
+        for (; i + 4 * VW <= n; i += 4 * VW) {
+            const vf a = load_f(row + i), b = load_f(row + i + VW), c = load_f(row + i + 2 * VW),
+                     d = load_f(row + i + 3 * VW);
+            nan |= (a != a) | (b != b) | (c != c) | (d != d);
+            m0 = vselect(a > m0, a, m0);
+            m1 = vselect(b > m1, b, m1);
+            m2 = vselect(c > m2, c, m2);
+            m3 = vselect(d > m3, d, m3);
+        }
         for (; i + VW <= n; i += VW) {
             const vf v = load_f(row + i);
             nan |= v != v;
-            mv = vselect(v > mv, v, mv);
+            m0 = vselect(v > m0, v, m0);
         }
+        m0 = vselect(m1 > m0, m1, m0);
+        m2 = vselect(m3 > m2, m3, m2);
+        m0 = vselect(m2 > m0, m2, m0);
         float m = -INFINITY_F;
         int any_nan = 0;
         for (int j = 0; j < VW; j++) {
-            m = mv[j] > m ? mv[j] : m;
+            m = m0[j] > m ? m0[j] : m;
             any_nan |= nan[j] != 0;
         }
         for (; i < n; i++) {
             any_nan |= row[i] != row[i];
             m = row[i] > m ? row[i] : m;
         }
-        /* pass 2: its first index (a NaN's, if any) */
-        int64_t best = 0;
-        for (i = 0; i < n; i++)
-            if (any_nan ? row[i] != row[i] : row[i] == m) {
-                best = i;
-                break;
+        /* pass 2: its first index (a NaN's, if any), four vectors at a time until one holds it */
+        const vf mv = splat(m);
+        int64_t best = -1;
+        for (i = 0; best < 0 && i + 4 * VW <= n; i += 4 * VW) {
+            vi hit = {0};
+            for (int q = 0; q < 4; q++) {
+                const vf v = load_f(row + i + q * VW);
+                hit |= any_nan ? (v != v) : (v == mv);
             }
-        out[r] = best;
+            int found = 0;
+            for (int j = 0; j < VW; j++) found |= hit[j] != 0;
+            if (!found) continue;
+            for (int64_t k = i; k < i + 4 * VW; k++)
+                if (any_nan ? row[k] != row[k] : row[k] == m) {
+                    best = k;
+                    break;
+                }
+        }
+        for (; best < 0 && i < n; i++)
+            if (any_nan ? row[i] != row[i] : row[i] == m) best = i;
+        out[r] = best < 0 ? 0 : best;
     }
 }
