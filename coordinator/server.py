@@ -66,7 +66,7 @@ class ZmqPipeline:
         frames = Codec.encode(msgspec.structs.replace(sched, epoch=reg.epoch, first_step=reg.first_step))
         self.encode_seconds += time.thread_time() - started
         self.schedule_bytes += sum(len(f) for f in frames)
-        for w in self.registry.workers.values():
+        for w in reg.workers.values():
             await self.sock.send_multipart([w.identity, *frames], copy=False)
 
 
@@ -116,15 +116,6 @@ class Coordinator:
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
         self._recovery_started = 0.0
-
-    @property
-    def epoch_first_step(self) -> int:
-        """The first step id of the current epoch (Reset, Ping and every Schedule carry it)."""
-        return self.registry.first_step
-
-    @epoch_first_step.setter
-    def epoch_first_step(self, step_id: int) -> None:
-        self.registry.first_step = step_id
 
     @property
     def serving(self) -> bool:
@@ -221,7 +212,7 @@ class Coordinator:
         if not recovering:
             self.recoveries += 1
             # now, with the epoch: a Ping sent before _recover runs must not pair it with the old first step
-            self.epoch_first_step = self.core.next_step_id
+            self.registry.first_step = self.core.next_step_id
             self.recovering = asyncio.ensure_future(self._recover_or_fail())
 
     def _requeue_all(self) -> None:
@@ -244,9 +235,9 @@ class Coordinator:
         cfg, reg = self.cfg, self.registry
         started = self._recovery_started = time.monotonic()
         deadline = started + cfg.recovery_timeout
-        self.epoch_first_step = self.core.next_step_id
+        reg.first_step = self.core.next_step_id
         # the survivors (not a replacement already in)
-        await self._broadcast(Reset(reg.epoch, self.epoch_first_step), only=Phase.SERVING)
+        await self._broadcast(Reset(reg.epoch, reg.first_step), only=Phase.SERVING)
         replacements = []
         while True:
             reg.lost.clear()
@@ -432,8 +423,8 @@ class Coordinator:
         self.issued.clear()
         self._resetting = True  # nothing new goes out before every worker has the Reset
         try:
-            self.epoch_first_step = self.core.next_step_id
-            await self._broadcast(Reset(reg.epoch, self.epoch_first_step))
+            reg.first_step = self.core.next_step_id
+            await self._broadcast(Reset(reg.epoch, reg.first_step))
         finally:
             self._resetting = False
         self.wake.set()
@@ -455,7 +446,7 @@ class Coordinator:
         that stops hearing it exits to be started again, and registers with the one that answers)."""
         while True:
             await asyncio.sleep(0.5)
-            await self._broadcast(Ping(self.registry.epoch, self.epoch_first_step))
+            await self._broadcast(Ping(self.registry.epoch, self.registry.first_step))
 
     async def _send_worker(self, identity: bytes, msg) -> None:
         await self.workers_sock.send_multipart([identity, *Codec.encode(msg)], copy=False)

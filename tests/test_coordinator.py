@@ -453,9 +453,9 @@ def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
         task = asyncio.ensure_future(worker.run())
         codec = Codec(WorkerMessage)
 
-        async def expect(kind, timeout=60):
+        async def expect(kind):
             while True:
-                identity, *frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+                identity, *frames = await asyncio.wait_for(sock.recv_multipart(), 60)
                 msg, _ = codec.decode(frames)
                 if isinstance(msg, (kind, WorkerFailed)):
                     return identity, msg
