@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from hf_models import build_hf_model
 from moemesh.entrypoints.cli import main
 from moemesh.entrypoints.launcher import LocalMesh
@@ -31,11 +35,13 @@ def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
     assert _stream({"stream": hidden}) is hidden
 
 
-def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
+@pytest.mark.parametrize("handoff", [False, True], ids=["whole-layers", "mlp-handoff"])
+def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys, handoff):
     model = tmp_path / "m"
     build_hf_model("mixtral", model)
     rec = tmp_path / "rec"
-    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20, mlp_handoff=handoff),
+                      record=str(rec)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
     assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]
@@ -43,6 +49,7 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
 
     sent = load_file(str(next((rec / "pp1-tp0").glob("*.inputs"))))
     assert list(sent) == ["stream"]  # one tensor crosses the boundary: hidden + residual
+    assert json.loads((rec / "pp1-tp0" / "stage.json").read_text()) == {"pp_rank": 1, "mlp_handoff": handoff}
     assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:2",
                  "--replay", str(rec / "pp0-tp0")]) == 0
     first = capsys.readouterr().out

@@ -45,6 +45,13 @@ def test_greedy_parity_with_transformers(checkpoint, layout):
     assert run_layout(path, **layout) == reference
 
 
+def test_mlp_handoff_with_tensor_parallel_stages(tmp_path):
+    """Both ranks of a stage run the hand-off MLP for the same tokens (its all-reduce pairs up)."""
+    hf = build_hf_model("qwen2_moe", tmp_path)  # routed experts, a shared expert and dense layers
+    reference = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert run_layout(tmp_path, tp=2, pp=2, mlp_handoff=True, max_batched_tokens=8) == reference
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_expert_parallel_parity_with_transformers(tmp_path, arch):
     hf = build_hf_model(arch, tmp_path)
