@@ -32,6 +32,23 @@ from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 HANDOFF = "handoff"  # the module under `model` holding the hand-off MLP: `model.handoff.{layer}`
 
 
+class HandoffMLP(nn.Module):
+    """The second half of the previous stage's last decoder layer, held by the next stage too: its
+    post-attention norm and MLP (dense or MoE), which hold no per-sequence state. Each step, the
+    previous stage runs that MLP for some of the step's tokens and hands the others over with their
+    residual stream after the attention; this finishes them (`CausalLM.finish_handoff`)."""
+
+    def __init__(self, decoder_layer: type[nn.Module], config: ModelConfig, layer_idx: int, tp: TPGroup,
+                 quant=None):
+        super().__init__()
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = decoder_layer.make_mlp(config, layer_idx, tp, quant)
+
+    def forward(self, stream: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention [N, H] -> after the MLP."""
+        return stream + self.mlp(self.post_attention_layernorm(stream))
+
+
 class CausalLM(nn.Module):
     # module name -> the checkpoint modules fused into it, with the shard id each is loaded as
     packed_modules = {
@@ -60,8 +77,6 @@ class CausalLM(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): self.decoder_layer(config, i, tp, quant) for i in layers})
         self.handoff_layer = layers.start - 1 if handoff and layers.start > 0 else None
         if self.handoff_layer is not None:
-            from stage_worker.models.llama import HandoffMLP
-
             setattr(self.model, HANDOFF, nn.ModuleDict({
                 str(self.handoff_layer): HandoffMLP(self.decoder_layer, config, self.handoff_layer, tp, quant)}))
         if self.has_head:

@@ -73,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, mlp_rows: int | None = None):
         """mlp_rows: the MLP runs on the first mlp_rows tokens only; the others leave with hidden 0, so
         that hidden + residual is their residual stream after the attention (the MLP hand-off: the
-        next stage runs their MLP, `HandoffMLP`). None: every token."""
+        next stage runs their MLP, `models.base.HandoffMLP`). None: every token."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -86,23 +86,6 @@ class LlamaDecoderLayer(nn.Module):
         if mlp_rows:
             out[:mlp_rows] = self.mlp(x[:mlp_rows])
         return out, residual
-
-
-class HandoffMLP(nn.Module):
-    """The second half of the previous stage's last decoder layer, held by the next stage too: its
-    post-attention norm and MLP (dense or MoE), which hold no per-sequence state. Each step, the
-    previous stage runs that MLP for some of the step's tokens and hands the others over with their
-    residual stream after the attention; this finishes them (`CausalLM.finish_handoff`)."""
-
-    def __init__(self, decoder_layer: type[LlamaDecoderLayer], config: ModelConfig, layer_idx: int, tp: TPGroup,
-                 quant=None):
-        super().__init__()
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = decoder_layer.make_mlp(config, layer_idx, tp, quant)
-
-    def forward(self, stream: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the attention [N, H] -> after the MLP."""
-        return stream + self.mlp(self.post_attention_layernorm(stream))
 
 
 class LlamaForCausalLM(CausalLM):
