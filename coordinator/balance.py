@@ -19,6 +19,8 @@ one MLP per boundary across it, every step.
 
 from __future__ import annotations
 
+import math
+
 from moemesh.config import ModelConfig
 from moemesh.layout import Layout, StageCosts, split, stage_costs
 from moemesh.protocol import Schedule
@@ -62,12 +64,15 @@ class HandoffBalancer:
             return
         decode, tokens, logit_rows, rows = entry
         ins, outs = [float(tokens), *rows], [*rows, 0]
-        scales = self.scales[decode]
+        measured = []
         for i, (c, seconds) in enumerate(zip(self.costs, stage_seconds)):
             cost = c.time(tokens, logit_rows if i == len(self.costs) - 1 else 0, ins[i], outs[i])
-            if cost <= 0 or not seconds > 0:
-                continue
-            scale = seconds / cost
+            scale = seconds / cost if cost > 0 and math.isfinite(seconds) and 1e-7 < seconds < 3600 else 0.0
+            if not (math.isfinite(scale) and scale > 0):
+                return  # an empty step, or a time no stage can have taken: learn nothing from it
+            measured.append(scale)
+        scales = self.scales[decode]
+        for i, scale in enumerate(measured):
             scales[i] = scale if not self.learnt[decode] else scales[i] + self.smoothing * (scale - scales[i])
         self.learnt[decode] = True
 

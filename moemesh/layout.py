@@ -7,6 +7,7 @@ that decides and checks it (from flags, before any process starts or loads weigh
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from moemesh.settings import auto_mix
@@ -221,6 +222,7 @@ def split(costs: list[StageCosts], scales: list[float], tokens: int, logit_rows:
     MLP tokens as fit (what it keeps, the next stage need not run), and the split is feasible when
     every stage fits."""
     pp = len(costs)
+    scales = [s if math.isfinite(s) and s > 0 else 1.0 for s in scales]
     if pp == 1 or all(c.mlp_out == 0 for c in costs[:-1]):
         rows = [tokens] * (pp - 1)
         return rows, _largest(costs, scales, tokens, logit_rows, rows)
@@ -229,7 +231,7 @@ def split(costs: list[StageCosts], scales: list[float], tokens: int, logit_rows:
         rows, prev, fits = [], float(tokens), True
         for c, s in zip(costs[:-1], scales):
             base = s * c.time(tokens, 0, prev, 0)
-            keep = (target - base) / (s * c.mlp_out) if c.mlp_out > 0 else tokens
+            keep = (target - base) / (s * c.mlp_out) if s * c.mlp_out > 0 else tokens
             prev = min(float(tokens), max(0.0, keep))
             fits = fits and base + s * c.mlp_out * prev <= target * (1 + 1e-12)
             rows.append(prev)

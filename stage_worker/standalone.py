@@ -115,9 +115,10 @@ def _stage(recording: str | None) -> dict:
     """The recorded stage's place in its pipeline (older recordings, and synthetic runs: the first
     stage's entries, no hand-off)."""
     meta = Path(recording) / "stage.json" if recording else None
-    if meta is None or not meta.is_file():
-        return {"pp_rank": 0, "mlp_handoff": False}
-    return json.loads(meta.read_text())
+    stage = {"pp_rank": 0, "mlp_handoff": False}
+    if meta is not None and meta.is_file():
+        stage.update(json.loads(meta.read_text()))
+    return stage
 
 
 def _recorded(directory: str):

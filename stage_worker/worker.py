@@ -43,13 +43,16 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 log = get_logger("stage_worker")
 
 
-def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor, list[float]]:
+def received_stream(codec: Codec, frames, pp_rank: int | None = None) -> tuple[int, torch.Tensor, list[float]]:
     """(step id, the residual stream, the earlier stages' compute seconds on the step) of an
-    activations message from the previous stage: exactly one tensor (a view of its frame, no copy);
-    ProtocolError for anything else."""
+    activations message from the previous stage: exactly one tensor (a view of its frame, no copy),
+    and one time for each stage before `pp_rank` (when given); ProtocolError for anything else."""
     msg, buffers = codec.decode(frames)
     if len(buffers) != 1:
         raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
+    if pp_rank is not None and len(msg.seconds) != pp_rank:
+        raise ProtocolError(f"activations of step {msg.step_id} carry {len(msg.seconds)} stage times, expected "
+                            f"{pp_rank} (one per earlier stage)")
     return msg.step_id, from_frame(msg.tensors[0], buffers[0]), msg.seconds
 
 
@@ -341,7 +344,7 @@ class StageWorker:
         while True:
             frames = await receive(self.pull)
             try:
-                step_id, stream, seconds = received_stream(self.act_codec, frames)
+                step_id, stream, seconds = received_stream(self.act_codec, frames, self.cfg.pp_rank)
             except ProtocolError as e:
                 self.bad(e, "previous stage")
                 continue

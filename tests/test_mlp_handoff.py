@@ -153,7 +153,8 @@ def test_the_balancer_learns_each_stages_speed_for_decodes_and_prompts_apart():
     assert before == 64  # as modelled, stage 0 runs the whole MLP and is still the less busy
     # stage 0 turns out 1.2 times as slow per unit of work on decodes: it hands about half the MLP over
     c0, c1 = balancer.costs
-    balancer.observe(0, [1.2 * c0.time(64, 0, 64, before), c1.time(64, 64, before, 0)])
+    unit = 4e-11  # seconds per modelled multiply-add, about this machine's
+    balancer.observe(0, [1.2 * unit * c0.time(64, 0, 64, before), unit * c1.time(64, 64, before, 0)])
     after = balancer.assign(Schedule(1, decode.seqs))[0]
     assert 0 < after < before
     t0, t1 = 1.2 * c0.time(64, 0, 64, after), c1.time(64, 64, after, 0)
@@ -162,6 +163,22 @@ def test_the_balancer_learns_each_stages_speed_for_decodes_and_prompts_apart():
     balancer.observe(7, [1.0, 1.0])  # a step never assigned (or dropped by a reset): ignored
     balancer.observe(1, [1.0])  # a result without every stage's time: ignored
     assert not balancer.pending
+
+
+@pytest.mark.parametrize("bad", [5e-324, 0.0, -1.0, float("inf"), float("nan"), 1e300])
+def test_a_stage_time_no_stage_can_take_teaches_the_balancer_nothing(bad):
+    """A peer's bogus time (or an empty step's) must neither crash the coordinator nor skew the split."""
+    model = bench_config()
+    balancer = HandoffBalancer.for_layout(model, Layout((6, 2), mlp_handoff=True))
+    decode = [SeqWork(i, [1], 5, [], True) for i in range(64)]
+    first = balancer.assign(Schedule(0, decode))
+    balancer.observe(0, [0.05, bad])
+    balancer.observe(1, [bad, 0.05])
+    assert balancer.scales[True] == [1.0, 1.0] and not balancer.learnt[True]
+    assert balancer.assign(Schedule(2, decode)) == first
+    # and a split with scales that are not positive and finite treats them as 1
+    costs = balancer.costs
+    assert split(costs, [0.0, float("nan")], 64, 64) == split(costs, [1.0, 1.0], 64, 64)
 
 
 def test_auto_with_the_handoff_picks_the_split_its_balance_serves_best():

@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=SchedulerSettings.max_batched_tokens,
                     help="token budget of one step (default: the servers' own)")
+    tb.add_argument("--max-in-flight", type=positive_int, default=None,
+                    help="microbatches in the pipeline at once, in every layout (default: each layout's stages)")
     tb.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="P",
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],

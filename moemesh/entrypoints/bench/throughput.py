@@ -98,6 +98,7 @@ def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
                                    max_batched_tokens=args.max_batched_tokens, threads=1,
+                                   max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
