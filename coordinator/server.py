@@ -44,8 +44,8 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat,
-                              Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
+from moemesh.protocol import (PROTOCOL_VERSION, AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest,
+                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
                               Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
                               max_client_message_bytes, max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
@@ -319,11 +319,16 @@ class Coordinator:
     async def _on_worker(self, identity: bytes, msg) -> None:
         reg = self.registry
         if isinstance(msg, Register):
-            if 0 < msg.max_message_bytes < self.worker_message_bytes:  # it would cut off its own traffic
+            reason = None
+            if msg.protocol != PROTOCOL_VERSION:  # it would misread schedules or send what this one misreads
+                reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} speaks protocol {msg.protocol}, this "
+                          f"coordinator {PROTOCOL_VERSION}: run the same moemesh version on every host")
+            elif 0 < msg.max_message_bytes < self.worker_message_bytes:  # it would cut off its own traffic
                 reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} takes messages up to "
                           f"{msg.max_message_bytes} bytes, but this model's activations or schedules at "
                           f"--max-batched-tokens {self.cfg.max_batched_tokens} need {self.worker_message_bytes}: "
                           f"start it with --max-message-bytes {self.worker_message_bytes}")
+            if reason is not None:
                 log.error("worker refused", extra={"fields": {"reason": reason}})
                 await self._send_worker(identity, Shutdown())
                 if reg.phase is Phase.REGISTERING:  # a misconfiguration: say so now, not at a timeout

@@ -28,6 +28,14 @@ class ProtocolError(ValueError):
     """A message that does not decode to what the link expects."""
 
 
+# What a stage worker and the coordinator must agree on beyond the messages' shapes: a field one side
+# does not know is dropped silently on decode, so a worker of another version could compute the
+# wrong tokens without an error. Workers say theirs in `Register`; the coordinator refuses another.
+# 2: schedules may hand MLP tokens across a stage boundary (`Schedule.mlp_rows`); activations carry
+# the stages' compute times. (1: everything before; workers that say nothing.)
+PROTOCOL_VERSION = 2
+
+
 # -- tensors ------------------------------------------------------------------------------------
 
 TENSOR_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}  # dtype name -> bytes
@@ -126,6 +134,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     pid: int
     rendezvous_address: str = ""  # a free tcp://host:port for its stage's process group (used from tp rank 0)
     max_message_bytes: int = 0  # the largest message its sockets take (--max-message-bytes; 0: not said)
+    protocol: int = 1  # PROTOCOL_VERSION of the worker's code (workers before there was one: 1)
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):

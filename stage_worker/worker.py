@@ -31,8 +31,8 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (Activations, Assignment, Codec, CoordinatorMessage, Heartbeat, ProtocolError,
-                              Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
+from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
+                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -114,7 +114,7 @@ class StageWorker:
         self.guard.connect(self.ctrl, "worker")
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
-                                  cfg.max_message_bytes))
+                                  cfg.max_message_bytes, PROTOCOL_VERSION))
         log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
         watch = asyncio.ensure_future(self._watch_coordinator())

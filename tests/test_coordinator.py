@@ -13,15 +13,16 @@ import zmq.asyncio
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.server import Coordinator
 from coordinator.step_loop import StepLoop
-from moemesh.protocol import (Assignment, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat, Ping,
-                              ProtocolError, Register, StatusRequest)
+from moemesh.protocol import (PROTOCOL_VERSION, Assignment, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat,
+                              Ping, ProtocolError, Register, StatusRequest)
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings
 from test_core import FakeLastStage, make_core, prompt
 
 
 def reg(p, t):
-    return Register(p, t, f"tcp://127.0.0.1:{7000 + 10 * p + t}", "cpu", 1, "tcp://127.0.0.1:1")
+    return Register(p, t, f"tcp://127.0.0.1:{7000 + 10 * p + t}", "cpu", 1, "tcp://127.0.0.1:1",
+                    protocol=PROTOCOL_VERSION)
 
 
 class Clock:
@@ -404,7 +405,10 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
     assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")
 
 
-def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_flag(tiny):
+@pytest.mark.parametrize("case", ["message-limit", "protocol"])
+def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tiny, case):
+    """A message limit below what the model needs (naming the flag), or a worker of another
+    protocol version (an older one says none), which would misread schedules without an error."""
     from moemesh.protocol import Shutdown
 
     async def scenario():
@@ -414,8 +418,12 @@ def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_fl
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.connect(coord.addresses["workers"])
         try:
-            small = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000)
-            await sock.send_multipart(Codec.encode(small))
+            if case == "message-limit":
+                bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000,
+                               protocol=PROTOCOL_VERSION)
+            else:
+                bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1")
+            await sock.send_multipart(Codec.encode(bad))
             while True:
                 msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
                 if not isinstance(msg, Ping):
@@ -428,7 +436,11 @@ def test_a_worker_whose_message_limit_is_too_small_fails_the_start_naming_the_fl
             await asyncio.gather(task, return_exceptions=True)
 
     status = asyncio.run(scenario())
-    assert status.phase == "down" and f"--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
+    assert status.phase == "down"
+    if case == "message-limit":
+        assert "--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
+    else:
+        assert f"speaks protocol 1, this coordinator {PROTOCOL_VERSION}" in status.failure
 
 
 def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
