@@ -195,3 +195,24 @@ def test_auto_with_the_handoff_picks_the_split_its_balance_serves_best():
     layout = resolve_layout(model, 2, partition=partition_arg("auto:32:64"), mlp_handoff=True)
     assert layout.mlp_handoff and layout.stage_layers == handoff_partition(model, 2, 64 / 96)
     assert not resolve_layout(model, 1, mlp_handoff=True).mlp_handoff  # one stage: nothing to hand off
+
+
+def test_generate_resolves_auto_with_the_handoff_as_the_coordinator_does(tmp_path):
+    import argparse
+
+    from moemesh.entrypoints.generate import engine_settings_from_args
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+
+    # the bench model's shape in miniature: a head worth several layers
+    write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=8, hidden_size=64, intermediate_size=128, num_experts=8,
+                                   vocab_size=4000), tmp_path)
+    model = ModelConfig.from_dir(tmp_path)
+    parser = argparse.ArgumentParser()
+    EngineSettings.add_arguments(parser, environ={})
+    got = {}
+    for handoff in (False, True):
+        argv = ["--model", str(tmp_path), "--pp", "2", "--layer-partition", "auto:32:64"] + \
+            (["--mlp-handoff"] if handoff else [])
+        got[handoff] = engine_settings_from_args(parser.parse_args(argv)).layer_partition
+    assert got == {False: balanced_partition(model, 2, 64 / 96), True: handoff_partition(model, 2, 64 / 96)}
+    assert got[False] != got[True]
