@@ -33,11 +33,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from coordinator.balance import HandoffBalancer
 from coordinator.core import EngineCore
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.router import ClientRouter
 from coordinator.scheduler import SchedulerConfig
-from coordinator.balance import HandoffBalancer
 from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.layout import resolve_layout
@@ -45,8 +45,8 @@ from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest,
-                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule, Shutdown,
-                              Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
+                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule,
+                              Shutdown, Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
                               max_client_message_bytes, max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 

@@ -237,8 +237,13 @@ def split(costs: list[StageCosts], scales: list[float], tokens: int, logit_rows:
             rows.append(prev)
         return rows, fits and scales[-1] * costs[-1].time(tokens, logit_rows, prev, 0) <= target * (1 + 1e-12)
 
+    if pp == 2:  # (the schedule's critical path: two stages solve in closed form)
+        (a, b), (s0, s1) = costs, scales
+        even = (s1 * b.time(tokens, logit_rows, 0, 0) - s0 * a.fixed * tokens) / (s0 * a.mlp_out + s1 * b.mlp_in)
+        rows = [round(min(float(tokens), max(0.0, even)))]
+        return rows, _largest(costs, scales, tokens, logit_rows, rows)
     lo, hi = 0.0, sum(s * c.time(tokens, logit_rows, 0, tokens) for c, s in zip(costs, scales))
-    for _ in range(60):
+    while hi - lo > 1e-6 * hi:  # (far finer than one token's MLP)
         mid = (lo + hi) / 2
         if walk(mid)[1]:
             hi = mid

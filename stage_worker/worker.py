@@ -32,7 +32,8 @@ from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
-                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start, WorkerFailed)
+                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
+                              WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
