@@ -33,7 +33,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from coordinator.balance import HandoffBalancer
 from coordinator.core import EngineCore
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.router import ClientRouter
@@ -77,7 +76,7 @@ class Coordinator:
         self.model_config = ModelConfig.from_dir(cfg.model)
         # refuse before any worker loads
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
-                                     cfg.quantization, cfg.mlp_handoff)
+                                     cfg.quantization)
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
@@ -158,8 +157,7 @@ class Coordinator:
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
         num_blocks = reg.num_blocks()
         self.core = make_core(cfg, self.model_config, num_blocks)
-        self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp),
-                             HandoffBalancer.for_layout(self.model_config, self.layout))
+        self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
         await self._broadcast(Start(num_blocks))
         if self.failure:  # a worker failed while Start went out
             return
@@ -180,8 +178,7 @@ class Coordinator:
                 cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
                 cfg.dtype, cfg.block_size,
                 tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
-                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend,
-                mlp_handoff=self.layout.mlp_handoff))
+                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
 
     async def _until(self, event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> bool:
         """Waits for `event` (or `also`) until `timeout` or the pipeline goes down; whether `event` came."""
@@ -548,7 +545,6 @@ class Coordinator:
             + sum(w.malformed for w in reg.workers.values()), model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
             steps=loop.steps if loop else 0,
-            mlp_handoff_share=loop.balancer.handed_share if loop and loop.balancer else 0.0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
             schedule_bytes=self.pipeline.schedule_bytes, phase=reg.phase.value, recoveries=self.recoveries,
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started

@@ -17,9 +17,6 @@ import math
 import time
 from typing import Iterator
 
-import msgspec
-
-from coordinator.balance import HandoffBalancer
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig
@@ -42,9 +39,8 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) 
 
 
 class StepLoop:
-    def __init__(self, core: EngineCore, limit: int, balancer: HandoffBalancer | None = None):
+    def __init__(self, core: EngineCore, limit: int):
         self.core, self.limit = core, max(1, limit)
-        self.balancer = balancer  # the MLP hand-off's split of each schedule (None: no hand-off)
         self.steps = 0  # microbatches issued
         self.step_seconds = 0.0  # CPU time scheduling them and taking their results
 
@@ -55,8 +51,6 @@ class StepLoop:
             started = time.thread_time()
             active = len(core.scheduler.running) + len(core.scheduler.waiting)
             sched = core.next_schedule(max_seqs=max(1, math.ceil(active / self.limit)))
-            if sched is not None and self.balancer is not None:
-                sched = msgspec.structs.replace(sched, mlp_rows=self.balancer.assign(sched))
             self.step_seconds += time.thread_time() - started
             if sched is None:
                 return
@@ -68,10 +62,7 @@ class StepLoop:
         or lacks a sampled sequence (nothing changes then)."""
         started = time.thread_time()
         try:
-            outputs = self.core.process_result(result)
-            if self.balancer is not None:
-                self.balancer.observe(result.step_id, result.stage_seconds)
-            return outputs
+            return self.core.process_result(result)
         finally:
             self.step_seconds += time.thread_time() - started
 

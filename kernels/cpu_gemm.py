@@ -99,8 +99,7 @@ class _Lib:
         lib.mm_rotary.restype = None
         lib.mm_topk_softmax.argtypes = [i64, i64, ptr, i64, i64, i32, ptr, ptr]
         lib.mm_topk_softmax.restype = None
-        lib.mm_decoder_layer.argtypes = [ctypes.POINTER(LayerDesc), i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i64,
-                                         i32]
+        lib.mm_decoder_layer.argtypes = [ctypes.POINTER(LayerDesc), i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i32]
         lib.mm_decoder_layer.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
         lib.mm_argmax_rows.restype = None
@@ -352,19 +351,16 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib)
 
 def decoder_layer(desc: LayerDesc, hidden: torch.Tensor, residual: torch.Tensor, first: bool,
                   positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, kv_len: torch.Tensor,
-                  lib: _Lib, mlp_rows: int | None = None) -> None:
+                  lib: _Lib) -> None:
     """One decoder layer of a decode step, in place: hidden [T, H] float32 (the layer's input, then
     its output), residual [T, H] float32 (written when `first`, else updated); positions, slots,
-    kv_len [T] int64; block_table [T, max_blocks] int64. mlp_rows: the MLP runs on the first
-    mlp_rows tokens only, the others leave with hidden 0 (None: all). The tensors `desc` points into
-    must stay alive (the caller keeps them)."""
+    kv_len [T] int64; block_table [T, max_blocks] int64. The tensors `desc` points into must stay
+    alive (the caller keeps them)."""
     T = hidden.shape[0]
-    mlp_rows = T if mlp_rows is None else mlp_rows
-    assert 0 <= mlp_rows <= T
     assert hidden.is_contiguous() and residual.is_contiguous() and hidden.dtype == residual.dtype == torch.float32
     rc = lib.lib.mm_decoder_layer(ctypes.byref(desc), T, hidden.data_ptr(), residual.data_ptr(), int(first),
                                   positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.shape[1],
-                                  kv_len.data_ptr(), mlp_rows, torch.get_num_threads())
+                                  kv_len.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError("CPU decoder layer: out of memory")
 

@@ -31,9 +31,8 @@ class ProtocolError(ValueError):
 # What a stage worker and the coordinator must agree on beyond the messages' shapes: a field one side
 # does not know is dropped silently on decode, so a worker of another version could compute the
 # wrong tokens without an error. Workers say theirs in `Register`; the coordinator refuses another.
-# 2: schedules may hand MLP tokens across a stage boundary (`Schedule.mlp_rows`); activations carry
-# the stages' compute times. (1: everything before; workers that say nothing.)
-PROTOCOL_VERSION = 2
+# Raise it with any change to what a worker must do with a schedule, an activation or a result.
+PROTOCOL_VERSION = 1
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -117,7 +116,6 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
-    mlp_handoff_share: float = 0.0  # the MLP hand-off: of the boundary MLPs' tokens, the share the later stage ran
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
@@ -134,7 +132,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     pid: int
     rendezvous_address: str = ""  # a free tcp://host:port for its stage's process group (used from tp rank 0)
     max_message_bytes: int = 0  # the largest message its sockets take (--max-message-bytes; 0: not said)
-    protocol: int = 1  # PROTOCOL_VERSION of the worker's code (workers before there was one: 1)
+    protocol: int = 0  # PROTOCOL_VERSION of the worker's code (0: a worker from before there was one)
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):
@@ -150,7 +148,6 @@ class Assignment(msgspec.Struct, tag="assignment", frozen=True):
     expert_parallel: bool = False
     quantization: str | None = None  # "fp8": quantize at load (an FP8 checkpoint says so itself)
     moe_backend: str = "auto"
-    mlp_handoff: bool = False  # a stage after the first also holds the MLP of the layer before its own
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -235,10 +232,6 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     # perhaps the schedules that admitted its sequences afresh) resets before running it, so that
     # no block-table delta is ever applied to a table of an earlier epoch
     first_step: int = 0  # that epoch's first step id: with it a worker tells a lost schedule (a gap)
-    # the MLP hand-off (stage_worker/models/base.py), one entry per stage boundary: of the step's
-    # tokens (flat, in `seqs` order), how many the stage before the boundary runs its last MLP for;
-    # the stage after it runs that MLP for the rest. Empty: every stage runs all of its own layers.
-    mlp_rows: list[int] = []
 
 
 class BlockTables:
@@ -297,13 +290,11 @@ class StepResult(msgspec.Struct, tag="result", frozen=True):
     sampled: list[SampledToken]
     prompt_logprobs: list[PromptLogprobs] = []
     busy_seconds: float = 0.0
-    stage_seconds: list[float] = []  # each stage's compute time on this step, first stage first
 
 
 class Activations(msgspec.Struct, tag="activations", frozen=True):
     step_id: int
     tensors: list[TensorMeta]
-    seconds: list[float] = []  # the compute time of this step on each stage so far
 
 
 WorkerMessage = Union[Register, Ready, Heartbeat, StepResult, WorkerFailed]

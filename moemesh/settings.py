@@ -14,8 +14,7 @@ command line, the environment, the compose files and every child with no other e
 The classes, one per process role, share groups of fields by inheritance:
 
     ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
-    LayoutSettings     pp, tp, layer_partition, expert_parallel,     how the model is split
-                       mlp_handoff
+    LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
     SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight
     WorkerResources    kv_memory, threads                            what each stage worker may use
     MeshSecurity       mesh_keys, insecure_mesh                      CurveZMQ on the mesh (every mesh process)
@@ -276,10 +275,6 @@ class LayoutSettings(Settings):
               "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
-    mlp_handoff: bool = flag(False, "with --pp: each stage after the first also holds the MLP (or MoE) of the "
-                                    "layer before its own, and every step the coordinator splits that MLP's tokens "
-                                    "between the two stages so that they are equally busy (prompt chunks and "
-                                    "decodes want different splits); costs one MLP's weights per boundary")
 
 
 @dataclass(frozen=True)

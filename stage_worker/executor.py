@@ -30,9 +30,8 @@ class SeqState:
 
 class StageExecutor:
     def __init__(self, runner: StageRunner, eos_token_ids: tuple[int, ...] = (),
-                 generator: torch.Generator | None = None, pp_rank: int = 0):
+                 generator: torch.Generator | None = None):
         self.runner = runner
-        self.pp_rank = pp_rank  # which entries of a schedule's `mlp_rows` are this stage's
         self.is_last = runner.model.has_head
         self.eos_token_ids = eos_token_ids
         if generator is None and self.is_last:  # for requests without a seed: different in every process
@@ -42,7 +41,6 @@ class StageExecutor:
         self.seqs: dict[int, SeqState] = {}  # (last stage)
         self.block_tables = BlockTables()
         self.busy_seconds = 0.0
-        self.last_seconds = 0.0  # the compute time of the last step run
 
     def reset(self, first_step: int) -> None:
         """A new epoch from `first_step` on: every sequence of it is admitted afresh by a step at or
@@ -59,25 +57,11 @@ class StageExecutor:
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
                              self._apply(sched), [w.sample for w in sched.seqs])
-            rows_in, rows_out = self._handoff(sched)
             if not self.is_last:
-                return self.runner.execute(step, stream, rows_in=rows_in, rows_out=rows_out)
-            return self._sample(sched, step, stream, rows_in)
+                return self.runner.execute(step, stream)
+            return self._sample(sched, step, stream)
         finally:
-            self.last_seconds = time.perf_counter() - start
-            self.busy_seconds += self.last_seconds
-
-    def _handoff(self, sched: Schedule) -> tuple[int | None, int | None]:
-        """This stage's entries of the schedule's MLP hand-off: (tokens the previous stage ran its last
-        MLP for, tokens to run this stage's last MLP for); None where there is none."""
-        rows = sched.mlp_rows
-        if not rows:
-            return None, None
-        p = self.pp_rank
-        if len(rows) < p + (0 if self.is_last else 1):
-            raise ValueError(f"step {sched.step_id}: {len(rows)} MLP hand-off entries, stage {p} needs "
-                             f"{p + (0 if self.is_last else 1)}")
-        return (rows[p - 1] if p > 0 else None), (None if self.is_last else rows[p])
+            self.busy_seconds += time.perf_counter() - start
 
     def _apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences that ended; the step's block tables, brought up to date."""
@@ -85,7 +69,7 @@ class StageExecutor:
             self.seqs.pop(seq_id, None)
         return self.block_tables.apply(sched)
 
-    def _sample(self, sched: Schedule, step: StepInput, stream, rows_in: int | None) -> StepResult:
+    def _sample(self, sched: Schedule, step: StepInput, stream) -> StepResult:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:
@@ -106,7 +90,7 @@ class StageExecutor:
             row += len(w.token_ids)
             if w.sample:
                 sample_rows.append((row - 1, w.seq_id))
-        logits = self.runner.execute(step, stream, rows_in=rows_in,
+        logits = self.runner.execute(step, stream,
                                      logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
         tokens, logprobs = sample(logits[:len(sample_rows)], rows, self.eos_token_ids, self.generator)

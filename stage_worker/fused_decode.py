@@ -120,12 +120,10 @@ class FusedDecode:
             return None
         return cls(model, descs, keep, dtype)
 
-    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, stream: bool = False,
-                mlp_rows: int | None = None):
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, stream: bool = False):
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
         through every layer of the stage. stream: return the residual stream instead, hidden +
-        residual added in float32 and rounded to the model's dtype once. mlp_rows: the last layer's
-        MLP for the first mlp_rows tokens only (the MLP hand-off)."""
+        residual added in float32 and rounded to the model's dtype once."""
         group = ctx.groups[0]
         T = ctx.positions.shape[0]
         # the step's indices were checked by the runner (context.check_bounds); the rows are checked here
@@ -134,10 +132,9 @@ class FusedDecode:
         hidden = hidden.float().contiguous().clone()  # the layers work in place
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.float().contiguous().clone()
-        last = len(self.descs) - 1
-        for i, desc in enumerate(self.descs):
+        for desc in self.descs:
             cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
-                                   group.kv_len, self.lib, mlp_rows=mlp_rows if i == last else None)
+                                   group.kv_len, self.lib)
             first = False
         if stream:
             return (hidden + residual).to(self.dtype)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import msgspec
 import torch
 
 from moemesh.config import ModelConfig
@@ -20,13 +19,12 @@ from stage_worker.runner import StageRunner
 class InProcessPipeline:
     def __init__(self, model_dir: str, model: ModelConfig, stages: list[range], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str = "cpu", quantization: str | None = None, moe_backend: str = "auto",
-                 progress: bool | None = None, mlp_handoff: bool = False):
+                 progress: bool | None = None):
         quant = resolve_quantization(model, quantization)
         self.stages = [
             StageExecutor(StageRunner(model_dir, model, layers, num_blocks, block_size, dtype=dtype, device=device,
-                                      progress=progress, quant=quant, moe_backend=moe_backend, handoff=mlp_handoff),
-                          model.eos_token_ids, pp_rank=p)
-            for p, layers in enumerate(stages)
+                                      progress=progress, quant=quant, moe_backend=moe_backend), model.eos_token_ids)
+            for layers in stages
         ]
         self.queue: deque[Schedule] = deque()
 
@@ -44,8 +42,7 @@ class InProcessPipeline:
         stream = None
         for stage in self.stages[:-1]:
             stream = stage.run(sched, stream)
-        result = self.stages[-1].run(sched, stream)
-        return msgspec.structs.replace(result, stage_seconds=[stage.last_seconds for stage in self.stages])
+        return self.stages[-1].run(sched, stream)
 
     def drop(self, first_step: int) -> None:
         """Forgets the schedules not yet run (their steps were abandoned), and the state of every

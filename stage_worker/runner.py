@@ -49,11 +49,10 @@ class StepInput:
 class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
                  block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto",
-                 handoff: bool = False):
+                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto"):
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
-                                                 progress=progress, backend=moe_backend, handoff=handoff)
+                                                 progress=progress, backend=moe_backend)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
@@ -70,20 +69,11 @@ class StageRunner:
         return num_layers * 2 * block_size * kvh * config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None,
-                rows_in: int | None = None, rows_out: int | None = None):
+    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None):
         """stream: the previous stage's residual stream [T, H] (None on the first stage). Returns this
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
-        rows: each sampling sequence's last token). The MLP hand-off (models/base.py): rows_in, the
-        tokens of `stream` that have had the previous stage's last MLP (the others get it here);
-        rows_out, the tokens this stage's last MLP runs for (None: all)."""
+        rows: each sampling sequence's last token)."""
         hidden, residual = stream, None
-        T = sum(step.query_lens)
-        for name, rows in (("rows_in", rows_in), ("rows_out", rows_out)):
-            if rows is not None and not 0 <= rows <= T:
-                raise ValueError(f"{name} {rows} is outside 0..{T} (the step's tokens)")
-        if rows_out is not None and self.model.has_head:
-            raise ValueError("the last stage hands no MLP on")
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
         if self.model.backend == "native":
             check_bounds(ctx, self.kv_cache.shape[2], self.block_size, self.config.max_position_embeddings)
@@ -91,14 +81,12 @@ class StageRunner:
             if self.model.has_embedding:
                 flat = [t for ids in step.token_ids for t in ids]
                 hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
-            elif rows_in is not None:
-                hidden = self.model.finish_handoff(hidden, rows_in)
             if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
                 if not self.model.has_head:
-                    return self.fused.forward(ctx, hidden, residual, stream=True, mlp_rows=rows_out)
+                    return self.fused.forward(ctx, hidden, residual, stream=True)
                 hidden, residual = self.fused.forward(ctx, hidden, residual)
             else:
-                hidden, residual = self.model(hidden, residual, mlp_rows=rows_out)
+                hidden, residual = self.model(hidden, residual)
         if not self.model.has_head:
             return hidden + residual
         if logit_rows is None:

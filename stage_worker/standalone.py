@@ -10,7 +10,6 @@ recording, how far its outputs are from the recorded ones.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -27,15 +26,11 @@ from stage_worker.runner import StageRunner
 
 class Recorder:
     """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors: the residual stream as
-    "stream") or .result (msgpack), and stage.json: the stage's place in the pipeline (its pp rank
-    and whether it holds the previous stage's last MLP), which a replay of the MLP hand-off needs."""
+    "stream") or .result (msgpack)."""
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
         self.dir.mkdir(parents=True, exist_ok=True)
-
-    def describe(self, pp_rank: int, mlp_handoff: bool) -> None:
-        (self.dir / "stage.json").write_text(json.dumps({"pp_rank": pp_rank, "mlp_handoff": mlp_handoff}))
 
     def record(self, sched: Schedule, stream: torch.Tensor | None, out) -> None:
         if self.count >= self.max_steps:
@@ -56,11 +51,10 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     mc = ModelConfig.from_dir(model)
     num_blocks = 4096
     started = time.perf_counter()
-    stage = _stage(recording)
-    runner = StageRunner(model, mc, layers, num_blocks, block_size, progress=None, handoff=stage["mlp_handoff"])
+    runner = StageRunner(model, mc, layers, num_blocks, block_size, progress=None)
     out(f"loaded layers {layers.start}:{layers.stop} of {mc.num_layers} in {time.perf_counter() - started:.2f} s "
         f"({runner.load_stats.bytes_read / 2**20:.1f} MiB read from {len(runner.load_stats.files_opened)} files)")
-    executor = StageExecutor(runner, mc.eos_token_ids, pp_rank=stage["pp_rank"])
+    executor = StageExecutor(runner, mc.eos_token_ids)
     steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
     worst = 0.0
     for sched, stream, expected in steps:
@@ -109,16 +103,6 @@ def _timed_run(executor: StageExecutor, sched: Schedule, stream):
     finally:
         for name, layer in model.model.layers.items():
             layer.forward = originals[name]
-
-
-def _stage(recording: str | None) -> dict:
-    """The recorded stage's place in its pipeline (older recordings, and synthetic runs: the first
-    stage's entries, no hand-off)."""
-    meta = Path(recording) / "stage.json" if recording else None
-    stage = {"pp_rank": 0, "mlp_handoff": False}
-    if meta is not None and meta.is_file():
-        stage.update(json.loads(meta.read_text()))
-    return stage
 
 
 def _recorded(directory: str):

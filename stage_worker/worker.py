@@ -21,7 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
-import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -44,17 +43,13 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 log = get_logger("stage_worker")
 
 
-def received_stream(codec: Codec, frames, pp_rank: int | None = None) -> tuple[int, torch.Tensor, list[float]]:
-    """(step id, the residual stream, the earlier stages' compute seconds on the step) of an
-    activations message from the previous stage: exactly one tensor (a view of its frame, no copy),
-    and one time for each stage before `pp_rank` (when given); ProtocolError for anything else."""
+def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
+    """(step id, the residual stream) of an activations message from the previous stage: exactly one
+    tensor (a view of its frame, no copy); ProtocolError for anything else."""
     msg, buffers = codec.decode(frames)
     if len(buffers) != 1:
         raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
-    if pp_rank is not None and len(msg.seconds) != pp_rank:
-        raise ProtocolError(f"activations of step {msg.step_id} carry {len(msg.seconds)} stage times, expected "
-                            f"{pp_rank} (one per earlier stage)")
-    return msg.step_id, from_frame(msg.tensors[0], buffers[0]), msg.seconds
+    return msg.step_id, from_frame(msg.tensors[0], buffers[0])
 
 
 class StageWorker:
@@ -77,8 +72,7 @@ class StageWorker:
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
         self.activations: asyncio.Queue = asyncio.Queue()
-        # residual streams (and the earlier stages' seconds) that came before their step's turn
-        self.early: dict[int, tuple[torch.Tensor, list[float]]] = {}
+        self.early: dict[int, torch.Tensor] = {}  # residual streams that came before their step's turn
         self.last_heard: float | None = None  # when the coordinator last sent anything
         self.next_address: str | None = None  # the next stage's worker of this tensor rank
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
@@ -203,13 +197,11 @@ class StageWorker:
             tp = TPGroup(cfg.tp_rank, a.tp_size, group, a.expert_parallel)
             runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
                                  device=cfg.device, progress=False, quant=resolve_quantization(mc, a.quantization),
-                                 moe_backend=a.moe_backend, handoff=a.mlp_handoff)
-            return StageExecutor(runner, mc.eos_token_ids, pp_rank=cfg.pp_rank)
+                                 moe_backend=a.moe_backend)
+            return StageExecutor(runner, mc.eos_token_ids)
 
         started = time.perf_counter()
         self.executor = await asyncio.get_running_loop().run_in_executor(self.compute, build)
-        if self.recorder is not None:
-            self.recorder.describe(cfg.pp_rank, a.mlp_handoff)
         log.info("loaded", extra={"fields": {"layers": f"{a.layer_start}:{a.layer_end}", "blocks": num_blocks,
                                              "bytes": self.executor.runner.load_stats.bytes_read,
                                              "seconds": round(time.perf_counter() - started, 2)}})
@@ -345,11 +337,11 @@ class StageWorker:
         while True:
             frames = await receive(self.pull)
             try:
-                step_id, stream, seconds = received_stream(self.act_codec, frames, self.cfg.pp_rank)
+                step_id, stream = received_stream(self.act_codec, frames)
             except ProtocolError as e:
                 self.bad(e, "previous stage")
                 continue
-            self.activations.put_nowait((step_id, stream, seconds))
+            self.activations.put_nowait((step_id, stream))
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
@@ -357,45 +349,42 @@ class StageWorker:
         while True:
             sched: Schedule = await self.schedules.get()
             self.current_step = sched.step_id
-            stream, seconds = None, []
+            stream = None
             if not first:
-                stream, seconds = await self._activations_for(sched.step_id,
-                                                              sum(len(w.token_ids) for w in sched.seqs))
+                stream = await self._activations_for(sched.step_id, sum(len(w.token_ids) for w in sched.seqs))
             out = await loop.run_in_executor(self.compute, self.executor.run, sched, stream)
-            seconds = [*seconds, self.executor.last_seconds]  # (what the coordinator balances stages by)
             self.last_step = sched.step_id
             if self.recorder is not None:
                 self.recorder.record(sched, stream, out)
             if self.push is not None:
                 metas, buffers = frames_of([out])
-                frames = Codec.encode(Activations(sched.step_id, metas, seconds), buffers)
+                frames = Codec.encode(Activations(sched.step_id, metas), buffers)
                 self.sent_bytes += sum(len(f) for f in frames)
                 await self.push.send_multipart(frames, copy=False)
             elif self.cfg.tp_rank == 0:
-                await self._send(msgspec.structs.replace(out, stage_seconds=seconds))
+                await self._send(out)
 
     async def _activations_for(self, step_id: int, num_tokens: int):
-        """(The previous stage's residual stream for `step_id`, the earlier stages' compute seconds on
-        it). Stages run steps in issue order, so older
+        """The previous stage's residual stream for `step_id`. Stages run steps in issue order, so older
         activations are stale (a reset dropped their step); newer ones wait here (a few, bounded),
         counted as odd: only a bad peer sends a step before the one its own schedule says. Tensors
         that do not fit the step (shape, dtype) are refused, and the wait goes on."""
         while True:
             if step_id in self.early:
-                stream, seconds = self.early.pop(step_id)
+                stream = self.early.pop(step_id)
                 if self._fit(step_id, stream, num_tokens):
-                    return stream, seconds
+                    return stream
                 continue
-            got, stream, seconds = await self.activations.get()
+            got, stream = await self.activations.get()
             if got == step_id:
                 if self._fit(step_id, stream, num_tokens):
-                    return stream, seconds
+                    return stream
                 continue
             if got < step_id:
                 self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
                 continue
             self.bad(ProtocolError(f"activations of step {got} before step {step_id}"), "previous stage")
-            self.early[got] = stream, seconds
+            self.early[got] = stream
             while len(self.early) > 16:
                 self.early.pop(min(self.early))
 

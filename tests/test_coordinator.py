@@ -408,7 +408,7 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
 @pytest.mark.parametrize("case", ["message-limit", "protocol"])
 def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tiny, case):
     """A message limit below what the model needs (naming the flag), or a worker of another
-    protocol version (an older one says none), which would misread schedules without an error."""
+    protocol version (an older one says none), which could misread schedules without an error."""
     from moemesh.protocol import Shutdown
 
     async def scenario():
@@ -440,7 +440,7 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
     if case == "message-limit":
         assert "--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
     else:
-        assert f"speaks protocol 1, this coordinator {PROTOCOL_VERSION}" in status.failure
+        assert f"speaks protocol 0, this coordinator {PROTOCOL_VERSION}" in status.failure
 
 
 def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):

@@ -332,15 +332,8 @@ def test_a_stage_takes_exactly_one_tensor_the_residual_stream(count):
         with pytest.raises(ProtocolError, match=f"activations carry {count} tensors, expected 1"):
             received_stream(Codec(Activations), frames)
         return
-    step_id, stream, seconds = received_stream(Codec(Activations), frames)
-    assert step_id == 9 and torch.equal(stream, tensors[0]) and seconds == []
-    metas, buffers = frames_of(tensors)
-    _, _, seconds = received_stream(Codec(Activations), Codec.encode(Activations(9, metas, [0.25, 0.5]), buffers))
-    assert seconds == [0.25, 0.5]  # the earlier stages' compute time on the step, for the hand-off's balance
-    frames = Codec.encode(Activations(9, metas, [0.25, 0.5]), buffers)
-    assert received_stream(Codec(Activations), frames, pp_rank=2)[2] == [0.25, 0.5]
-    with pytest.raises(ProtocolError, match="carry 2 stage times, expected 1"):
-        received_stream(Codec(Activations), frames, pp_rank=1)
+    step_id, stream = received_stream(Codec(Activations), frames)
+    assert step_id == 9 and torch.equal(stream, tensors[0])
 
 
 @pytest.mark.parametrize("shape", [[2**63, 0], [2**40, 2**40, 0], [0, 2**39, 2**39, 2**39]])

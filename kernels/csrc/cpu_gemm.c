@@ -817,13 +817,10 @@ static int mlp_rows(const mm_weight *gate_up, const mm_weight *down, int64_t T, 
 /* hidden [T, H]: the layer's input, overwritten with its output; residual [T, H]: the residual
  * stream, updated (first: the layer is the stage's first and there is no residual yet).
  * positions, slots [T]: each token's position and KV slot (block * block_size + offset);
- * block_tables [T, max_blocks], kv_len [T] as for mm_decode_attention.
- * mlp_tokens: the MLP (or MoE) runs on the first mlp_tokens tokens only (T: all); the others leave with
- * hidden = 0, so that hidden + residual is their residual stream after the attention (the next
- * stage runs their MLP: the MLP hand-off, stage_worker/runner.py). */
+ * block_tables [T, max_blocks], kv_len [T] as for mm_decode_attention. */
 int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residual, int first,
                      const int64_t *positions, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
-                     const int64_t *kv_len, int64_t mlp_tokens, int nthreads) {
+                     const int64_t *kv_len, int nthreads) {
     const int64_t H = L->hidden, h = L->heads, kvh = L->kv_heads, D = L->head_dim, nq = (h + 2 * kvh) * D;
     const int64_t I = L->moe ? (L->gate_up.w ? L->gate_up.n / 2 : 0) : L->gate_up.n / 2;
     const int64_t wide = nq > 2 * I ? nq : 2 * I;
@@ -863,14 +860,6 @@ int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residua
     if (linear_rows(&L->o, T, attn, h * D, hidden, nthreads)) goto done;
     /* x = norm(attn + residual); residual += attn */
     mm_rmsnorm(T, H, hidden, H, residual, H, residual, L->post_norm, (float)L->eps, xn, nthreads);
-    if (mlp_tokens < T) {
-        memset(hidden + mlp_tokens * H, 0, sizeof(float) * (T - mlp_tokens) * H);
-        T = mlp_tokens;
-        if (T == 0) {
-            rc = 0;
-            goto done;
-        }
-    }
 
     if (!L->moe) {
         if (mlp_rows(&L->gate_up, &L->down, T, xn, H, big, attn, hidden, nthreads)) goto done;

@@ -199,9 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--curve", type=on_off_list, default=["off"],
                     help="on, off, or on,off: run each layout with CurveZMQ on every mesh socket (fresh keys), "
                          "without, or both and compare")
-    tb.add_argument("--mlp-handoff", type=on_off_list, default=["off"],
-                    help="on, off, or on,off: run each layout with more than one stage with the MLP hand-off "
-                         "(each step's boundary MLP split between the two stages), without, or both and compare")
     tb.add_argument("--no-baseline", action="store_true", help="skip the in-process engine")
     tb.add_argument("--ceiling", action="store_true",
                     help="also run N independent in-process engines at once (N = each layout's workers, each "

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.sequence import Sequence
-from coordinator.balance import HandoffBalancer
 from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
@@ -43,15 +42,13 @@ class LLMEngine:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")
         partition = settings.layer_partition
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
-        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, settings.mlp_handoff)
+        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
-                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress,
-                                          mlp_handoff=self.layout.mlp_handoff)
+                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
         self.core = make_core(settings, mc, num_blocks)
-        self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp),
-                             HandoffBalancer.for_layout(mc, self.layout))
+        self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()
 
     @property

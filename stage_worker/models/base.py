@@ -6,16 +6,8 @@ starts at layer 0 and the norm and lm_head only if it ends at the last layer. Th
 asks which stage it is.
 
 Parameter names are Hugging Face's (`model.layers.{i}.…` with global layer indices), except for the
-fused weights listed in `packed_modules`, the stacked experts of `FusedMoE` and the hand-off MLP
-(`model.handoff.{i}.…`, read from layer i's tensors); `checkpoint_sources` maps each parameter to
-the checkpoint tensors it is loaded from.
-
-The MLP hand-off (`handoff=True`, a stage after the first): the stage also holds the post-attention
-norm and MLP of the previous stage's last layer, which keep no per-sequence state. Each step, the
-previous stage runs that MLP for the first `mlp_rows` tokens (`forward(..., mlp_rows)`) and sends
-the others on with their residual stream after the attention; `finish_handoff` runs the MLP for
-them here. How many go which way is the coordinator's choice per step (`coordinator.balance`), so
-that the two stages are equally busy whatever the step holds (prompt chunks or decodes).
+fused weights listed in `packed_modules` and the stacked experts of `FusedMoE`;
+`checkpoint_sources` maps each parameter to the checkpoint tensors it is loaded from.
 """
 
 from __future__ import annotations
@@ -29,25 +21,6 @@ from stage_worker.layers.linear import cpu_gemm_layout, native_pack
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
-HANDOFF = "handoff"  # the module under `model` holding the hand-off MLP: `model.handoff.{layer}`
-
-
-class HandoffMLP(nn.Module):
-    """The second half of the previous stage's last decoder layer, held by the next stage too: its
-    post-attention norm and MLP (dense or MoE), which hold no per-sequence state. Each step, the
-    previous stage runs that MLP for some of the step's tokens and hands the others over with their
-    residual stream after the attention; this finishes them (`CausalLM.finish_handoff`)."""
-
-    def __init__(self, decoder_layer: type[nn.Module], config: ModelConfig, layer_idx: int, tp: TPGroup,
-                 quant=None):
-        super().__init__()
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = decoder_layer.make_mlp(config, layer_idx, tp, quant)
-
-    def forward(self, stream: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the attention [N, H] -> after the MLP."""
-        return stream + self.mlp(self.post_attention_layernorm(stream))
-
 
 class CausalLM(nn.Module):
     # module name -> the checkpoint modules fused into it, with the shard id each is loaded as
@@ -59,8 +32,7 @@ class CausalLM(nn.Module):
     checkpoint_renames: dict[str, str] = {}
     decoder_layer: type[nn.Module]  # (config, layer_idx, tp, quant) -> layer
 
-    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None,
-                 handoff: bool = False):
+    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None):
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_layers):
@@ -75,10 +47,6 @@ class CausalLM(nn.Module):
         if self.has_embedding:
             self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.model.layers = nn.ModuleDict({str(i): self.decoder_layer(config, i, tp, quant) for i in layers})
-        self.handoff_layer = layers.start - 1 if handoff and layers.start > 0 else None
-        if self.handoff_layer is not None:
-            setattr(self.model, HANDOFF, nn.ModuleDict({
-                str(self.handoff_layer): HandoffMLP(self.decoder_layer, config, self.handoff_layer, tp, quant)}))
         if self.has_head:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -89,27 +57,11 @@ class CausalLM(nn.Module):
         """[T] -> [T, H]"""
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None, mlp_rows: int | None = None):
-        """This stage's layers: (hidden [T, H], residual [T, H] or None) -> (hidden, residual).
-        mlp_rows: the last layer's MLP runs for the first mlp_rows tokens only (the MLP hand-off);
-        the others leave with hidden 0."""
-        layers = list(self.model.layers.values())
-        for layer in layers[:-1]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+        """This stage's layers: (hidden [T, H], residual [T, H] or None) -> (hidden, residual)."""
+        for layer in self.model.layers.values():
             hidden, residual = layer(hidden, residual)
-        return layers[-1](hidden, residual, mlp_rows)
-
-    def finish_handoff(self, stream: torch.Tensor, mlp_rows: int) -> torch.Tensor:
-        """The previous stage's residual stream [T, H], whose tokens from `mlp_rows` on still lack
-        its last layer's MLP -> the stream with every token through that layer."""
-        if mlp_rows == stream.shape[0]:
-            return stream
-        if self.handoff_layer is None:
-            raise ValueError(f"{stream.shape[0] - mlp_rows} tokens handed over for the MLP of layer "
-                             f"{self.layer_range.start - 1}, which this stage does not hold")
-        mlp = getattr(self.model, HANDOFF)[str(self.handoff_layer)]
-        stream = stream.clone()
-        stream[mlp_rows:] = mlp(stream[mlp_rows:])
-        return stream
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""
@@ -158,8 +110,7 @@ class CausalLM(nn.Module):
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""
-        renames = {**self.checkpoint_renames, HANDOFF: "layers"}
-        rename = lambda name: ".".join(renames.get(p, p) for p in name.split("."))  # noqa: E731
+        rename = lambda name: ".".join(self.checkpoint_renames.get(p, p) for p in name.split("."))  # noqa: E731
         return [(rename(name), shard) for name, shard in self._sources(param_name)]
 
     def _sources(self, param_name: str) -> list[tuple[str, object]]:

@@ -66,26 +66,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.make_mlp(config, layer_idx, tp, quant)
 
-    @classmethod
-    def make_mlp(cls, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, quant)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, mlp_rows: int | None = None):
-        """mlp_rows: the MLP runs on the first mlp_rows tokens only; the others leave with hidden 0, so
-        that hidden + residual is their residual stream after the attention (the MLP hand-off: the
-        next stage runs their MLP, `models.base.HandoffMLP`). None: every token."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        if mlp_rows is None or mlp_rows == x.shape[0]:
-            return self.mlp(x), residual
-        out = torch.zeros_like(x)
-        if mlp_rows:
-            out[:mlp_rows] = self.mlp(x[:mlp_rows])
-        return out, residual
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -89,7 +89,7 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                 "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
                 "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
                 / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
-                "steps": after.steps - before.steps, "mlp_handoff_share": after.mlp_handoff_share}
+                "steps": after.steps - before.steps}
     finally:
         await client.close()
 
@@ -137,21 +137,19 @@ def run_throughput_bench(args) -> int:
         from moemesh.mesh_security import make_keys
 
         keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
-    for pp, tp, caching, curve, handoff in [(pp, tp, c, k, h) for tp in args.tp for pp in args.pp
-                                            for c in args.prefix_caching for k in args.curve
-                                            for h in (args.mlp_handoff if pp > 1 else ["off"])]:
+    for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
+                                   for k in args.curve]:
         partition = None
         if isinstance(args.layer_partition, str) or (args.layer_partition and len(args.layer_partition) == pp):
             partition = args.layer_partition
         try:
             expert_parallel = args.expert_parallel and tp > 1
-            layout = resolve_layout(mc, pp, tp, partition, expert_parallel, mlp_handoff=handoff == "on")
+            layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
             partition = layout.stage_layers if partition else None
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
                                              layer_partition=partition, no_prefix_caching=caching == "off",
                                              mesh_keys=keys_dir if curve == "on" else None,
-                                             insecure_mesh=args.netns and curve == "off",
-                                             mlp_handoff=layout.mlp_handoff)
+                                             insecure_mesh=args.netns and curve == "off")
             if args.netns:
                 r = _run_across_namespaces(settings, prompts, params, args.concurrency)
             else:
@@ -163,15 +161,12 @@ def run_throughput_bench(args) -> int:
         tps = r["tokens"] / r["seconds"]
         row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
                "layers": list(partition) if partition else "even", "prefix_caching": caching, "curve": curve,
-               "mlp_handoff": handoff,
                "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
                "prefix_cache_hit_rate": round(r["prefix_cache_hit_rate"], 3),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]],
                "steps": r["steps"], "coordinator_ms_per_step": round(r["coordinator_ms_per_step"], 3),
                "schedule_bytes_per_step": round(r["schedule_bytes_per_step"])}
-        if layout.mlp_handoff:  # of the boundary MLPs' tokens, the share the later stage ran
-            row["handed_over"] = round(r["mlp_handoff_share"], 3)
         if pp > 1:  # what crosses each stage boundary, per token processed (prompt and generated)
             row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + prompt_tokens)) for b in r["sent"]]
         if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
@@ -182,19 +177,15 @@ def run_throughput_bench(args) -> int:
             row["vs_ceiling"] = round(tps / ceilings[pp * tp], 2)
         single = next((x for x in rows if x["impl"].startswith("mesh") and x["pp"] == 1 and x["tp"] == 1
                        and x["prefix_caching"] == caching and x["curve"] == curve), None)
-        unhanded = next((x for x in rows if x.get("mlp_handoff") == "off" and x["impl"] == row["impl"]
-                         and (x["pp"], x["tp"], x["prefix_caching"], x["curve"]) == (pp, tp, caching, curve)), None)
-        if handoff == "on" and unhanded:  # what the hand-off buys, same layout size, same run
-            row["handoff_vs_off"] = round(tps / unhanded["tok_per_s"], 3)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
-        twin = next((x for x in rows if x.get("curve") not in (None, curve) and x.get("mlp_handoff") == handoff
+        twin = next((x for x in rows if x.get("curve") not in (None, curve)
                      and (x["pp"], x["tp"], x["prefix_caching"]) == (pp, tp, caching)), None)
         if twin:  # what CURVE costs, same layout, same run (either order)
             on, off = (tps, twin["tok_per_s"]) if curve == "on" else (twin["tok_per_s"], tps)
             row["curve_on_vs_off"] = round(on / off, 3)
         other = next((x for x in rows if x.get("prefix_caching") not in (None, caching)
-                      and x.get("mlp_handoff") == handoff and (x["pp"], x["tp"], x["curve"]) == (pp, tp, curve)), None)
+                      and (x["pp"], x["tp"], x["curve"]) == (pp, tp, curve)), None)
         if other:  # what the prefix cache buys, same layout, same run
             on, off = (row, other) if caching == "on" else (other, row)
             row["caching_on_ttft_speedup"] = round(off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-6), 2)
