@@ -403,7 +403,7 @@ class StageWorker:
                     frames = Codec.encode(Handoff(sched.step_id, out.partial, metas), buffers)
                     self.sent_bytes += sum(len(f) for f in frames)
                     await self.push.send_multipart(frames, copy=False)
-            elif self.push is not None and not isinstance(out, StepResult):
+            elif isinstance(out, torch.Tensor):
                 metas, buffers = frames_of([out])
                 frames = Codec.encode(Activations(sched.step_id, metas), buffers)
                 self.sent_bytes += sum(len(f) for f in frames)
