@@ -401,9 +401,11 @@ def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:
 
 def worker_message_bytes(hidden_size: int, max_batched_tokens: int, max_seqs: int, max_model_len: int,
                          block_size: int) -> int:
-    """The largest message a stage worker can be sent: a schedule, or a step's activations."""
+    """The largest message a stage worker can be sent: a schedule, a step's activations, or (the first
+    stage, a shared head) a Handoff: a step result and at most a step's rows of hidden states."""
     return max(max_activation_bytes(hidden_size, max_batched_tokens),
-               max_schedule_bytes(max_batched_tokens, max_seqs, max_model_len, block_size))
+               max_schedule_bytes(max_batched_tokens, max_seqs, max_model_len, block_size),
+               max_result_bytes(max_batched_tokens, max_seqs))
 
 
 def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:
