@@ -76,10 +76,7 @@ class Coordinator:
         self.model_config = ModelConfig.from_dir(cfg.model)
         # refuse before any worker loads
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
-                                     cfg.quantization, cfg.head_share)
-        # the worker whose StepResults come: the last stage's rank 0, or where the head is shared the
-        # first stage's, which finishes each step from the last stage's Handoff
-        self.result_rank = (0, 0) if self.layout.head_share else (cfg.pp - 1, 0)
+                                     cfg.quantization)
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
@@ -171,28 +168,17 @@ class Coordinator:
         self.wake.set()
 
     async def _assign(self, workers) -> None:
-        """Sends each worker its layers and the address of the next stage's worker of its tensor rank
-        (for the last stage's rank 0 where the head is shared: the first stage's rank 0)."""
+        """Sends each worker its layers and the address of the next stage's worker of its tensor rank."""
         cfg, reg, stages = self.cfg, self.registry, self.layout.stages
         for w in sorted(workers, key=lambda w: w.rank):
             p, t = w.rank
-            nxt = reg.workers.get(self._next_rank(w.rank))
+            nxt = reg.workers.get((p + 1, t))
             reg.assigned(w)  # before the send: its Ready may be handled while the send awaits
             await self._send_worker(w.identity, Assignment(
                 cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
                 cfg.dtype, cfg.block_size,
                 tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
-                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend,
-                head_share=self.layout.head_share))
-
-    def _next_rank(self, rank: tuple[int, int]) -> tuple[int, int] | None:
-        """The (pp, tp) rank a worker sends its stage's output to: the next stage's of its tensor rank;
-        from the last stage, nobody (results go to the coordinator) or, where the head is shared, the
-        first stage's rank 0 (from the last stage's rank 0)."""
-        p, t = rank
-        if p + 1 < self.cfg.pp:
-            return p + 1, t
-        return (0, 0) if self.layout.head_share and t == 0 else None
+                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
 
     async def _until(self, event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> bool:
         """Waits for `event` (or `also`) until `timeout` or the pipeline goes down; whether `event` came."""
@@ -262,10 +248,10 @@ class Coordinator:
             replacements += new
             self.workers_replaced += len(new)
             await self._assign(new)
-            for w in new:  # the worker that sends to the replacement (the previous stage's) does so now
-                for prev in reg.workers.values():
-                    if self._next_rank(prev.rank) == w.rank and prev not in new:  # (new ones got it assigned)
-                        await self._send_worker(prev.identity, Repoint(w.data_address))
+            for w in new:  # the previous stage's worker of the same tensor rank sends to the replacement now
+                prev = reg.workers.get((w.pp_rank - 1, w.tp_rank))
+                if prev is not None and prev not in new:  # (a new one got the address in its Assignment)
+                    await self._send_worker(prev.identity, Repoint(w.data_address))
             if await self._until(reg.all_ready, deadline - time.monotonic(), also=reg.lost):
                 break
             if self.failure:
@@ -373,9 +359,9 @@ class Coordinator:
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
-            if w.rank != self.result_rank:
-                self.bad_worker(ProtocolError(f"step result from pp={w.pp_rank} tp={w.tp_rank}, not from "
-                                              f"pp={self.result_rank[0]} tp={self.result_rank[1]}"), repr(identity))
+            if w.rank != (self.cfg.pp - 1, 0):
+                self.bad_worker(ProtocolError(f"step result from pp={w.pp_rank} tp={w.tp_rank}, not the "
+                                              f"last stage's rank 0"), repr(identity))
                 return
             await self._on_result(msg)
         elif isinstance(msg, WorkerFailed):
@@ -423,8 +409,6 @@ class Coordinator:
             if self.cfg.tp > 1 or self._results_at_reset == self.results_taken:  # or the reset did not help
                 workers = sorted(self.registry.workers.values(), key=lambda w: w.rank)
                 behind = [w for w in workers if w.last_step < step]
-                if not behind and self.result_rank in self.registry.workers and self.result_rank != workers[-1].rank:
-                    behind = [self.registry.workers[self.result_rank]]  # (a shared head: it finishes each step)
                 if behind or (self.cfg.tp > 1 and workers):
                     w = (behind or workers)[0]
                     await self._send_worker(w.identity, Shutdown())

@@ -20,7 +20,6 @@ class Layout:
     tp: int = 1
     expert_parallel: bool = False
     quantization: str | None = None  # the method the workers build: "fp8", "int8" or None
-    head_share: float = 0.0  # the share of each step's sampled rows the first stage samples (Assignment)
 
     @property
     def pp(self) -> int:
@@ -33,12 +32,10 @@ class Layout:
 
 
 def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None, expert_parallel: bool = False,
-                   quantization: str | None = None, head_share: float | str = 0.0) -> Layout:
+                   quantization: str | None = None) -> Layout:
     """Flags -> a Layout the model can take, or a ConfigError naming the flag. `partition` is None
     (even split, earlier stages taking the remainder), "auto" or "auto:PROMPT:OUTPUT" (`balanced_partition`
-    for that token mix; 1:1 by default) or layers per stage. `head_share` is a share in [0, 1] or "auto"
-    (`balanced_head_share`); with a share (pp >= 2) "auto" balances the layers alone, whatever the mix:
-    prompt chunks pay the layers, and the share evens what decode steps add."""
+    for that token mix; 1:1 by default) or layers per stage."""
     n = model.num_layers
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
@@ -46,7 +43,7 @@ def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None,
         counts = even_partition(n, pp)
     elif isinstance(partition, str):  # auto[:PROMPT:OUTPUT]
         prompt, output = auto_mix(partition)
-        counts = balanced_partition(model, pp, 0.0 if head_share and pp > 1 else output / (prompt + output))
+        counts = balanced_partition(model, pp, output / (prompt + output))
     else:
         counts = tuple(partition)
         if len(counts) != pp:
@@ -59,15 +56,7 @@ def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None,
     if expert_parallel and tp == 1:
         raise ConfigError("--expert-parallel needs --tp above 1")
     check_layout(model, tp, expert_parallel)
-    if pp == 1:
-        share = 0.0  # (one stage samples everything itself)
-    elif head_share == "auto":
-        share = balanced_head_share(model, counts)
-    elif isinstance(head_share, (int, float)) and 0 <= head_share <= 1:
-        share = float(head_share)
-    else:
-        raise ConfigError(f"--head-share {head_share} must be auto or a share between 0 and 1")
-    return Layout(counts, tp, expert_parallel, check_quantization(model, quantization), share)
+    return Layout(counts, tp, expert_parallel, check_quantization(model, quantization))
 
 
 def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:
@@ -117,17 +106,6 @@ def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
             mlp = 3 * H * model.intermediate_size
         layers.append(float(attn + mlp))
     return layers, float(model.vocab_size * H)
-
-
-def balanced_head_share(model: ModelConfig, stage_layers: tuple[int, ...]) -> float:
-    """`--head-share auto`: the share of the sampled rows whose lm_head and sampling the first stage
-    takes so that a decode step (every row sampled) costs the first and the last stage the same
-    (`decode_costs`), within [0, 1]; rounded to 1/64, a step's rows are whole."""
-    layers, head = decode_costs(model)
-    first = sum(layers[:stage_layers[0]])
-    last = sum(layers[len(layers) - stage_layers[-1]:])
-    share = (last + head - first) / (2 * head)
-    return min(1.0, max(0.0, round(share * 64) / 64))
 
 
 def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) -> tuple[int, ...]:

@@ -5,8 +5,7 @@ Links (socket pattern, direction):
   are gateways and the local `generate` driver.
 - worker link (stage worker DEALER -> coordinator ROUTER): `WorkerMessage` up, `CoordinatorMessage`
   down (assignment, schedules, shutdown).
-- activation link (stage s PUSH -> stage s+1 PULL, same tensor rank): `Activations` + tensor frames;
-  where the head is shared, also last stage PUSH -> first stage PULL (tensor rank 0): `Handoff`.
+- activation link (stage s PUSH -> stage s+1 PULL, same tensor rank): `Activations` + tensor frames.
 
 A multipart message is [msgpack header, tensor frame, tensor frame, ...]; the header names each
 tensor's dtype and shape. Decoding takes the frames as they arrived (no copy for tensors) and checks
@@ -33,7 +32,7 @@ class ProtocolError(ValueError):
 # does not know is dropped silently on decode, so a worker of another version could compute the
 # wrong tokens without an error. Workers say theirs in `Register`; the coordinator refuses another.
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 1
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -149,10 +148,6 @@ class Assignment(msgspec.Struct, tag="assignment", frozen=True):
     expert_parallel: bool = False
     quantization: str | None = None  # "fp8": quantize at load (an FP8 checkpoint says so itself)
     moe_backend: str = "auto"
-    # the share of each step's sampled rows that the first stage's tensor rank 0 samples (`shipped_rows`);
-    # 0: the last stage samples every row. Where it is above 0 the last stage's rank 0 sends its results
-    # to that worker (next_address) as a Handoff, and that worker sends the step's StepResult
-    head_share: float = 0.0
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -302,21 +297,6 @@ class Activations(msgspec.Struct, tag="activations", frozen=True):
     tensors: list[TensorMeta]
 
 
-class Handoff(msgspec.Struct, tag="handoff", frozen=True):
-    """Last stage -> first stage where the head is shared (Assignment.head_share): the tokens the
-    last stage sampled and, as the one tensor, the final norm's output of the rows the first stage
-    samples, [shipped_rows(n, head_share), hidden]."""
-    step_id: int
-    result: StepResult
-    tensors: list[TensorMeta]
-
-
-def shipped_rows(n: int, head_share: float) -> int:
-    """Of a step's n sampled rows, how many the first stage samples where the head is shared: the
-    first ones, in the schedule's order (both stages compute it from the same Assignment)."""
-    return min(n, int(n * head_share + 0.5))
-
-
 WorkerMessage = Union[Register, Ready, Heartbeat, StepResult, WorkerFailed]
 CoordinatorMessage = Union[Assignment, Start, Schedule, Shutdown, Reset, Repoint, Ping]
 
@@ -401,11 +381,9 @@ def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:
 
 def worker_message_bytes(hidden_size: int, max_batched_tokens: int, max_seqs: int, max_model_len: int,
                          block_size: int) -> int:
-    """The largest message a stage worker can be sent: a schedule, a step's activations, or (the first
-    stage, a shared head) a Handoff: a step result and at most a step's rows of hidden states."""
+    """The largest message a stage worker can be sent: a schedule, or a step's activations."""
     return max(max_activation_bytes(hidden_size, max_batched_tokens),
-               max_schedule_bytes(max_batched_tokens, max_seqs, max_model_len, block_size),
-               max_result_bytes(max_batched_tokens, max_seqs))
+               max_schedule_bytes(max_batched_tokens, max_seqs, max_model_len, block_size))
 
 
 def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:

@@ -86,19 +86,6 @@ def auto_mix(text: str) -> tuple[int, int]:
     return prompt, output
 
 
-def share_arg(text: str) -> float | str:
-    """"auto" or a number in [0, 1]."""
-    if text == "auto":
-        return text
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise ValueError(text)
-    return value
-
-
-share_arg.__name__ = "auto or a number between 0 and 1"
-
-
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -288,10 +275,6 @@ class LayoutSettings(Settings):
               "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
-    head_share: float | str = flag(
-        0.0, "with --pp 2 or more: the share of each step's sampled tokens whose lm_head and sampling run on the "
-             "first stage (it holds a copy of the lm_head) instead of the last; auto: even the two for decode steps "
-             "(then --layer-partition auto balances the layers alone)", parse=share_arg)
 
 
 @dataclass(frozen=True)

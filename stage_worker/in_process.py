@@ -10,7 +10,7 @@ import torch
 
 from moemesh.config import ModelConfig
 from moemesh.protocol import Schedule, StepResult
-from stage_worker.executor import HeadHandoff, StageExecutor
+from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.runner import StageRunner
@@ -19,14 +19,12 @@ from stage_worker.runner import StageRunner
 class InProcessPipeline:
     def __init__(self, model_dir: str, model: ModelConfig, stages: list[range], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str = "cpu", quantization: str | None = None, moe_backend: str = "auto",
-                 progress: bool | None = None, head_share: float = 0.0):
+                 progress: bool | None = None):
         quant = resolve_quantization(model, quantization)
-        share = head_share if len(stages) > 1 else 0.0
         self.stages = [
             StageExecutor(StageRunner(model_dir, model, layers, num_blocks, block_size, dtype=dtype, device=device,
-                                      progress=progress, quant=quant, moe_backend=moe_backend,
-                                      shared_head=share > 0 and i == 0), model.eos_token_ids, head_share=share)
-            for i, layers in enumerate(stages)
+                                      progress=progress, quant=quant, moe_backend=moe_backend), model.eos_token_ids)
+            for layers in stages
         ]
         self.queue: deque[Schedule] = deque()
 
@@ -44,10 +42,7 @@ class InProcessPipeline:
         stream = None
         for stage in self.stages[:-1]:
             stream = stage.run(sched, stream)
-        out = self.stages[-1].run(sched, stream)
-        if isinstance(out, HeadHandoff):  # (a shared head: the first stage samples its share)
-            return self.stages[0].finish(sched.step_id, out.partial, out.normed)
-        return out
+        return self.stages[-1].run(sched, stream)
 
     def drop(self, first_step: int) -> None:
         """Forgets the schedules not yet run (their steps were abandoned), and the state of every

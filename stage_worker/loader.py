@@ -103,10 +103,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers: range | None = None,
                tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant=None, progress: bool | None = None, backend: str = "auto",
-               shared_head: bool = False) -> tuple[CausalLM, LoadStats]:
-    """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint
-    (`shared_head`: a first stage that also holds the lm_head, `CausalLM`).
+               quant=None, progress: bool | None = None, backend: str = "auto") -> tuple[CausalLM, LoadStats]:
+    """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
 
     progress: None shows a bar only on a terminal. backend: the kernels it computes with
     (kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
@@ -114,7 +112,7 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
     backend = resolve_backend(backend, device)
     config = config or ModelConfig.from_dir(model_dir)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config)(config, layers, tp, quant, shared_head)
+        model = model_class(config)(config, layers, tp, quant)
     reader = CheckpointReader(model_dir)
     params = list(model.named_parameters())
     desc = f"loading layers {model.layer_range.start}-{model.layer_range.stop - 1}"

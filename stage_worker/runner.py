@@ -49,11 +49,10 @@ class StepInput:
 class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
                  block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto",
-                 shared_head: bool = False):
+                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto"):
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
-                                                 progress=progress, backend=moe_backend, shared_head=shared_head)
+                                                 progress=progress, backend=moe_backend)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
@@ -70,12 +69,10 @@ class StageRunner:
         return num_layers * 2 * block_size * kvh * config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None,
-                shipped_rows: list[int] | None = None):
+    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None):
         """stream: the previous stage's residual stream [T, H] (None on the first stage). Returns this
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
-        rows: each sampling sequence's last token); with `shipped_rows` (rows the first stage samples,
-        Assignment.head_share), (those logits, the final norm's output of the shipped rows [k, H])."""
+        rows: each sampling sequence's last token)."""
         hidden, residual = stream, None
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
         if self.model.backend == "native":
@@ -94,16 +91,5 @@ class StageRunner:
             return hidden + residual
         if logit_rows is None:
             logit_rows = step.sample_rows()
-        if not shipped_rows:
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            return self.model.compute_logits(hidden[rows], residual[rows])
-        rows = torch.tensor(shipped_rows + logit_rows, dtype=torch.long, device=self.device)
-        normed = self.model.final_norm(hidden[rows], residual[rows])
-        k = len(shipped_rows)
-        return self.model.logits(normed[k:]), normed[:k]
-
-    @torch.inference_mode()
-    def shared_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """A first stage sharing the head: the last stage's final-norm output of the rows it samples
-        [k, H] -> their logits [k, V] float32."""
-        return self.model.logits(normed)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows], residual[rows])

@@ -20,13 +20,13 @@ from safetensors.torch import load_file, save_file
 from moemesh.config import ModelConfig
 from moemesh.protocol import Schedule, SeqWork, StepResult
 from moemesh.sampling import SamplingParams
-from stage_worker.executor import HeadHandoff, StageExecutor
+from stage_worker.executor import StageExecutor
 from stage_worker.runner import StageRunner
 
 
 class Recorder:
     """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors: the residual stream as
-    "stream") or .result (msgpack; where the head is shared, of the tokens the last stage sampled)."""
+    "stream") or .result (msgpack)."""
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
@@ -40,8 +40,6 @@ class Recorder:
         stem.with_suffix(".schedule").write_bytes(msgspec.msgpack.encode(sched))
         if stream is not None:
             save_file({"stream": stream.contiguous()}, str(stem.with_suffix(".inputs")))
-        if isinstance(out, HeadHandoff):
-            out = out.partial
         if isinstance(out, StepResult):
             stem.with_suffix(".result").write_bytes(msgspec.msgpack.encode(out))
         else:
@@ -68,9 +66,8 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
             out(f"  layer {name}: {seconds * 1000:.3f} ms")
         if isinstance(got, StepResult):
             out(f"  sampled: {[s.token_id for s in got.sampled]}")
-            if expected is not None:  # (a shared head's recording holds the last stage's share of the rows)
-                mine = {s.seq_id: s.token_id for s in got.sampled}
-                same = [mine.get(s.seq_id) for s in expected.sampled] == [s.token_id for s in expected.sampled]
+            if expected is not None:
+                same = [s.token_id for s in got.sampled] == [s.token_id for s in expected.sampled]
                 out(f"  recorded: {[s.token_id for s in expected.sampled]} -> {'same' if same else 'DIFFERENT'}")
                 worst = max(worst, 0.0 if same else float("inf"))
         else:

@@ -4,9 +4,6 @@
     load only those layers, allocate the KV cache -> ready (block count) -> start
     for each schedule, in order: [receive the previous stage's activations] -> forward ->
         send activations to the next stage, or (last stage, tensor rank 0) the sampled tokens
-    where the head is shared (Assignment.head_share), the last stage's rank 0 sends its tokens and the
-        rows it did not sample to the first stage's rank 0 instead (a Handoff), which samples those
-        (before its next schedule) and sends the step's tokens
 
 All sockets live on one asyncio event loop; the forward pass runs on a dedicated compute thread.
 So while step k computes, the loop keeps receiving schedules and activations and heartbeating,
@@ -33,11 +30,11 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Handoff,
-                              Heartbeat, ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown,
-                              Start, WorkerFailed)
+from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
+                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
+                              WorkerFailed)
 from moemesh.settings import WorkerSettings
-from stage_worker.executor import HeadHandoff, StageExecutor
+from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.runner import StageRunner
@@ -72,11 +69,9 @@ class StageWorker:
         self.push: zmq.asyncio.Socket | None = None
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
-        self.handoff_codec = Codec(Handoff)
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
-        self.activations: asyncio.Queue = asyncio.Queue()  # (step id, ...) from the stage before (or a Handoff)
-        self.work = asyncio.Event()  # set when either queue gets an item
+        self.activations: asyncio.Queue = asyncio.Queue()
         self.early: dict[int, torch.Tensor] = {}  # residual streams that came before their step's turn
         self.last_heard: float | None = None  # when the coordinator last sent anything
         self.next_address: str | None = None  # the next stage's worker of this tensor rank
@@ -200,13 +195,10 @@ class StageWorker:
                                         rank=cfg.tp_rank, timeout=timedelta(seconds=600))
                 group = dist.group.WORLD
             tp = TPGroup(cfg.tp_rank, a.tp_size, group, a.expert_parallel)
-            # a shared head: the first stage's rank 0 holds a copy of the lm_head, the last stage's ranks split
-            # their rows with it
-            shared = a.head_share > 0 and a.pp_size > 1 and cfg.pp_rank == 0 and cfg.tp_rank == 0
             runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
                                  device=cfg.device, progress=False, quant=resolve_quantization(mc, a.quantization),
-                                 moe_backend=a.moe_backend, shared_head=shared)
-            return StageExecutor(runner, mc.eos_token_ids, head_share=a.head_share if a.pp_size > 1 else 0.0)
+                                 moe_backend=a.moe_backend)
+            return StageExecutor(runner, mc.eos_token_ids)
 
         started = time.perf_counter()
         self.executor = await asyncio.get_running_loop().run_in_executor(self.compute, build)
@@ -252,7 +244,6 @@ class StageWorker:
                     kept.append(item)
             for item in kept:
                 q.put_nowait(item)
-        self.work.set()
         self.early = {s: t for s, t in self.early.items() if s >= first_step}
 
     def _connect_next(self, address: str) -> None:
@@ -330,7 +321,6 @@ class StageWorker:
                     continue
                 self.next_schedule = msg.step_id + 1
                 self.schedules.put_nowait(msg)
-                self.work.set()
             elif isinstance(msg, Reset):
                 if msg.epoch > self.epoch:
                     self._reset(msg.epoch, msg.first_step)
@@ -343,52 +333,21 @@ class StageWorker:
             else:
                 self.bad(ProtocolError(f"unexpected {type(msg).__name__} while serving"), "coordinator")
 
-    @property
-    def finishes_steps(self) -> bool:
-        """The first stage's rank 0 where the head is shared: it takes the last stage's Handoffs."""
-        return self.cfg.pp_rank == 0 and self.executor is not None and self.executor.head_share > 0
-
     async def _recv_activations(self) -> None:
         while True:
             frames = await receive(self.pull)
             try:
-                if self.finishes_steps:
-                    item = self._received_handoff(frames)
-                else:
-                    item = received_stream(self.act_codec, frames)
+                step_id, stream = received_stream(self.act_codec, frames)
             except ProtocolError as e:
-                self.bad(e, "last stage" if self.finishes_steps else "previous stage")
+                self.bad(e, "previous stage")
                 continue
-            self.activations.put_nowait(item)
-            self.work.set()
-
-    def _received_handoff(self, frames) -> tuple:
-        """(step id, the last stage's StepResult, the rows to sample here) of a Handoff; ProtocolError
-        for anything that does not fit (the step it names is checked where it is run)."""
-        msg, buffers = self.handoff_codec.decode(frames)
-        if len(buffers) != 1:
-            raise ProtocolError(f"a handoff carries {len(buffers)} tensors, expected 1 (the rows to sample)")
-        normed = from_frame(msg.tensors[0], buffers[0])
-        hidden, dtype = self.executor.runner.config.hidden_size, self.executor.runner.kv_cache.dtype
-        if normed.dim() != 2 or normed.shape[1] != hidden or normed.dtype != dtype:
-            raise ProtocolError(f"the handoff of step {msg.step_id} carries {tuple(normed.shape)} of {normed.dtype}, "
-                                f"expected [rows, {hidden}] of {dtype}")
-        if msg.result.step_id != msg.step_id:
-            raise ProtocolError(f"the handoff of step {msg.step_id} carries the result of step {msg.result.step_id}")
-        return msg.step_id, msg.result, normed
+            self.activations.put_nowait((step_id, stream))
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
         first = self.cfg.pp_rank == 0
         while True:
-            if self.finishes_steps and not self.activations.empty():  # (before any schedule: the
-                await self._finish(*self.activations.get_nowait())  # coordinator waits for its tokens)
-                continue
-            if self.schedules.empty():
-                self.work.clear()
-                await self.work.wait()
-                continue
-            sched: Schedule = self.schedules.get_nowait()
+            sched: Schedule = await self.schedules.get()
             self.current_step = sched.step_id
             stream = None
             if not first:
@@ -397,33 +356,13 @@ class StageWorker:
             self.last_step = sched.step_id
             if self.recorder is not None:
                 self.recorder.record(sched, stream, out)
-            if isinstance(out, HeadHandoff):
-                if self.cfg.tp_rank == 0:  # (to the first stage's rank 0; the other ranks computed the same)
-                    metas, buffers = frames_of([out.normed])
-                    frames = Codec.encode(Handoff(sched.step_id, out.partial, metas), buffers)
-                    self.sent_bytes += sum(len(f) for f in frames)
-                    await self.push.send_multipart(frames, copy=False)
-            elif isinstance(out, torch.Tensor):
+            if self.push is not None:
                 metas, buffers = frames_of([out])
                 frames = Codec.encode(Activations(sched.step_id, metas), buffers)
                 self.sent_bytes += sum(len(f) for f in frames)
                 await self.push.send_multipart(frames, copy=False)
             elif self.cfg.tp_rank == 0:
                 await self._send(out)
-
-    async def _finish(self, step_id: int, partial, normed) -> None:
-        """A Handoff from the last stage -> the step's StepResult, to the coordinator. One for a step
-        not waiting here (already finished, or dropped by a reset) is counted and dropped."""
-        if step_id not in self.executor.pending:
-            self.bad(ProtocolError(f"a handoff for step {step_id}, which does not wait for one"), "last stage")
-            return
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(self.compute, self.executor.finish, step_id,
-                                                                      partial, normed)
-        except ValueError as e:  # (rows that do not match the step)
-            self.bad(ProtocolError(str(e)), "last stage")
-            return
-        await self._send(result)
 
     async def _activations_for(self, step_id: int, num_tokens: int):
         """The previous stage's residual stream for `step_id`. Stages run steps in issue order, so older

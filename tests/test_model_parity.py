@@ -3,8 +3,6 @@ written both by transformers' save_pretrained and by our make-tiny-model."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -104,47 +102,3 @@ def test_stage_split_matches_unsplit(tmp_path, arch, stages):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in split.generate(PROMPTS, params)] == \
         [o.token_ids for o in whole.generate(PROMPTS, params)]
-
-
-@pytest.mark.parametrize("arch", ["mixtral-tied", *ARCHS[1:]])
-@pytest.mark.parametrize("stages,share", [((2, 2), 0.5), ((1, 1, 2), 1.0), ((1, 3), "auto")],
-                         ids=["2+2-half", "1+1+2-all", "1+3-auto"])
-def test_shared_head_samples_what_the_last_stage_alone_does(tmp_path, arch, stages, share):
-    """--head-share: the first stage samples a share of each step's rows with its own copy of the
-    lm_head; greedy, seeded, penalized tokens, logprobs and prompt logprobs are those of the last
-    stage sampling every row (a tied checkpoint: the copy is the embedding's). Logprobs within float
-    rounding: a GEMM of other rows may round differently."""
-    if arch == "mixtral-tied":
-        write_tiny_model(dataclasses.replace(TINY_SPECS["mixtral"], num_layers=4), tmp_path)
-    else:
-        build_hf_model(arch, tmp_path)
-    settings = dict(model=str(tmp_path), num_kv_blocks=64, layer_partition=stages)
-    alone = LLMEngine(EngineSettings(**settings), progress=False)
-    shared = LLMEngine(EngineSettings(**settings, head_share=share), progress=False)
-    first = shared.stages[0]
-    assert first.head_share > 0 and first.runner.model.has_lm_head and not first.runner.model.has_head
-    assert all(s.head_share == 0 for s in shared.stages[1:-1]) and alone.stages[0].head_share == 0
-    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=1, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.4, ignore_eos=True),
-              SamplingParams(max_tokens=7, temperature=0.7, min_tokens=3, seed=3)]
-
-    def outputs(engine):
-        seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
-        while engine.core.has_work():
-            engine.step()
-        return [(s.output_ids, s.logprobs, s.prompt_logprobs) for s in seqs]
-
-    got, want = outputs(shared), outputs(alone)
-    assert [t for t, _, _ in got] == [t for t, _, _ in want]
-
-    def flat(entries):
-        entries = [e for e in entries or [] if e is not None]
-        return [(e.token_id, *(t for t, _ in e.top)) for e in entries], [e.logprob for e in entries]
-    for (_, lp, plp), (_, lp_want, plp_want) in zip(got, want):
-        for mine, theirs in [(flat(lp), flat(lp_want)), (flat(plp), flat(plp_want))]:
-            assert mine[0] == theirs[0]
-            assert mine[1] == pytest.approx(theirs[1], rel=1e-5, abs=1e-5)
-    assert sum(len(t) for t, _, _ in want) > 30 and want[2][1] and want[2][2]
-    assert not first.pending  # every step's share was finished

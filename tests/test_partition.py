@@ -74,32 +74,3 @@ def test_generate_takes_auto(tmp_path, capsys):
                  "--temperature", "0", "--layer-partition", "auto", "--json"]) == 0
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--layer-partition", "best"])
-
-
-def test_head_share_auto_evens_decode_steps_and_auto_layers_even_the_prompts():
-    """--head-share auto: the first stage takes the share of the head that makes a decode step cost
-    both ends the same; `auto` then splits the layers alone (prompt chunks barely pay the head)."""
-    from moemesh.layout import balanced_head_share, resolve_layout
-    from moemesh.settings import partition_arg
-
-    model = config()
-    layers, head = decode_costs(model)
-    layout = resolve_layout(model, 2, partition=partition_arg("auto:32:64"), head_share="auto")
-    assert layout.stage_layers == (4, 4) and layout.head_share == 0.5
-    for counts in [(4, 4), (5, 3), (3, 5), (2, 3, 3)]:
-        share = balanced_head_share(model, counts)
-        first = sum(layers[:counts[0]]) + share * head
-        last = sum(layers[-counts[-1]:]) + (1 - share) * head
-        assert abs(first - last) <= head / 64 + 1e-6 * head, counts
-    assert balanced_head_share(model, (7, 1)) == 0.0 < balanced_head_share(model, (6, 2))  # (clamped)
-    assert resolve_layout(model, 2, head_share=0.25).head_share == 0.25
-    assert resolve_layout(model, 1, head_share="auto").head_share == 0.0  # one stage samples everything
-    for bad in [1.5, -0.1, "half"]:
-        with pytest.raises(ConfigError, match="--head-share"):
-            resolve_layout(model, 2, head_share=bad)
-
-
-def test_a_bad_head_share_is_a_cli_error_naming_the_flag(capsys):
-    with pytest.raises(SystemExit):
-        main(["generate", "--prompt-ids", "1", "--pp", "2", "--head-share", "2"])
-    assert "--head-share" in capsys.readouterr().err

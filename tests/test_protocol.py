@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from moemesh.protocol import (OutputBatch, AbortRequest, Activations, Assignment, ClientMessage, Codec, CoordinatorMessage,
-                              CoordinatorReply, GenerateRequest, Handoff, Heartbeat, PromptLogprobs, ProtocolError, Ready,
+                              CoordinatorReply, GenerateRequest, Heartbeat, PromptLogprobs, ProtocolError, Ready,
                               Register, RequestOutput, SampledToken, Schedule, SeqWork, Shutdown, Start,
                               StatusReply, StatusRequest, StepResult, TokenLogprobs, WorkerFailed,
                               WorkerMessage)
@@ -88,11 +88,9 @@ MESSAGES = [
     (Schedule(6, []), CoordinatorMessage),
     (Shutdown(), CoordinatorMessage),
     (Activations(3, []), Activations),
-    (Handoff(3, StepResult(3, [SampledToken(1, 7, TokenLogprobs(7, -0.5, [(7, -0.5)]))],
-                           [PromptLogprobs(1, 1, [TokenLogprobs(4, -1.0, [])])]), []), Handoff),
 ]
 ALL_TYPES = {GenerateRequest, AbortRequest, StatusRequest, RequestOutput, OutputBatch, StatusReply, Register, Ready,
-             Heartbeat, StepResult, WorkerFailed, Assignment, Start, Schedule, Shutdown, Activations, Handoff}
+             Heartbeat, StepResult, WorkerFailed, Assignment, Start, Schedule, Shutdown, Activations}
 
 
 def _bytes(frames) -> list[bytes]:

@@ -266,7 +266,7 @@ def test_an_oversized_message_cuts_its_sender_off(mesh, keys, reference):
 # -- fuzzing a live mesh -------------------------------------------------------------------------
 
 TAGS = ["generate", "abort", "status", "register", "ready", "heartbeat", "result", "worker_failed", "activations",
-        "handoff", "schedule", "output", "assignment", "nonsense"]
+        "schedule", "output", "assignment", "nonsense"]
 values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1) | st.floats()
     | st.text(max_size=20) | st.binary(max_size=20),
@@ -287,11 +287,11 @@ messages = st.builds(
 @given(msg=messages, tail=st.lists(st.binary(max_size=64), max_size=3), cut=st.none() | st.integers(0, 40),
        raw=st.none() | st.binary(max_size=64))
 def test_every_links_decoder_refuses_hostile_frames_with_a_protocol_error(msg, tail, cut, raw):
-    from moemesh.protocol import Activations, ClientMessage, CoordinatorMessage, CoordinatorReply, Handoff, \
-        ProtocolError, WorkerMessage
+    from moemesh.protocol import Activations, ClientMessage, CoordinatorMessage, CoordinatorReply, ProtocolError, \
+        WorkerMessage
 
     frames = [raw, *tail] if raw is not None else _frames(msg, tail, cut)
-    for link in (ClientMessage, CoordinatorReply, WorkerMessage, CoordinatorMessage, Activations, Handoff):
+    for link in (ClientMessage, CoordinatorReply, WorkerMessage, CoordinatorMessage, Activations):
         try:
             Codec(link).decode(frames)
         except ProtocolError:

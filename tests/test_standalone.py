@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from hf_models import build_hf_model
 from moemesh.entrypoints.cli import main
 from moemesh.entrypoints.launcher import LocalMesh
@@ -33,15 +31,11 @@ def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
     assert _stream({"stream": hidden}) is hidden
 
 
-@pytest.mark.parametrize("head_share", [0.0, 0.5])
-def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys, head_share):
-    """(With a shared head the last stage records the tokens it sampled itself, and its replay,
-    which samples every row, gives the same for those.)"""
+def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
     model = tmp_path / "m"
     build_hf_model("mixtral", model)
     rec = tmp_path / "rec"
-    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20, head_share=head_share),
-                      record=str(rec)) as mesh:
+    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
     assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]

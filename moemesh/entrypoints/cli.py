@@ -25,7 +25,7 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
-                              SchedulerSettings, partition_arg, positive_int, share_arg)
+                              SchedulerSettings, partition_arg, positive_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -182,9 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--layer-partition", type=partition_arg, default=None,
                     help="auto or auto:PROMPT:OUTPUT: balanced stages for every --pp (e.g. auto:32:64 for this "
                          "benchmark's default mix); or layers per stage for the layout with that many")
-    tb.add_argument("--head-share", type=share_arg, default=0.0,
-                    help="auto or a share in 0..1: of each step's sampled tokens, those whose lm_head and sampling the "
-                         "first stage runs, in every layout of two stages or more (as serve's --head-share)")
     tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
     tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
     tb.add_argument("--prompt-len", type=positive_int, default=32)

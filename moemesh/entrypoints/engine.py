@@ -42,12 +42,11 @@ class LLMEngine:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")
         partition = settings.layer_partition
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
-        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, settings.head_share)
+        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
-                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress,
-                                          self.layout.head_share)
+                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
         self.core = make_core(settings, mc, num_blocks)
         self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()

@@ -41,7 +41,7 @@ def engine_settings_from_args(args) -> EngineSettings:
     pp = settings.pp or (len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else 1)
     try:
         layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
-                                settings.quantization, settings.head_share)
+                                settings.quantization)
     except ConfigError as e:
         raise CLIError(str(e)) from None
     return EngineSettings.derive(settings, pp=pp, layer_partition=layout.stage_layers if settings.layer_partition

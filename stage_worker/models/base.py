@@ -1,10 +1,9 @@
 """What every decoder-only model shares: embedding, a slice of decoder layers, final norm, lm_head.
 
 A model is built for a range of layers (a pipeline stage): it holds the embedding only if the range
-starts at layer 0 and the norm and lm_head only if it ends at the last layer; a first stage that
-shares the sampling of the last (`shared_head`: Assignment.head_share) holds the lm_head too. The
-stage runner calls `embed` (first stage), `forward` (every stage), `compute_logits` (last stage) or
-`final_norm` and `logits` (a shared head's two halves); the model never asks which stage it is.
+starts at layer 0 and the norm and lm_head only if it ends at the last layer. The stage runner calls
+`embed` (first stage), `forward` (every stage) and `compute_logits` (last stage); the model never
+asks which stage it is.
 
 Parameter names are Hugging Face's (`model.layers.{i}.…` with global layer indices), except for the
 fused weights listed in `packed_modules` and the stacked experts of `FusedMoE`;
@@ -33,8 +32,7 @@ class CausalLM(nn.Module):
     checkpoint_renames: dict[str, str] = {}
     decoder_layer: type[nn.Module]  # (config, layer_idx, tp, quant) -> layer
 
-    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None,
-                 shared_head: bool = False):
+    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None):
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_layers):
@@ -45,19 +43,14 @@ class CausalLM(nn.Module):
         self.lm_head_weight_type = getattr(quant, "lm_head_weight_type", None)
         self.has_embedding = layers.start == 0
         self.has_head = layers.stop == config.num_layers
-        self.has_lm_head = self.has_head or shared_head
         self.model = nn.Module()
         if self.has_embedding:
             self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.model.layers = nn.ModuleDict({str(i): self.decoder_layer(config, i, tp, quant) for i in layers})
         if self.has_head:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if self.has_lm_head:
-            # a shared head is whole on the one rank that samples with it: no collective in its path (the
-            # first stage's ranks would not meet in one: only that rank takes the last stage's handoffs)
-            head_tp = tp if self.has_head else TPGroup()
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, head_tp)
-            if config.tie_word_embeddings and self.has_embedding and head_tp.size == tp.size:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if config.tie_word_embeddings and self.has_embedding:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -72,17 +65,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""
-        return self.logits(self.final_norm(hidden, residual))
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """[N, H] (with their residual) -> the final norm's output, what the lm_head multiplies."""
         if residual is None:
-            return self.model.norm(hidden)
-        return self.model.norm(hidden, residual)[0]
-
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """`final_norm`'s output [N, H] -> logits [N, V] float32."""
-        return self.lm_head(normed).float()
+            hidden = self.model.norm(hidden)
+        else:
+            hidden, _ = self.model.norm(hidden, residual)
+        return self.lm_head(hidden).float()
 
     def set_backend(self, backend: str) -> None:
         """Which kernels every layer computes with ("torch" | "native" | "triton", kernels.backend);
@@ -98,7 +85,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
-        if not self.has_lm_head:
+        if not self.has_head:
             return
         wt = self.lm_head_weight_type
         self.lm_head.packed = native_pack(self.backend, self.lm_head.weight.data, wt)
@@ -119,7 +106,7 @@ class CausalLM(nn.Module):
     @property
     def tied(self) -> bool:
         """lm_head and the embedding share one weight (tie_word_embeddings, both on this stage)."""
-        return self.has_embedding and self.has_lm_head and self.lm_head.weight is self.model.embed_tokens.weight
+        return self.has_embedding and self.has_head and self.lm_head.weight is self.model.embed_tokens.weight
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""

@@ -98,7 +98,7 @@ def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
                                    max_batched_tokens=args.max_batched_tokens, threads=1,
-                                   max_in_flight=args.max_in_flight, head_share=args.head_share,
+                                   max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
@@ -144,7 +144,7 @@ def run_throughput_bench(args) -> int:
             partition = args.layer_partition
         try:
             expert_parallel = args.expert_parallel and tp > 1
-            layout = resolve_layout(mc, pp, tp, partition, expert_parallel, head_share=base_settings.head_share)
+            layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
             partition = layout.stage_layers if partition else None
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
                                              layer_partition=partition, no_prefix_caching=caching == "off",
@@ -160,8 +160,7 @@ def run_throughput_bench(args) -> int:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
         row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
-               "layers": list(partition) if partition else "even", "head_share": layout.head_share,
-               "prefix_caching": caching, "curve": curve,
+               "layers": list(partition) if partition else "even", "prefix_caching": caching, "curve": curve,
                "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
                "prefix_cache_hit_rate": round(r["prefix_cache_hit_rate"], 3),
