@@ -48,6 +48,7 @@ log = get_logger("gateway")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
+ENCODE_INLINE_CHARS = 32 << 10  # longer text is tokenized on a thread, off the event loop
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
 
 
@@ -62,12 +63,24 @@ class HTTPError(Exception):
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(
             self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one coordinator output added to a choice, taken when it came (the choice goes on changing
+    while the delta waits in the queue)."""
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    has_tokens: bool
+    prompt_logprobs: list | None
 
 
 @dataclass
@@ -101,6 +114,8 @@ class Gateway:
         self.chat_template = ChatTemplate.from_dir(model_dir)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self.max_model_len = self.status.max_model_len
+        # no text longer than this can fit the context: every token is at most the longest one
+        self.max_prompt_chars = self.max_model_len * max(1, self.tokenizer.longest_token_chars()) + 1024
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
         self._poller = asyncio.ensure_future(self._poll_status())
@@ -138,6 +153,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/version", self.version)
@@ -171,9 +187,15 @@ class Gateway:
     # -- plain endpoints -----------------------------------------------------------------------
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moemesh",
-             "max_model_len": self.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moemesh",
+                "max_model_len": self.max_model_len}
 
     def _accepting(self) -> bool:
         """Requests are taken while the pipeline serves or recovers (they wait for it)."""
@@ -203,9 +225,9 @@ class Gateway:
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)
         if body.messages is not None:
-            ids = self._chat_prompt(body.messages, True, {})
+            ids = await self._chat_prompt(body.messages, True, {})
         elif body.prompt is not None:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self._encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
@@ -231,7 +253,7 @@ class Gateway:
         self._check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        prompts = self._prompts(body.prompt)
+        prompts = await self._prompts(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = [self._params(body, len(p), max_tokens, body.logprobs, body.logprobs if body.echo else None)
                   for p in prompts]
@@ -242,7 +264,9 @@ class Gateway:
         self._check_model(body.model)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
@@ -279,6 +303,9 @@ class Gateway:
         if not self._accepting():
             raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
         n_seqs = len(prompts) * body.n
+        if n_seqs > self.cfg.max_pending:  # never admitted, however long it waits: not a 429 to retry
+            raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {n_seqs} sequences, more than this "
+                                 f"server takes at once ({self.cfg.max_pending}, --max-pending)", "n")
         if self.pending + n_seqs > self.cfg.max_pending:
             raise HTTPError(429, f"too many requests in flight ({self.pending}); retry shortly",
                             headers={"Retry-After": "1"})
@@ -321,7 +348,8 @@ class Gateway:
                     choice.finish_reason = out.finish_reason
                 if choice.detok.stopped:  # a stop string: cut here and end the request
                     choice.finish_reason = "stop"
-                await queue.put((index, "delta", (text, out, choice)))
+                await queue.put((index, "delta", Delta(text, list(out.logprobs or []), choice.finish_reason,
+                                                       bool(out.token_ids), out.prompt_logprobs)))
                 if choice.finish_reason is not None:
                     break
         finally:
@@ -366,8 +394,8 @@ class Gateway:
         async for index, kind, payload in self._gather(rid, jobs, stop):
             if kind == "done":
                 choices[index] = payload
-            elif payload[1].prompt_logprobs is not None:
-                prompt_lps[index] = payload[1].prompt_logprobs
+            elif payload.prompt_logprobs is not None:
+                prompt_lps[index] = payload.prompt_logprobs
         out = []
         for index in sorted(choices):
             c = choices[index]
@@ -384,7 +412,7 @@ class Gateway:
                 if body.echo:
                     text = self.tokenizer.decode(prompt) + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
-        usage = _usage(jobs, choices)
+        usage = _usage(jobs, choices, body.n)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": int(time.time()), "model": self.model_name, "choices": out,
                                   "usage": usage})
@@ -405,14 +433,16 @@ class Gateway:
         async def send(payload) -> None:
             await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
+        with_usage = bool(body.stream_options and body.stream_options.include_usage)
+
         def chunk(choices, usage=None):
             c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
-            if usage is not None:
+            if with_usage:  # (OpenAI: null on every chunk but the last)
                 c["usage"] = usage
             return c
 
         choices: dict[int, Choice] = {}
-        started = set()
+        offsets: dict[int, int] = {}  # completions: characters sent so far per choice (text_offset's base)
         events = self._gather(rid, jobs, stop)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
@@ -439,26 +469,29 @@ class Gateway:
                     if kind == "done":
                         choices[index] = payload
                         continue
-                    text, out, choice = payload
-                    new_lps = choice.logprobs[len(choice.logprobs) - len(out.logprobs or []):] if out.logprobs else []
+                    d: Delta = payload
                     # one event per step that produced tokens (its text may be empty while a character is
                     # incomplete), so clients and benchmarks see every token's arrival
                     if chat:
-                        if text or choice.finish_reason or new_lps or out.token_ids:
-                            lp = {"content": [self._chat_logprob(x) for x in new_lps]} if body.logprobs else None
-                            await send(chunk([{"index": index, "delta": {"content": text} if text else {},
-                                               "logprobs": lp, "finish_reason": _reason(choice.finish_reason)}]))
+                        if d.text or d.finish_reason or d.logprobs or d.has_tokens:
+                            lp = {"content": [self._chat_logprob(x) for x in d.logprobs]} if body.logprobs else None
+                            await send(chunk([{"index": index, "delta": {"content": d.text} if d.text else {},
+                                               "logprobs": lp, "finish_reason": _reason(d.finish_reason)}]))
                     else:
-                        prefix = ""
-                        if body.echo and index not in started:
-                            prefix = self.tokenizer.decode(jobs[index][1])
-                        started.add(index)
-                        if text or prefix or choice.finish_reason or out.token_ids:
-                            lp = self._completion_logprobs(new_lps, None, None) if body.logprobs is not None else None
-                            await send(chunk([{"index": index, "text": prefix + text, "logprobs": lp,
-                                               "finish_reason": _reason(choice.finish_reason)}]))
-                if body.stream_options and body.stream_options.include_usage:
-                    await send(chunk([], usage=_usage(jobs, choices)))
+                        prefix, echo = "", None
+                        if body.echo and index not in offsets:  # the first chunk carries the prompt
+                            echo = jobs[index][1]
+                            prefix = self.tokenizer.decode(echo)
+                        start = offsets.get(index, 0)
+                        offsets[index] = start + len(prefix + d.text)
+                        if d.text or prefix or d.finish_reason or d.has_tokens:
+                            lp = None
+                            if body.logprobs is not None:
+                                lp = self._completion_logprobs(d.logprobs, echo, d.prompt_logprobs, start)
+                            await send(chunk([{"index": index, "text": prefix + d.text, "logprobs": lp,
+                                               "finish_reason": _reason(d.finish_reason)}]))
+                if with_usage:
+                    await send(chunk([], usage=_usage(jobs, choices, body.n)))
             except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
                 await send(e.body())
             await send_raw(b"data: [DONE]\n\n")
@@ -496,11 +529,23 @@ class Gateway:
         if bad is not None:
             raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    def _prompts(self, prompt) -> list[list[int]]:
+    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Text -> ids. Text longer than any prompt the model takes could be (max_model_len times the
+        longest token) is refused before the work; long text is tokenized off the event loop, so
+        other requests and streams do not wait for it."""
+        if len(text) > self.max_prompt_chars:
+            raise HTTPError(400, f"the text is {len(text)} characters, more than {self.max_model_len} tokens "
+                                 f"(this model's context) can hold", param)
+        if len(text) < ENCODE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def _prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
+            prompts = [await self._encode(prompt)]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+            prompts = [await self._encode(p) for p in prompt]
         elif prompt and all(_is_int(p) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
@@ -516,7 +561,7 @@ class Gateway:
             self._check_ids(p, "prompt")
         return prompts
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    async def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
         if self.chat_template is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -524,11 +569,15 @@ class Gateway:
         # as transformers does: keys with null values are dropped; content parts become text
         messages = [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
                     for m in messages]
+        kwargs = dict(kwargs)  # chat_template_kwargs: may set add_generation_prompt (as vLLM's), not the messages
+        if "messages" in kwargs:
+            raise HTTPError(400, "chat_template_kwargs cannot set `messages`", "chat_template_kwargs")
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         try:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except TemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._encode(text, add_special_tokens=False)
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):
@@ -536,9 +585,9 @@ class Gateway:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps) -> dict:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0) -> dict:
+        """`offset`: where in the choice's text the first token starts (a stream's later chunks)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        offset = 0
         entries = []
         if echo_prompt is not None:
             entries = [(t, prompt_lps[i] if prompt_lps else None) for i, t in enumerate(echo_prompt)]
@@ -568,11 +617,13 @@ def _reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def _usage(jobs, choices: dict[int, Choice]) -> dict:
-    prompt = sum(len(p) for _, p, _ in jobs)
+def _usage(jobs, choices: dict[int, Choice], n: int) -> dict:
+    """Each prompt counts once, whatever n (its choices are jobs i * n .. i * n + n - 1), as OpenAI's do."""
+    prompt = sum(len(p) for _, p, _ in jobs[::n])
     completion = sum(len(c.token_ids) for c in choices.values())
+    cached = sum(c.cached_tokens for i, c in choices.items() if i % n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices.values())}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _text_content(content) -> str:
@@ -580,7 +631,10 @@ def _text_content(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise HTTPError(400, "a text part of a message's content needs a string `text`", "messages")
+        return "".join(texts)
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 
 

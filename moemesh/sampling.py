@@ -7,11 +7,12 @@ import msgspec
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0
@@ -49,7 +50,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """A temperature too small to sample with in float32 (as vLLM, below 1e-5) is greedy."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -35,6 +35,11 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
+    def longest_token_chars(self) -> int:
+        """The most characters any one token decodes to (at most its vocabulary entry's length: a
+        byte-level entry has a symbol per byte)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def token_text(self, token_id: int) -> str:
         """One token as text (its bytes decoded; a partial character shows as U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)

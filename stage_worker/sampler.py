@@ -128,7 +128,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         # top_p == 1 are left alone (a float32 cumsum can round up to 1 before the tail ends)
         before = probs.cumsum(-1) - probs
         p = torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
-        drop |= (before >= p) & (p < 1)
+        drop |= (before >= p) & (p < 1) & (rank > 0)  # (the top token stays whatever top_p is)
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)

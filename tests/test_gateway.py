@@ -80,8 +80,10 @@ def server(model):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server, model):
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    c.model_dir = model
+    return c
 
 
 def engine_greedy(model, prompt_ids, n):
@@ -177,6 +179,93 @@ def test_errors_in_openai_shape(server):
         assert err["message"] and err["code"] == want_status and err["param"] == want_param, err
     status, body, _ = http("POST", url, {"prompt": "x", "max_tokens": 300})
     assert "256" in json.loads(body)["error"]["message"] and "301" in json.loads(body)["error"]["message"]
+
+
+def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
+    """Reserved chat_template_kwargs, a non-string text part, top_logprobs without logprobs, more
+    sequences than the server ever takes (a 429 would be retried forever), and text too long for
+    any context (refused before it is tokenized)."""
+    chat = f"{server.url}/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        (http("POST", chat, {"messages": user, "chat_template_kwargs": {"messages": []}}), "chat_template_kwargs"),
+        (http("POST", chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}), "messages"),
+        (http("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+         "messages"),
+        (http("POST", chat, {"messages": user, "top_logprobs": 2}), "top_logprobs"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}), "n"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "word " * 200_000}), "prompt"),
+        (http("POST", f"{server.url}/tokenize", {"prompt": "word " * 200_000}), "prompt"),
+    ]
+    for (status, body, _), want_param in cases:
+        assert status == 400, body
+        assert json.loads(body)["error"]["param"] == want_param, body
+    status, body, _ = http("GET", f"{server.url}/v1/completions")
+    assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    # add_generation_prompt may come in chat_template_kwargs (as vLLM takes it)
+    status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2,
+                                          "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert status == 200, body
+    assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
+    assert http("GET", f"{server.url}/v1/models/gpt-9")[0] == 404
+
+
+def test_usage_counts_each_prompt_once_and_tiny_temperatures_are_greedy(client):
+    from moemesh.tokenizer import TextTokenizer
+
+    r = client.completions.create(model="tiny-mixtral", prompt=["Once upon", "The quick brown fox"], n=2,
+                                  max_tokens=3, temperature=1.0, seed=1)
+    assert r.usage.prompt_tokens == sum(len(TextTokenizer(client.model_dir).encode(p))
+                                        for p in ["Once upon", "The quick brown fox"])
+    assert r.usage.completion_tokens == 12
+    greedy = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    for kw in [dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-300)]:  # (float32 overflows, underflows)
+        got = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=6, seed=3,
+                                        extra_body={"ignore_eos": True}, **kw).choices[0].text
+        assert got == greedy, kw
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_streamed_chunks_carry_their_own_logprobs_and_finish_reason_under_load(server):
+    """32 streams, 12 at a time, two choices each, with logprobs: each chunk's logprobs are its own
+    tokens', in order (together the non-streamed answer's), each chunk's text_offset starts where
+    the text sent before it ends, and each choice has one finish_reason, on its last chunk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{server.url}/v1/completions"
+    bodies = [{"prompt": f"Story {i}:", "max_tokens": 10, "temperature": 0, "logprobs": 1, "n": 2, "seed": i,
+               "ignore_eos": True, "echo": i % 4 == 0} for i in range(32)]
+    with ThreadPoolExecutor(12) as pool:
+        streamed = list(pool.map(lambda b: _sse(url, {**b, "stream": True}), bodies))
+    for body, events in zip(bodies, streamed):
+        whole = json.loads(http("POST", url, body)[1])["choices"]
+        for index in (0, 1):
+            chunks = [c for e in events for c in e["choices"] if c["index"] == index]
+            reasons = [c["finish_reason"] for c in chunks]
+            assert reasons[-1] == "length" and not any(reasons[:-1]), reasons
+            text, tokens, values = "", [], []
+            for c in chunks:
+                lp = c["logprobs"]
+                assert lp["text_offset"][:1] in ([], [len(text)]), (lp, text)
+                text += c["text"]
+                tokens += lp["tokens"]
+                values += lp["token_logprobs"]
+            assert text == whole[index]["text"] and tokens == whole[index]["logprobs"]["tokens"]
+            want = whole[index]["logprobs"]["token_logprobs"]  # (other batches: float rounding apart)
+            assert [v is None for v in values] == [w is None for w in want]
+            assert all(abs(v - w) < 1e-4 for v, w in zip(values, want) if v is not None)
 
 
 def test_tokenizer_endpoints_round_trip(server):
