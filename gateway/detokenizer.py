@@ -10,14 +10,19 @@ class IncrementalDetokenizer:
     """Decodes a growing token list window by window: text is released once the window's decode no
     longer ends in an incomplete character (U+FFFD)."""
 
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str] = (), min_tokens: int = 0):
         self.tok = tokenizer
         self.tokens: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""  # decoded so far (stop string and what follows cut off)
         self.emitted = 0  # characters of self.text already returned
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (as vLLM)
         self.stopped = False
+
+    @property
+    def checking(self) -> bool:
+        return len(self.tokens) >= self.min_tokens
 
     def add(self, token_ids: list[int]) -> str:
         """Appends tokens; returns the new text that is safe to show (may be empty)."""
@@ -47,6 +52,8 @@ class IncrementalDetokenizer:
         return out
 
     def _check_stop(self, start: int) -> None:
+        if not self.checking:
+            return
         longest = max((len(s) for s in self.stop), default=0)
         search_from = max(0, start - longest + 1)
         hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
@@ -56,7 +63,7 @@ class IncrementalDetokenizer:
 
     def _release(self) -> str:
         end = len(self.text)
-        if not self.stopped:  # hold back a tail that may be the start of a stop string
+        if not self.stopped and self.checking:  # hold back a tail that may be the start of a stop string
             for s in self.stop:
                 for k in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
                     if self.text.endswith(s[:k]):

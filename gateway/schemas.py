@@ -1,5 +1,7 @@
 """The OpenAI request bodies the gateway accepts (unknown fields are ignored, as OpenAI's SDKs send
-some), validated by msgspec: a wrong type or range is a 400 naming the field."""
+some), validated by msgspec: a wrong type or range is a 400 naming the field. Fields that would change
+the answer and are not supported are declared, so that the gateway refuses them instead of ignoring
+them."""
 
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # (not supported: refused unless empty)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
     echo: bool = False
     logprobs: int | None = None  # top alternatives per token (0..20)
+    suffix: str | None = None  # (not supported: refused unless empty)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -51,6 +55,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # (not supported: refused where they would change the answer)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -268,15 +268,24 @@ class Gateway:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [self._params(body, len(ids), max_tokens, logprobs, None)]
+        params = [self._params(body, len(ids), max_tokens, logprobs, None, param)]
         return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
 
-    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs):
+    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
+                max_tokens_param: str = "max_tokens"):
+        unsupported = [name for name, given in [
+            ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None))),
+            ("response_format", (getattr(body, "response_format", None) or {}).get("type", "text") != "text"),
+            ("tools", bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none")]
+            if given]
+        if unsupported:
+            raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
         if max_tokens < 1:
-            raise HTTPError(400, "max_tokens must be at least 1", "max_tokens")
+            raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
         if prompt_len + max_tokens > self.max_model_len:
             raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
                                  f"prompt has {prompt_len} tokens and max_tokens asks for {max_tokens}, "
@@ -324,7 +333,7 @@ class Gateway:
     async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, stop: list[str],
                    queue: asyncio.Queue) -> None:
         """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload)."""
-        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop))
+        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop, params.min_tokens))
         start = last = time.monotonic()
         stream = self.client.generate(prompt, params, request_id=f"{rid}-{index}")
         try:
@@ -410,7 +419,7 @@ class Gateway:
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None, prompt_lps.get(index))
                 if body.echo:
-                    text = self.tokenizer.decode(prompt) + text
+                    text = self.tokenizer.decode(prompt, skip_special_tokens=False) + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
         usage = _usage(jobs, choices, body.n)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -481,7 +490,7 @@ class Gateway:
                         prefix, echo = "", None
                         if body.echo and index not in offsets:  # the first chunk carries the prompt
                             echo = jobs[index][1]
-                            prefix = self.tokenizer.decode(echo)
+                            prefix = self.tokenizer.decode(echo, skip_special_tokens=False)
                         start = offsets.get(index, 0)
                         offsets[index] = start + len(prefix + d.text)
                         if d.text or prefix or d.finish_reason or d.has_tokens:
@@ -496,8 +505,10 @@ class Gateway:
                 await send(e.body())
             await send_raw(b"data: [DONE]\n\n")
             await asyncio.wait_for(resp.write_eof(), self.cfg.stream_timeout)
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise  # the client left: _gather's cleanup aborted every sequence
+        except ConnectionResetError:  # the client left: every sequence of the request is aborted
+            await events.aclose()
+        except asyncio.CancelledError:
+            raise  # (aiohttp cancels the handler of a client that left: _gather's cleanup aborts)
         except (SlowClient, asyncio.TimeoutError):
             await events.aclose()  # aborts every sequence of the request
             self.metrics.slow_clients.labels(self.model_name).inc()
@@ -577,7 +588,7 @@ class Gateway:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except TemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
-        return await self._encode(text, add_special_tokens=False)
+        return await self._encode(text, add_special_tokens=False, param="messages")
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):

@@ -279,3 +279,15 @@ def test_look_alike_that_becomes_the_stop_string_is_never_shown(tok):
 ])
 def test_shown_text_is_always_a_prefix_of_the_final_text_whatever_the_stop_order(tok, stop):
     _check_stop(tok, SENTENCE, stop, "The capital of ")
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens(tok):
+    """min_tokens holds for stop strings as for stop tokens (as vLLM): a stop string inside the first
+    min_tokens tokens does not end the text; one after them does."""
+    text = "one two one two one two"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, ["two"], min_tokens=len(tok.encode("one two one")))
+    shown = "".join(d.add([i]) for i in ids) + d.finish()
+    assert d.stopped and shown == "one two one "
+    d = IncrementalDetokenizer(tok, ["two"])
+    assert "".join(d.add([i]) for i in ids) == "one " and d.stopped

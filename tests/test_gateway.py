@@ -183,8 +183,8 @@ def test_errors_in_openai_shape(server):
 
 def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     """Reserved chat_template_kwargs, a non-string text part, top_logprobs without logprobs, more
-    sequences than the server ever takes (a 429 would be retried forever), and text too long for
-    any context (refused before it is tokenized)."""
+    sequences than the server ever takes (a 429 would be retried forever), text too long for any
+    context (refused before it is tokenized), and unsupported options that would change the answer."""
     chat = f"{server.url}/v1/chat/completions"
     user = [{"role": "user", "content": "hi"}]
     cases = [
@@ -196,6 +196,14 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}), "n"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "word " * 200_000}), "prompt"),
         (http("POST", f"{server.url}/tokenize", {"prompt": "word " * 200_000}), "prompt"),
+        (http("POST", chat, {"messages": [{"role": "user", "content": "word " * 200_000}]}), "messages"),
+        (http("POST", chat, {"messages": user, "max_completion_tokens": 0}), "max_completion_tokens"),
+        # what would change the answer and is not supported is refused, not ignored
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), "logit_bias"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "suffix": "end"}), "suffix"),
+        (http("POST", chat, {"messages": user, "response_format": {"type": "json_object"}}), "response_format"),
+        (http("POST", chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+         "tools"),
     ]
     for (status, body, _), want_param in cases:
         assert status == 400, body
@@ -203,9 +211,10 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     status, body, _ = http("GET", f"{server.url}/v1/completions")
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
     # add_generation_prompt may come in chat_template_kwargs (as vLLM takes it)
-    status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2,
-                                          "chat_template_kwargs": {"add_generation_prompt": False}})
-    assert status == 200, body
+    for ok in [{"chat_template_kwargs": {"add_generation_prompt": False}}, {"logit_bias": {}},
+               {"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}]:
+        status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
+        assert status == 200, (ok, body)
     assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
     assert http("GET", f"{server.url}/v1/models/gpt-9")[0] == 404
 
