@@ -107,7 +107,16 @@ class Gateway:
 
     async def start(self, app: web.Application) -> None:
         self.client = CoordinatorClient(self.cfg.coordinator, mesh_keys=self.cfg.mesh_keys)
-        self.status = await self.client.wait_serving(timeout=600)
+        self.status = None
+        for waited in range(0, 600, 30):  # (the HTTP port opens once the pipeline serves)
+            try:
+                self.status = await self.client.wait_serving(timeout=30)
+                break
+            except TimeoutError:
+                log.warning("waiting for the pipeline to serve", extra={"fields": {
+                    "coordinator": self.cfg.coordinator, "seconds": waited + 30}})
+        if self.status is None:
+            raise TimeoutError(f"the coordinator at {self.cfg.coordinator} did not serve within 600 s")
         model_dir = self.cfg.model or self.status.model
         self.tokenizer = TextTokenizer(model_dir)
         self.vocab_size = ModelConfig.from_dir(model_dir).vocab_size  # the model's, may exceed the tokenizer's
@@ -693,15 +702,20 @@ def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
     return context
 
 
-async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None) -> None:
-    """Serves until cancelled."""
+async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, urls: list | None = None) -> None:
+    """Serves until cancelled; once listening sets `ready` and appends its URL (the port it bound,
+    which --port 0 leaves to the system) to `urls`."""
     gw = Gateway(cfg)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context(cfg))
     await site.start()
     scheme = "https" if cfg.ssl_certfile else "http"
-    log.info("gateway listening", extra={"fields": {"url": f"{scheme}://{cfg.host}:{cfg.port}"}})
+    port = runner.addresses[0][1] if runner.addresses else cfg.port
+    url = f"{scheme}://{cfg.host}:{port}"
+    log.info("gateway listening", extra={"fields": {"url": url}})
+    if urls is not None:
+        urls.append(url)
     if ready is not None:
         ready.set()
     try:

@@ -94,10 +94,9 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in model directory {model_dir}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raw = _read_json(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} is not a JSON object")
         eos = _eos_ids(raw, Path(model_dir) / "generation_config.json")
         return cls.from_hf(raw, eos_token_ids=eos)
 
@@ -109,9 +108,17 @@ class ModelConfig:
             supported = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
             raise ConfigError(f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: {supported}")
         try:
-            return cls._from_hf(model_type, raw, eos_token_ids)
+            config = cls._from_hf(model_type, raw, eos_token_ids)
         except KeyError as e:
             raise ConfigError(f"config.json of a {model_type} model lacks required field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"config.json of a {model_type} model has a field of the wrong type: {e}") from None
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"config.json of a {model_type} model: {name} is {value!r}, not a positive integer")
+        return config
 
     @classmethod
     def _from_hf(cls, model_type: str, raw: dict[str, Any], eos_token_ids) -> "ModelConfig":
@@ -179,11 +186,26 @@ def _as_tuple(x) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, list) else (int(x),)
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
+
+
 def _eos_ids(raw: dict, generation_config: Path) -> tuple[int, ...]:
-    eos = set(_as_tuple(raw.get("eos_token_id")))
-    if generation_config.is_file():
-        eos |= set(_as_tuple(json.loads(generation_config.read_text()).get("eos_token_id")))
-    return tuple(sorted(eos))
+    try:
+        eos = set(_as_tuple(raw.get("eos_token_id")))
+        if generation_config.is_file():
+            generation = _read_json(generation_config)
+            if not isinstance(generation, dict):
+                raise ConfigError(f"{generation_config} is not a JSON object")
+            eos |= set(_as_tuple(generation.get("eos_token_id")))
+        return tuple(sorted(eos))
+    except TypeError as e:  # (an id that is not a number)
+        raise ConfigError(f"eos_token_id of {generation_config.parent}: {e}") from None
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:

@@ -54,6 +54,36 @@ positive_int = _int_at_least(1, "positive integer")
 non_negative_int = _int_at_least(0, "non-negative integer")
 
 
+def port_int(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError
+    return value
+
+
+port_int.__name__ = "port (0 to 65535)"
+
+
+def device_arg(text: str) -> str:
+    """cpu, cuda or cuda:N (what torch takes), checked before anything registers with it."""
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise ValueError(text)
+
+
+device_arg.__name__ = "device (cpu, cuda or cuda:N)"
+
+
+def positive_int_list(text: str) -> list[int]:
+    values = int_list(text)
+    if not values or min(values) < 1:
+        raise ValueError(text)
+    return values
+
+
+positive_int_list.__name__ = "comma-separated list of positive integers"
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -147,12 +177,14 @@ class Settings:
             default, required = change.get("default", f.default), change.get("required", False)
             var = env_name(f.name)
             if var in environ:
-                default, required = _from_env(parser, f, spec, var, environ[var]), False
+                default, required = _from_env(parser, f, var, environ[var]), False
             kwargs = dict(dest=f.name, default=default, help=change.get("help", spec.help))
             if f.type in (bool, "bool"):
                 parser.add_argument(option_name(f.name), action="store_true", **kwargs)
                 continue
-            if spec.parse is not None:
+            if isinstance(default, _EnvText):  # parsed by argparse only if this command runs without the flag
+                kwargs["type"] = _env_checked(spec, option_name(f.name))
+            elif spec.parse is not None:
                 kwargs["type"] = spec.parse
             if spec.choices is not None:
                 kwargs["choices"] = list(spec.choices)
@@ -204,16 +236,48 @@ class Settings:
         return env
 
 
-def _from_env(parser, f, spec: Flag, var: str, raw: str):
+class _EnvText(str):
+    """A MOEMESH_* value as a flag's default. argparse parses a string default only when the command it
+    belongs to runs without the flag, so a bad value stops that command alone, and says where it came
+    from (`_env_checked`), not every command that merely has the flag."""
+    var = ""
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _from_env(parser, f, var: str, raw: str):
     if f.type in (bool, "bool"):
-        return raw.lower() in ("1", "true", "yes", "on")
-    try:
-        value = spec.parse(raw) if spec.parse else raw
-    except (TypeError, ValueError):
-        parser.error(f"{var}={raw!r} is not a valid value for {option_name(f.name)}")
-    if spec.choices and value not in spec.choices:
-        parser.error(f"{var}={raw!r} is not one of {', '.join(map(str, spec.choices))} ({option_name(f.name)})")
-    return value
+        if raw.lower() not in _TRUE + _FALSE:
+            parser.error(f"{var}={raw!r} is not a valid value for {option_name(f.name)} (1/0, true/false, "
+                         f"yes/no or on/off)")
+        return raw.lower() in _TRUE
+    text = _EnvText(raw)
+    text.var = var
+    return text
+
+
+def _env_checked(spec: Flag, option: str):
+    """The flag's parser, for a default from the environment: a bad value names the variable and the flag."""
+    def parse(text: str):
+        value = spec.parse(text) if spec.parse else str(text)
+        if not isinstance(text, _EnvText):
+            return value
+        if spec.choices and value not in spec.choices:
+            raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not one of "
+                                             f"{', '.join(map(str, spec.choices))} ({option})")
+        return value
+
+    def checked(text: str):
+        try:
+            return parse(text)
+        except (TypeError, ValueError):
+            if isinstance(text, _EnvText):
+                raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not a valid value for {option}") from None
+            raise
+
+    checked.__name__ = getattr(spec.parse, "__name__", "value")
+    return checked
 
 
 # -- the settings -------------------------------------------------------------------------------
@@ -318,29 +382,29 @@ class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerRes
 @dataclass(frozen=True)
 class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, MeshSecurity):
     host: str = flag("127.0.0.1", "address to listen on")
-    port: int = flag(0, "port for stage workers (0: any free port)", parse=int)
-    client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=int)
-    worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead", parse=float)
+    port: int = flag(0, "port for stage workers (0: any free port)", parse=port_int)
+    client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=port_int)
+    worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead", parse=positive_float)
     register_timeout: float = flag(600.0, "seconds to wait for every stage worker to register before giving up "
-                                          "(naming the missing)", parse=float)
+                                          "(naming the missing)", parse=positive_float)
     ready_timeout: float = flag(1800.0, "seconds to wait for the registered workers to load their layers and "
-                                        "report ready", parse=float)
+                                        "report ready", parse=positive_float)
     step_timeout: float = flag(120.0, "seconds a step may stay in flight before the pipeline is reset (every step "
                                       "in flight recomputed); if that does not help, the stage behind it is replaced",
                                parse=positive_float)
     recovery_timeout: float = flag(120.0, "seconds a recovering pipeline waits for a replacement of a lost worker "
-                                          "(and its load) before it ends every request with 503", parse=float)
+                                          "(and its load) before it ends every request with 503", parse=positive_float)
 
 
 @dataclass(frozen=True)
 class WorkerSettings(WorkerResources, MeshSecurity):
     coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
-    pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=int)
-    tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=int)
+    pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=non_negative_int)
+    tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=non_negative_int)
     host: str = flag("127.0.0.1", "address the activation socket listens on")
     advertise_host: str | None = flag(None, "address other workers use to reach this one (default: --host)")
-    port: int = flag(0, "activation port (0: any free port)", parse=int)
-    device: str = flag("cpu", "cpu, cuda or cuda:N")
+    port: int = flag(0, "activation port (0: any free port)", parse=port_int)
+    device: str = flag("cpu", "cpu, cuda or cuda:N", parse=device_arg)
     record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
     record_steps: int = flag(16, "steps --record writes", parse=positive_int)
     max_message_bytes: int = flag(1 << 30, "the largest message this worker accepts (a schedule, the previous "
@@ -360,7 +424,7 @@ class StageSettings(WorkerSettings):
 class GatewaySettings(MeshSecurity):
     coordinator: str | None = flag(None, "the coordinator's client address, tcp://HOST:PORT")
     host: str = flag("127.0.0.1", "HTTP address to listen on")
-    port: int = flag(8000, "HTTP port", parse=int)
+    port: int = flag(8000, "HTTP port", parse=port_int)
     model: str | None = flag(None, "checkpoint directory for the tokenizer (default: the coordinator's, at the "
                                    "same path)")
     served_model_name: str | None = flag(None, "the model name clients use (default: the checkpoint "

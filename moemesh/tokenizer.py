@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from moemesh.errors import ConfigError
+
 
 class TextTokenizer:
     def __init__(self, model_dir: str | Path):
@@ -15,9 +17,17 @@ class TextTokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # (tokenizers raises a bare Exception for a file it cannot read)
+            raise ConfigError(f"{path} is not a tokenizer the tokenizers library can read: {e}") from None
         config_path = d / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"{config_path} is not a JSON object")
 
     @property
     def vocab_size(self) -> int:

@@ -85,9 +85,14 @@ class CheckpointReader:
 
 def _header_names(path: Path) -> list[str]:
     """Tensor names from a safetensors header (8-byte length + JSON), without mapping the file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 100 << 20)))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+    except (struct.error, ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+        raise LoadError(f"{path} is not a safetensors file: {e}") from None
     return [k for k in header if k != "__metadata__"]
 
 

@@ -25,7 +25,7 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
-                              SchedulerSettings, partition_arg, positive_int)
+                              SchedulerSettings, partition_arg, positive_int, positive_int_list)
 
 
 def backend_list(text: str) -> list[str]:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("make-tiny-model", help="write a random Hugging Face-format checkpoint")
     t.add_argument("--arch", required=True, choices=ARCHS)
-    t.add_argument("--out", required=True, type=Path)
+    t.add_argument("--out", required=True, type=out_path)
     t.add_argument("--preset", choices=["default", "bench"], help="start from the built-in or benchmark sizes")
     defaults = TinyModelSpec(arch="mixtral")
     for flag, field in SIZE_FLAGS.items():
@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         threads={"help": "compute threads per worker (default: this host's cores shared among the --tp workers)"})
 
     k = sub.add_parser("keys", help="make the CurveZMQ keys of a mesh (for --mesh-keys)")
-    k.add_argument("--out", required=True, type=Path, help="the directory to write them to (must not hold keys)")
+    k.add_argument("--out", required=True, type=out_path, help="the directory to write them to (must not hold keys)")
     k.add_argument("--if-missing", action="store_true", help="keys already there are fine: keep them (for a "
                                                             "one-shot container that runs at every start)")
 
     td = sub.add_parser("train-demo", help="train the built-in demo model on the standard library (CPU, ~25 min)")
-    td.add_argument("--out", type=Path, help="where to write the checkpoint (the shipped one: moemesh/demo_model)")
+    td.add_argument("--out", type=out_path, help="where to write the checkpoint (the shipped one: moemesh/demo_model)")
     td.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 800)")
     td.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default 8)")
     td.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
@@ -145,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "step holds one sequence)")
     ev.add_argument("--work-dir", type=Path, default=None, help="servers' logs and lm-eval's output (default: a "
                                                                  "temporary directory)")
-    ev.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    ev.add_argument("--out", type=out_path, default=None, help="also write the table (markdown) here")
 
     q = sub.add_parser("quantize", help="write an FP8 copy of a checkpoint (AutoFP8's layout)")
     q.add_argument("--model", required=True, help="checkpoint directory (16/32-bit)")
-    q.add_argument("--out", required=True, type=Path, help="where to write the FP8 checkpoint")
+    q.add_argument("--out", required=True, type=out_path, help="where to write the FP8 checkpoint")
 
     gw = sub.add_parser("gateway", help="run an OpenAI-compatible HTTP gateway in front of a coordinator")
     GatewaySettings.add_arguments(gw, coordinator={"required": True})
@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")
     tb.add_argument("--model", required=True)
-    tb.add_argument("--pp", type=int_list, default=[1, 2], help="pipeline stages of each layout, e.g. 1,2")
-    tb.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel ranks of each layout, e.g. 1,2")
+    tb.add_argument("--pp", type=positive_int_list, default=[1, 2], help="pipeline stages of each layout, e.g. 1,2")
+    tb.add_argument("--tp", type=positive_int_list, default=[1], help="tensor-parallel ranks of each layout, e.g. 1,2")
     tb.add_argument("--expert-parallel", action="store_true")
     tb.add_argument("--layer-partition", type=partition_arg, default=None,
                     help="auto or auto:PROMPT:OUTPUT: balanced stages for every --pp (e.g. auto:32:64 for this "
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     cb = bsub.add_parser("scheduler", help="the coordinator's CPU time and schedule bytes per decode step, by "
                                            "context length (no model)")
     cb.add_argument("--seqs", type=positive_int, default=256, help="running sequences")
-    cb.add_argument("--context", type=int_list, default=[32, 512, 2048], help="prompt lengths, e.g. 32,512,2048")
+    cb.add_argument("--context", type=positive_int_list, default=[32, 512, 2048], help="prompt lengths, e.g. 32,512,2048")
     cb.add_argument("--steps", type=positive_int, default=200, help="decode steps measured")
     cb.add_argument("--block-size", type=positive_int, default=16)
     cb.add_argument("--in-flight", type=positive_int, default=1, help="microbatches in flight (a pipeline's stages)")
@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sb = bsub.add_parser("serve", help="latency and throughput of a running server over HTTP")
     sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    sb.add_argument("--concurrency", type=int_list, default=[64], help="requests in flight; a list gives a curve")
+    sb.add_argument("--concurrency", type=positive_int_list, default=[64],
+                    help="requests in flight; a list gives a curve")
     sb.add_argument("--num-prompts", type=positive_int, default=200)
     sb.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all "
                                                                      "at once)")
@@ -260,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def out_path(text: str) -> Path:
+    """An output path: not empty (which would write into the current directory)."""
+    if not text.strip():
+        raise ValueError(text)
+    return Path(text)
+
+
+out_path.__name__ = "path (not empty)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -270,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.log import setup_logging
 
     setup_logging(args.log_level)
+    os.environ["MOEMESH_LOG_LEVEL"] = args.log_level  # (the processes it starts log at the same level)
     try:
         if args.command == "make-tiny-model":
             return cmd_make_tiny_model(args)
@@ -285,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.mesh_security import make_keys
 
             if not (args.if_missing and (args.out / "server.key_secret").is_file()):
-                make_keys(args.out)
+                try:
+                    make_keys(args.out)
+                except OSError as e:
+                    raise CLIError(f"--out {args.out}: {e.strerror or e}") from None
             print(args.out)
             return 0
         if args.command == "train-demo":
@@ -299,7 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "quantize":
             from moemesh.entrypoints.quantize import quantize_checkpoint
 
-            print(quantize_checkpoint(args.model, args.out))
+            from moemesh.config import ModelConfig
+
+            ModelConfig.from_dir(args.model)  # (a missing or broken checkpoint named before any work)
+            try:
+                print(quantize_checkpoint(args.model, args.out))
+            except OSError as e:
+                raise CLIError(f"--out {args.out}: {e.strerror or e}" if e.filename and str(args.out) in str(e.filename)
+                               else f"--model {args.model}: {e.strerror or e}") from None
+            except Exception as e:  # ValueError and safetensors' errors: the checkpoint cannot be quantized
+                message = str(e).replace("out_dir", "--out").replace("model_dir", "--model")
+                raise CLIError(f"--model {args.model}: {message}") from None
             return 0
         if args.command == "serve":
             from moemesh.entrypoints.serve import run_serve
@@ -339,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"moemesh: error: {e}\n")
     except KeyboardInterrupt:
         return 130
+    except (OSError, ValueError, RuntimeError, UnicodeError) as e:  # (a path, a file or a value no check above caught)
+        logging.getLogger("moemesh").debug("command failed", exc_info=True)
+        parser.exit(2, f"moemesh: error: {type(e).__name__}: {e}\n")
     return 0
 
 
@@ -366,10 +394,17 @@ def cmd_stage(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from gateway.server import run_gateway
+    from gateway.server import run_gateway, ssl_context
     from moemesh.netutil import run
 
-    run(run_gateway(GatewaySettings.from_args(args)))
+    cfg = GatewaySettings.from_args(args)
+    ssl_context(cfg)  # (a bad certificate or key now, not once the pipeline serves)
+    try:
+        run(run_gateway(cfg))
+    except (RuntimeError, TimeoutError) as e:
+        raise CLIError(str(e)) from None
+    except OSError as e:  # e.g. the port is taken
+        raise CLIError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
     return 0
 
 
@@ -432,7 +467,10 @@ def cmd_make_tiny_model(args) -> int:
         for flag, field in SIZE_FLAGS.items():
             message = message.replace(field, f"--{flag}")
         raise CLIError(message) from None
-    out = write_tiny_model(spec, args.out)
+    try:
+        out = write_tiny_model(spec, args.out)
+    except OSError as e:
+        raise CLIError(f"--out {args.out}: {e.strerror or e}") from None
     print(out)
     return 0
 

@@ -64,12 +64,16 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
             raise CLIError("--prompt-ids: no token ids given")
         return [(args.prompt_ids, "--prompt-ids")]
     if args.prompt is not None:
-        return [(tokenizer_factory("--prompt").encode(args.prompt), "--prompt")]
+        return [(tokenizer_factory("--prompt").encode(_text(args.prompt, "--prompt")), "--prompt")]
     path = args.prompts_file
     if not path.is_file():
         raise CLIError(f"--prompts-file {path}: no such file")
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--prompts-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -78,9 +82,9 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
             raise CLIError(f"--prompts-file {path}, line {n}: invalid JSON ({e.msg})") from None
         origin = f"--prompts-file {path}, line {n}"
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append((tokenizer_factory("--prompts-file").encode(obj["prompt"]), origin))
+            prompts.append((tokenizer_factory("--prompts-file").encode(_text(obj["prompt"], origin)), origin))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and \
-                all(isinstance(t, int) for t in obj["prompt_ids"]):
+                all(isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_ids"]):
             prompts.append((obj["prompt_ids"], origin))
         else:
             raise CLIError(f'--prompts-file {path}, line {n}: expected {{"prompt": "..."}} or '
@@ -88,6 +92,15 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
     if not prompts:
         raise CLIError(f"--prompts-file {path}: no prompts")
     return prompts
+
+
+def _text(text: str, origin: str) -> str:
+    """Prompt text that is valid Unicode (argv that was not UTF-8 arrives with surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CLIError(f"{origin}: the text is not valid UTF-8") from None
+    return text
 
 
 def run_generate(args) -> int:

@@ -61,7 +61,6 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
                          f"({config['quantization_config'].get('quant_method')!r})")
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("out_dir must differ from model_dir")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     index_path = model_dir / INDEX
     if index_path.is_file():
@@ -72,6 +71,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     weight_map, ignored, total_size, total_params = {}, ["lm_head"], 0, 0
     handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}

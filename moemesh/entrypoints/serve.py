@@ -49,8 +49,8 @@ def run_serve(args) -> int:
 
 
 async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
-    ready = asyncio.Event()
-    server = asyncio.ensure_future(run_gateway(cfg, ready))
+    ready, urls = asyncio.Event(), []
+    server = asyncio.ensure_future(run_gateway(cfg, ready, urls))
 
     async def watch():
         # before the URL is printed a dead child is fatal; after it, the pipeline is down but the
@@ -67,8 +67,7 @@ async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait([waiter, server, watcher], return_when=asyncio.FIRST_COMPLETED)
         if ready.is_set():
-            scheme = "https" if cfg.ssl_certfile else "http"
-            print(f"moemesh is serving {cfg.model} at {scheme}://{cfg.host}:{cfg.port}  (Ctrl-C to stop)", flush=True)
+            print(f"moemesh is serving {cfg.model} at {urls[0]}  (Ctrl-C to stop)", flush=True)
             await asyncio.wait([server, watcher], return_when=asyncio.FIRST_COMPLETED)
         for t in (server, watcher):
             if t.done():

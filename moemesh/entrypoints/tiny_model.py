@@ -145,6 +145,8 @@ def write_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
     """Write a random checkpoint + tokenizer for `spec` into `out_dir` (created if needed); return it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # an earlier checkpoint's shards there would be read with this one's
     _write_json(out_dir / "config.json", hf_config(spec))
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": BOS_ID,
