@@ -113,11 +113,14 @@ class ModelConfig:
             raise ConfigError(f"config.json of a {model_type} model lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"config.json of a {model_type} model has a field of the wrong type: {e}") from None
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name, hf_name in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                              ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
+                              ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+                              ("max_position_embeddings", "max_position_embeddings")):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"config.json of a {model_type} model: {name} is {value!r}, not a positive integer")
+                raise ConfigError(f"config.json of a {model_type} model: {hf_name} is {value!r}, not a positive "
+                                  f"integer")
         return config
 
     @classmethod

@@ -273,7 +273,8 @@ def _env_checked(spec: Flag, option: str):
             return parse(text)
         except (TypeError, ValueError):
             if isinstance(text, _EnvText):
-                raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not a valid value for {option}") from None
+                raise argparse.ArgumentTypeError(
+                    f"{text.var}={str(text)!r} is not a valid value for {option}") from None
             raise
 
     checked.__name__ = getattr(spec.parse, "__name__", "value")
@@ -384,7 +385,8 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, Mesh
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(0, "port for stage workers (0: any free port)", parse=port_int)
     client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=port_int)
-    worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead", parse=positive_float)
+    worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead",
+                                 parse=positive_float)
     register_timeout: float = flag(600.0, "seconds to wait for every stage worker to register before giving up "
                                           "(naming the missing)", parse=positive_float)
     ready_timeout: float = flag(1800.0, "seconds to wait for the registered workers to load their layers and "

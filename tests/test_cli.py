@@ -258,3 +258,81 @@ def test_make_tiny_model_small_vocab_is_named(tmp_path, capsys):
 def test_make_tiny_model_zero_heads_are_named(tmp_path, capsys, flags):
     err = user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path / "m"), *flags])
     assert flags[0] in err
+
+
+def _copy(model: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in model.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+@pytest.mark.parametrize("file,content,expect", [
+    ("config.json", b"[1, 2]", "not a JSON object"),
+    ("config.json", b'{"model_type": "mixtral", "num_hidden_layers": "4"}', "num_hidden_layers"),
+    ("config.json", b"\xff\xfe{", "not valid JSON"),
+    ("generation_config.json", b"{oops", "generation_config.json is not valid JSON"),
+    ("tokenizer.json", b"{}", "tokenizer.json"),
+    ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ", "not a safetensors file"),
+], ids=["config-array", "config-string-layers", "config-not-utf8", "generation-config", "tokenizer", "weights"])
+def test_a_broken_checkpoint_file_is_named_without_a_traceback(model, tmp_path, capsys, file, content, expect):
+    broken = _copy(model, tmp_path / "broken")
+    if file == "config.json" and b"model_type" in content:  # the real config with one field of the wrong type
+        raw = json.loads((model / "config.json").read_text())
+        content = json.dumps({**raw, "num_hidden_layers": "4"}).encode()
+    (broken / file).write_bytes(content)
+    err = user_error(capsys, ["generate", "--model", str(broken), *KV, "--prompt", "hi"])
+    assert expect in err
+
+
+def test_bad_prompts_and_paths_are_named(model, tmp_path, capsys):
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt", "a\udcffb"])  # argv not UTF-8
+    assert "--prompt" in err and "UTF-8" in err
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "x"}\n\xff\n')
+    assert "not UTF-8" in user_error(capsys, ["generate", "--model", str(model), *KV, "--prompts-file",
+                                              str(tmp_path / "p.jsonl")])
+    (tmp_path / "b.jsonl").write_text('{"prompt_ids": [1, true]}\n')
+    assert "line 1" in user_error(capsys, ["generate", "--model", str(model), *KV, "--prompts-file",
+                                           str(tmp_path / "b.jsonl")])
+    for argv in (["make-tiny-model", "--arch", "mixtral", "--out", ""], ["keys", "--out", ""]):
+        assert "--out" in user_error(capsys, argv)
+    assert "--out /proc/nope/keys" in user_error(capsys, ["keys", "--out", "/proc/nope/keys"])
+    err = user_error(capsys, ["quantize", "--model", str(model), "--out", str(model)])
+    assert "--out" in err and "--model" in err
+    assert not (tmp_path / "q").exists()
+    err = user_error(capsys, ["quantize", "--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "q")])
+    assert "config.json" in err and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["coordinator", "--port", "99999"], "--port"),
+    (["stage-worker", "--coordinator", "tcp://127.0.0.1:1", "--pp-rank", "-1"], "--pp-rank"),
+    (["stage-worker", "--coordinator", "tcp://127.0.0.1:1", "--pp-rank", "0", "--device", "banana"], "--device"),
+    (["coordinator", "--worker-timeout", "-1"], "--worker-timeout"),
+    (["bench", "serve", "--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency"),
+    (["bench", "throughput", "--model", "m", "--pp", ","], "--pp"),
+])
+def test_out_of_range_numbers_are_refused_when_parsed(capsys, argv, flag):
+    assert flag in user_error(capsys, argv)
+
+
+def test_a_bad_environment_variable_stops_only_the_command_that_uses_it(model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEMESH_PP", "x")
+    monkeypatch.setenv("MOEMESH_DTYPE", "banana")
+    assert main(["keys", "--out", str(tmp_path / "keys")]) == 0  # (no --pp, no --dtype)
+    err = user_error(capsys, ["coordinator", "--model", str(model)])
+    assert "MOEMESH_PP='x'" in err or "MOEMESH_DTYPE='banana'" in err
+    monkeypatch.delenv("MOEMESH_PP")
+    assert "MOEMESH_DTYPE='banana'" in user_error(capsys, ["coordinator", "--model", str(model)])
+    monkeypatch.delenv("MOEMESH_DTYPE")
+    monkeypatch.setenv("MOEMESH_INSECURE_MESH", "banana")
+    assert "MOEMESH_INSECURE_MESH" in user_error(capsys, ["coordinator", "--model", str(model)])
+
+
+def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_path, capsys):
+    out = tmp_path / "m"
+    make_model(out, "mixtral", "--seed", "1", "--max-shard-bytes", "200000")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    make_model(out, "mixtral", "--seed", "2")
+    assert sorted(p.name for p in out.glob("model*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()

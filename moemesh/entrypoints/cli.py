@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", choices=["default", "bench"], help="start from the built-in or benchmark sizes")
     defaults = TinyModelSpec(arch="mixtral")
     for flag, field in SIZE_FLAGS.items():
-        t.add_argument(f"--{flag}", dest=field, type=int, default=None,
+        t.add_argument(f"--{flag}", dest=field, type=non_negative_int if flag == "seed" else positive_int, default=None,
                        help=f"(default {getattr(defaults, field)})")
     t.add_argument("--mlp-only-layers", dest="mlp_only_layers", type=int_list, default=None)
     t.add_argument("--tie-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     cb = bsub.add_parser("scheduler", help="the coordinator's CPU time and schedule bytes per decode step, by "
                                            "context length (no model)")
     cb.add_argument("--seqs", type=positive_int, default=256, help="running sequences")
-    cb.add_argument("--context", type=positive_int_list, default=[32, 512, 2048], help="prompt lengths, e.g. 32,512,2048")
+    cb.add_argument("--context", type=positive_int_list, default=[32, 512, 2048],
+                    help="prompt lengths, e.g. 32,512,2048")
     cb.add_argument("--steps", type=positive_int, default=200, help="decode steps measured")
     cb.add_argument("--block-size", type=positive_int, default=16)
     cb.add_argument("--in-flight", type=positive_int, default=1, help="microbatches in flight (a pipeline's stages)")
