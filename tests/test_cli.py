@@ -336,3 +336,23 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
     make_model(out, "mixtral", "--seed", "2")
     assert sorted(p.name for p in out.glob("model*.safetensors")) == ["model.safetensors"]
     assert not (out / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["bench", "throughput", "--pp", "9"], "--pp 9"),
+    (["bench", "recovery", "--pp", "9"], "--pp 9"),
+    (["bench", "model", "--prompt-len", "5000", "--batch", "1", "--no-transformers"], "--prompt-len 5000"),
+    (["bench", "fp8", "--prompt-len", "5000"], "--prompt-len 5000"),
+    (["bench", "throughput", "--prompt-len", "5000"], "--prompt-len 5000"),
+    (["stage-worker", "--standalone", "--layers", "0:1", "--replay", "/nonexistent"], "--replay /nonexistent"),
+], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay"])
+def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
+    assert expect in user_error(capsys, [*argv, "--model", str(model)])
+
+
+def test_train_demo_refuses_a_missing_stdlib_and_an_unwritable_out(tmp_path, capsys):
+    assert "--stdlib" in user_error(capsys, ["train-demo", "--out", str(tmp_path / "d"), "--stdlib", str(tmp_path)])
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("x = 1\n")
+    assert "--out /proc/nope" in user_error(capsys, ["train-demo", "--out", "/proc/nope/d", "--stdlib",
+                                                     str(tmp_path / "src")])

@@ -25,7 +25,7 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
-                              SchedulerSettings, partition_arg, positive_int, positive_int_list)
+                              SchedulerSettings, partition_arg, positive_float, positive_int, positive_int_list)
 
 
 def backend_list(text: str) -> list[str]:
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--out", type=out_path, help="where to write the checkpoint (the shipped one: moemesh/demo_model)")
     td.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 800)")
     td.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default 8)")
-    td.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    td.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default 2e-3)")
     td.add_argument("--seed", type=int, default=None, help="(default 0)")
     td.add_argument("--threads", type=positive_int, default=None, help="torch threads (default 2)")
     td.add_argument("--log-every", type=positive_int, default=None, help="steps per progress line (default 10)")
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--prompt-len", type=positive_int, default=32)
     rb.add_argument("--new", type=positive_int, default=128, help="tokens generated per stream")
     rb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
-    rb.add_argument("--worker-timeout", type=float, default=5.0, help="the coordinator's heartbeat timeout")
+    rb.add_argument("--worker-timeout", type=positive_float, default=5.0, help="the coordinator's heartbeat timeout")
     rb.add_argument("--json", action="store_true")
 
     cb = bsub.add_parser("scheduler", help="the coordinator's CPU time and schedule bytes per decode step, by "
@@ -442,6 +442,8 @@ def cmd_standalone(args) -> int:
         raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
     if args.tp_rank:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
+    if args.replay is not None and not any(Path(args.replay).glob("step-*.schedule")):
+        raise CLIError(f"--replay {args.replay}: no recorded steps (step-*.schedule) there")
     from moemesh.entrypoints.launcher import threads_per_worker
 
     torch.set_num_threads(threads_per_worker(args.threads, 1))

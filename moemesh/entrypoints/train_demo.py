@@ -433,6 +433,14 @@ def run_train_demo(args) -> int:
     root = Path(args.stdlib) if args.stdlib else stdlib_root()
     if args.write_eval_data is None and args.out is None:
         raise CLIError("train-demo needs --out DIR (or --write-eval-data DIR)")
+    if not root.is_dir() or next(root.rglob("*.py"), None) is None:
+        raise CLIError(f"--stdlib {root}: no Python sources there")
+    for flag, path in (("--out", args.out), ("--write-eval-data", args.write_eval_data)):
+        if path is not None:  # (before the training, not after it)
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CLIError(f"{flag} {path}: {e.strerror or e}") from None
     if args.write_eval_data:
         write_eval_data(root, Path(args.write_eval_data))
         print(f"wrote {args.write_eval_data}/heldout.jsonl and nextline.jsonl")

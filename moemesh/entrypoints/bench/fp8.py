@@ -9,6 +9,7 @@ import json
 
 import torch
 
+from moemesh.config import ModelConfig
 from moemesh.errors import CLIError
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.settings import EngineSettings
@@ -19,6 +20,10 @@ def run_fp8_bench(args) -> int:
     bad = [q for q in args.quantization if q not in ("fp8", "int8")]
     if bad or not args.quantization:
         raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
+    mc = ModelConfig.from_dir(args.model)
+    if args.prompt_len + args.new > mc.max_position_embeddings:
+        raise CLIError(f"--prompt-len {args.prompt_len} and --new {args.new} exceed the model's "
+                       f"{mc.max_position_embeddings} positions")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     base = LLMEngine(EngineSettings(model=args.model, num_kv_blocks=1024), progress=None)

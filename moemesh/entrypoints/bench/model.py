@@ -140,6 +140,9 @@ def run_model_bench(args) -> int:
         raise CLIError("--batch needs positive batch sizes, e.g. 1,8,32,64")
     torch.set_num_threads(args.threads)
     mc = ModelConfig.from_dir(args.model)
+    if args.prompt_len + args.new > mc.max_position_embeddings:
+        raise CLIError(f"--prompt-len {args.prompt_len} and --new {args.new} exceed the model's "
+                       f"{mc.max_position_embeddings} positions")
     dtype = torch_dtype(resolve_dtype(args.dtype, mc))
     machine = measure_machine(dtype)
     biggest = max(args.batch)

@@ -100,6 +100,19 @@ def run_throughput_bench(args) -> int:
                                    max_batched_tokens=args.max_batched_tokens, threads=1,
                                    max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
+    if args.shared_prefix + args.prompt_len + args.new > mc.max_position_embeddings:
+        raise CLIError(f"--prompt-len {args.prompt_len} (plus --shared-prefix {args.shared_prefix}) and --new "
+                       f"{args.new} exceed the model's {mc.max_position_embeddings} positions")
+    if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
+        raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
+    for pp in args.pp:  # every layout refused before any of them runs
+        for tp in args.tp:
+            partition = args.layer_partition if isinstance(args.layer_partition, str) or (
+                args.layer_partition and len(args.layer_partition) == pp) else None
+            try:
+                resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1)
+            except ConfigError as e:
+                raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
     prompt_tokens = n * (args.shared_prefix + args.prompt_len)
@@ -128,8 +141,6 @@ def run_throughput_bench(args) -> int:
             row["vs_in_process"] = round(ceilings[engines] / base, 2)
         rows.append(row)
         _emit(row, args.json)
-    if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
-        raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     keys_dir = None
     if "on" in args.curve:
         import tempfile
