@@ -608,17 +608,18 @@ class Gateway:
     def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0) -> dict:
         """`offset`: where in the choice's text the first token starts (a stream's later chunks)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        entries = []
-        if echo_prompt is not None:
-            entries = [(t, prompt_lps[i] if prompt_lps else None) for i, t in enumerate(echo_prompt)]
-        entries += [(lp.token_id, lp) for lp in lps]
-        for token_id, lp in entries:
+        entries = []  # (token, its logprobs, whether the returned text shows it)
+        if echo_prompt is not None:  # (the echo keeps special tokens, the generated text drops them)
+            entries = [(t, prompt_lps[i] if prompt_lps else None, True) for i, t in enumerate(echo_prompt)]
+        special = self.tokenizer.special_ids
+        entries += [(lp.token_id, lp, lp.token_id not in special) for lp in lps]
+        for token_id, lp, shown in entries:
             text = self.tokenizer.token_text(token_id)
             tokens.append(text)
             token_lps.append(lp.logprob if lp is not None else None)
             tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
             offsets.append(offset)
-            offset += len(text)
+            offset += len(text) if shown else 0
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -45,6 +45,13 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (those a decode with skip_special_tokens leaves out)."""
+        if not hasattr(self, "_special_ids"):
+            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def longest_token_chars(self) -> int:
         """The most characters any one token decodes to (at most its vocabulary entry's length: a
         byte-level entry has a symbol per byte)."""

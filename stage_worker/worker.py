@@ -139,7 +139,11 @@ class StageWorker:
     async def _life(self) -> int:
         """Assignment -> load -> Ready -> Start -> serving, until Shutdown."""
         cfg = self.cfg
-        assignment = await self._expect(Assignment)
+        notice = asyncio.ensure_future(self._while_unassigned())
+        try:
+            assignment = await self._expect(Assignment)
+        finally:
+            notice.cancel()
         if assignment is None:
             return 0
         # the control link stays read while loading: a Repoint is applied, a Shutdown (a tensor-parallel
@@ -175,6 +179,18 @@ class StageWorker:
         finally:
             for t in (*tasks, self.stepper, stop):
                 t.cancel()
+
+    async def _while_unassigned(self, every: float = 60.0) -> None:
+        """Says, once a minute, that no layers came yet: the coordinator assigns them once every rank of
+        its layout has registered, and refuses (in its own log) a rank outside that layout."""
+        waited = 0.0
+        while True:
+            await asyncio.sleep(every)
+            waited += every
+            log.warning("registered, no layers assigned yet", extra={"fields": {
+                "coordinator": self.cfg.coordinator, "pp_rank": self.cfg.pp_rank, "tp_rank": self.cfg.tp_rank,
+                "seconds": round(waited), "hint": "the other ranks may not have registered yet, or this rank is "
+                                                  "outside the coordinator's --pp/--tp (its log says so)"}})
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg

@@ -550,3 +550,14 @@ def test_256_streams_for_60_s_without_an_error_or_a_leak(model):
         assert len(grown) == 4  # serve (the gateway), the coordinator, two workers
     finally:
         server.stop()
+
+
+def test_an_echo_keeps_the_prompts_special_tokens_and_offsets_follow_the_text(server):
+    prompt = "def f(x):<|im_end|>\nreturn"
+    r = json.loads(http("POST", f"{server.url}/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                                "echo": True, "logprobs": 0})[1])["choices"][0]
+    assert r["text"].startswith(prompt)
+    lp = r["logprobs"]
+    n = len(lp["tokens"]) - 1  # the prompt's tokens
+    assert "".join(lp["tokens"][:n]) == prompt
+    assert lp["text_offset"][:n + 1] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 1)]
