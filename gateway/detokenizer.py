@@ -55,7 +55,8 @@ class IncrementalDetokenizer:
         if not self.checking:
             return
         longest = max((len(s) for s in self.stop), default=0)
-        search_from = max(0, start - longest + 1)
+        # (not before what was shown: text released before min_tokens stays shown)
+        search_from = max(0, start - longest + 1, self.emitted)
         hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             self.text = self.text[:min(hits)]
@@ -63,7 +64,7 @@ class IncrementalDetokenizer:
 
     def _release(self) -> str:
         end = len(self.text)
-        if not self.stopped and self.checking:  # hold back a tail that may be the start of a stop string
+        if not self.stopped:  # hold back a tail that may be the start of a stop string
             for s in self.stop:
                 for k in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
                     if self.text.endswith(s[:k]):

@@ -48,7 +48,6 @@ log = get_logger("gateway")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
-ENCODE_INLINE_CHARS = 32 << 10  # longer text is tokenized on a thread, off the event loop
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
 
 
@@ -162,7 +161,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # (a served name may hold a slash)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/version", self.version)
@@ -323,7 +322,8 @@ class Gateway:
         n_seqs = len(prompts) * body.n
         if n_seqs > self.cfg.max_pending:  # never admitted, however long it waits: not a 429 to retry
             raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {n_seqs} sequences, more than this "
-                                 f"server takes at once ({self.cfg.max_pending}, --max-pending)", "n")
+                                 f"server takes at once ({self.cfg.max_pending}, --max-pending)",
+                            "n" if body.n > 1 else "prompt")
         if self.pending + n_seqs > self.cfg.max_pending:
             raise HTTPError(429, f"too many requests in flight ({self.pending}); retry shortly",
                             headers={"Retry-After": "1"})
@@ -427,6 +427,7 @@ class Gateway:
                 lp = None
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None, prompt_lps.get(index))
+                    del lp["end_offset"]
                 if body.echo:
                     text = self.tokenizer.decode(prompt, skip_special_tokens=False) + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
@@ -460,7 +461,7 @@ class Gateway:
             return c
 
         choices: dict[int, Choice] = {}
-        offsets: dict[int, int] = {}  # completions: characters sent so far per choice (text_offset's base)
+        offsets: dict[int, int] = {}  # completions: text_offset where each choice's next token starts
         events = self._gather(rid, jobs, stop)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
@@ -473,11 +474,11 @@ class Gateway:
             async for event in events:
                 yield event
 
-        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-        if sock is not None:  # a fixed send buffer (no autotuning to megabytes): a reader that stops is seen soon
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
-        await resp.prepare(request)
         try:
+            sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+            if sock is not None:  # a fixed send buffer (no autotuning to megabytes): a reader that stops is seen soon
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+            await resp.prepare(request)
             try:
                 if chat:
                     for i, _, _ in jobs:
@@ -500,12 +501,12 @@ class Gateway:
                         if body.echo and index not in offsets:  # the first chunk carries the prompt
                             echo = jobs[index][1]
                             prefix = self.tokenizer.decode(echo, skip_special_tokens=False)
-                        start = offsets.get(index, 0)
-                        offsets[index] = start + len(prefix + d.text)
+                        start = offsets.setdefault(index, 0)
                         if d.text or prefix or d.finish_reason or d.has_tokens:
                             lp = None
-                            if body.logprobs is not None:
+                            if body.logprobs is not None:  # (offsets by tokens, as the non-streamed answer's)
                                 lp = self._completion_logprobs(d.logprobs, echo, d.prompt_logprobs, start)
+                                offsets[index] = lp.pop("end_offset")
                             await send(chunk([{"index": index, "text": prefix + d.text, "logprobs": lp,
                                                "finish_reason": _reason(d.finish_reason)}]))
                 if with_usage:
@@ -551,15 +552,12 @@ class Gateway:
 
     async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Text -> ids. Text longer than any prompt the model takes could be (max_model_len times the
-        longest token) is refused before the work; long text is tokenized off the event loop, so
-        other requests and streams do not wait for it."""
+        longest token) is refused before the work, which bounds how long one request tokenizes on the
+        event loop (the tokenizers library holds the GIL while it encodes: a thread would not help)."""
         if len(text) > self.max_prompt_chars:
             raise HTTPError(400, f"the text is {len(text)} characters, more than {self.max_model_len} tokens "
                                  f"(this model's context) can hold", param)
-        if len(text) < ENCODE_INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -606,7 +604,8 @@ class Gateway:
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
     def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0) -> dict:
-        """`offset`: where in the choice's text the first token starts (a stream's later chunks)."""
+        """`offset`: where in the choice's text the first token starts (a stream's later chunks: the
+        previous chunk's `end_offset`, which is left in the dict for them and taken out before sending)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         entries = []  # (token, its logprobs, whether the returned text shows it)
         if echo_prompt is not None:  # (the echo keeps special tokens, the generated text drops them)
@@ -620,7 +619,8 @@ class Gateway:
             tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
             offsets.append(offset)
             offset += len(text) if shown else 0
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets,
+                "end_offset": offset}
 
 
 def _is_int(x) -> bool:
@@ -710,7 +710,11 @@ async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, 
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context(cfg))
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # e.g. the port is taken
+        await runner.cleanup()
+        raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
     scheme = "https" if cfg.ssl_certfile else "http"
     port = runner.addresses[0][1] if runner.addresses else cfg.port
     url = f"{scheme}://{cfg.host}:{port}"

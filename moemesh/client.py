@@ -21,6 +21,10 @@ from moemesh.sampling import SamplingParams
 log = get_logger("client")
 
 
+class PipelineFailed(RuntimeError):
+    """The coordinator's pipeline went down before it served (the reason is the message)."""
+
+
 class CoordinatorClient:
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, mesh_keys: str | None = None):
         """`mesh_keys`: the mesh's key directory (its client key and the server's public key): CURVE."""
@@ -84,7 +88,7 @@ class CoordinatorClient:
                 if st.serving:
                     return st
                 if st.failure:
-                    raise RuntimeError(f"the pipeline failed to start: {st.failure}")
+                    raise PipelineFailed(f"the pipeline failed to start: {st.failure}")
             except asyncio.TimeoutError:
                 self.status_waiters.clear()
             if asyncio.get_running_loop().time() > deadline:

@@ -111,6 +111,8 @@ class ModelConfig:
             config = cls._from_hf(model_type, raw, eos_token_ids)
         except KeyError as e:
             raise ConfigError(f"config.json of a {model_type} model lacks required field {e.args[0]!r}") from None
+        except ConfigError:
+            raise
         except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"config.json of a {model_type} model has a field of the wrong type: {e}") from None
         for name, hf_name in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),

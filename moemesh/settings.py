@@ -177,13 +177,15 @@ class Settings:
             default, required = change.get("default", f.default), change.get("required", False)
             var = env_name(f.name)
             if var in environ:
-                default, required = _from_env(parser, f, var, environ[var]), False
+                default, required = _from_env(var, environ[var]), False
             kwargs = dict(dest=f.name, default=default, help=change.get("help", spec.help))
             if f.type in (bool, "bool"):
-                parser.add_argument(option_name(f.name), action="store_true", **kwargs)
+                action = parser.add_argument(option_name(f.name), action="store_true", **kwargs)
+                if isinstance(default, _EnvText):  # (argparse converts a string default with the action's type)
+                    action.type = _env_bool
                 continue
             if isinstance(default, _EnvText):  # parsed by argparse only if this command runs without the flag
-                kwargs["type"] = _env_checked(spec, option_name(f.name))
+                kwargs["type"] = _env_checked(spec)
             elif spec.parse is not None:
                 kwargs["type"] = spec.parse
             if spec.choices is not None:
@@ -246,18 +248,20 @@ class _EnvText(str):
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
-def _from_env(parser, f, var: str, raw: str):
-    if f.type in (bool, "bool"):
-        if raw.lower() not in _TRUE + _FALSE:
-            parser.error(f"{var}={raw!r} is not a valid value for {option_name(f.name)} (1/0, true/false, "
-                         f"yes/no or on/off)")
-        return raw.lower() in _TRUE
+def _from_env(var: str, raw: str) -> _EnvText:
     text = _EnvText(raw)
     text.var = var
     return text
 
 
-def _env_checked(spec: Flag, option: str):
+def _env_bool(text: _EnvText) -> bool:
+    """A boolean flag's MOEMESH_* value (argparse names the flag with the error)."""
+    if text.lower() not in _TRUE + _FALSE:
+        raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not 1/0, true/false, yes/no or on/off")
+    return text.lower() in _TRUE
+
+
+def _env_checked(spec: Flag):
     """The flag's parser, for a default from the environment: a bad value names the variable and the flag."""
     def parse(text: str):
         value = spec.parse(text) if spec.parse else str(text)
@@ -265,7 +269,7 @@ def _env_checked(spec: Flag, option: str):
             return value
         if spec.choices and value not in spec.choices:
             raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not one of "
-                                             f"{', '.join(map(str, spec.choices))} ({option})")
+                                             f"{', '.join(map(str, spec.choices))}")
         return value
 
     def checked(text: str):
@@ -273,8 +277,7 @@ def _env_checked(spec: Flag, option: str):
             return parse(text)
         except (TypeError, ValueError):
             if isinstance(text, _EnvText):
-                raise argparse.ArgumentTypeError(
-                    f"{text.var}={str(text)!r} is not a valid value for {option}") from None
+                raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not a valid value") from None
             raise
 
     checked.__name__ = getattr(spec.parse, "__name__", "value")

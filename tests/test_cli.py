@@ -326,7 +326,13 @@ def test_a_bad_environment_variable_stops_only_the_command_that_uses_it(model, c
     assert "MOEMESH_DTYPE='banana'" in user_error(capsys, ["coordinator", "--model", str(model)])
     monkeypatch.delenv("MOEMESH_DTYPE")
     monkeypatch.setenv("MOEMESH_INSECURE_MESH", "banana")
-    assert "MOEMESH_INSECURE_MESH" in user_error(capsys, ["coordinator", "--model", str(model)])
+    assert main(["keys", "--out", str(tmp_path / "keys2")]) == 0
+    assert "MOEMESH_INSECURE_MESH='banana'" in user_error(capsys, ["coordinator", "--model", str(model)])
+    monkeypatch.setenv("MOEMESH_INSECURE_MESH", "off")
+    from moemesh.settings import CoordinatorSettings
+
+    assert CoordinatorSettings.from_argv([], environ={"MOEMESH_INSECURE_MESH": "off"}).insecure_mesh is False
+    assert CoordinatorSettings.from_argv([], environ={"MOEMESH_INSECURE_MESH": "yes"}).insecure_mesh is True
 
 
 def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_path, capsys):

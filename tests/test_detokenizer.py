@@ -291,3 +291,19 @@ def test_no_stop_string_ends_the_text_before_min_tokens(tok):
     assert d.stopped and shown == "one two one "
     d = IncrementalDetokenizer(tok, ["two"])
     assert "".join(d.add([i]) for i in ids) == "one " and d.stopped
+
+
+def test_a_stop_string_across_the_min_tokens_boundary_never_takes_back_shown_text(tok):
+    """Shown text is always a prefix of the final text, min_tokens or not."""
+    text = "x = foo(bar) and foo(baz)"
+    ids = tok.encode(text)
+    for min_tokens in range(len(ids) + 1):
+        d = IncrementalDetokenizer(tok, ["foo("], min_tokens=min_tokens)
+        shown = ""
+        for i in ids:
+            shown += d.add([i])
+            assert d.text.startswith(shown), (min_tokens, shown, d.text)
+        shown += d.finish()
+        assert shown == d.text
+        if min_tokens <= 1:
+            assert d.stopped and d.text == "x = "

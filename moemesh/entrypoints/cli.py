@@ -282,7 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     from moemesh.log import setup_logging
 
     setup_logging(args.log_level)
-    os.environ["MOEMESH_LOG_LEVEL"] = args.log_level  # (the processes it starts log at the same level)
+    before = os.environ.get("MOEMESH_LOG_LEVEL")
+    os.environ["MOEMESH_LOG_LEVEL"] = args.log_level  # the processes it starts log at the same level
+    try:
+        return _command(parser, args)
+    finally:  # (main may run inside another program, as the tests run it)
+        if before is None:
+            os.environ.pop("MOEMESH_LOG_LEVEL", None)
+        else:
+            os.environ["MOEMESH_LOG_LEVEL"] = before
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         if args.command == "make-tiny-model":
             return cmd_make_tiny_model(args)
@@ -318,12 +329,16 @@ def main(argv: list[str] | None = None) -> int:
             from moemesh.config import ModelConfig
 
             ModelConfig.from_dir(args.model)  # (a missing or broken checkpoint named before any work)
+            from safetensors import SafetensorError
+
             try:
                 print(quantize_checkpoint(args.model, args.out))
             except OSError as e:
-                raise CLIError(f"--out {args.out}: {e.strerror or e}" if e.filename and str(args.out) in str(e.filename)
-                               else f"--model {args.model}: {e.strerror or e}") from None
-            except Exception as e:  # ValueError and safetensors' errors: the checkpoint cannot be quantized
+                where = Path(e.filename or "").resolve()
+                out = where == args.out.resolve() or where.is_relative_to(args.out.resolve())
+                raise CLIError(f"{'--out ' + str(args.out) if out else '--model ' + str(args.model)}: "
+                               f"{e.strerror or e}") from None
+            except (ValueError, SafetensorError) as e:  # the checkpoint cannot be quantized (as it says)
                 message = str(e).replace("out_dir", "--out").replace("model_dir", "--model")
                 raise CLIError(f"--model {args.model}: {message}") from None
             return 0
@@ -365,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"moemesh: error: {e}\n")
     except KeyboardInterrupt:
         return 130
-    except (OSError, ValueError, RuntimeError, UnicodeError) as e:  # (a path, a file or a value no check above caught)
+    except (OSError, UnicodeError) as e:  # a path or a file no check above named
         logging.getLogger("moemesh").debug("command failed", exc_info=True)
-        parser.exit(2, f"moemesh: error: {type(e).__name__}: {e}\n")
+        parser.exit(2, f"moemesh: error: {e}\n")
     return 0
 
 
@@ -396,16 +411,15 @@ def cmd_stage(args) -> int:
 
 def cmd_gateway(args) -> int:
     from gateway.server import run_gateway, ssl_context
+    from moemesh.client import PipelineFailed
     from moemesh.netutil import run
 
     cfg = GatewaySettings.from_args(args)
     ssl_context(cfg)  # (a bad certificate or key now, not once the pipeline serves)
     try:
         run(run_gateway(cfg))
-    except (RuntimeError, TimeoutError) as e:
-        raise CLIError(str(e)) from None
-    except OSError as e:  # e.g. the port is taken
-        raise CLIError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
+    except (PipelineFailed, TimeoutError) as e:
+        raise CLIError(f"--coordinator {cfg.coordinator}: {e}") from None
     return 0
 
 

@@ -154,6 +154,7 @@ def _run_in_process(cfg: EngineSettings, prompts, params: SamplingParams) -> lis
 
 def _run_on_mesh(cfg: EngineSettings, prompts, params: SamplingParams) -> list[Output]:
     """All prompts at once through a local mesh of processes, which is shut down afterwards."""
+    from moemesh.client import PipelineFailed
     from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 
     if cfg.mesh_keys and not Path(cfg.mesh_keys).is_dir():
@@ -161,7 +162,7 @@ def _run_on_mesh(cfg: EngineSettings, prompts, params: SamplingParams) -> list[O
     try:
         with LocalMesh.of(cfg) as mesh:
             return run(drive_mesh(mesh, prompts, params))
-    except LaunchError as e:
+    except (LaunchError, PipelineFailed, TimeoutError) as e:
         raise CLIError(str(e)) from None
 
 

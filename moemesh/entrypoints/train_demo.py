@@ -434,7 +434,7 @@ def run_train_demo(args) -> int:
     if args.write_eval_data is None and args.out is None:
         raise CLIError("train-demo needs --out DIR (or --write-eval-data DIR)")
     if not root.is_dir() or next(root.rglob("*.py"), None) is None:
-        raise CLIError(f"--stdlib {root}: no Python sources there")
+        raise CLIError(f"{'--stdlib ' if args.stdlib else 'the standard library at '}{root}: no Python sources there")
     for flag, path in (("--out", args.out), ("--write-eval-data", args.write_eval_data)):
         if path is not None:  # (before the training, not after it)
             try:

@@ -94,6 +94,13 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         await client.close()
 
 
+def _partition_for(layer_partition, pp: int):
+    """--layer-partition for the layout of `pp` stages: auto for all, counts for the one they fit."""
+    if isinstance(layer_partition, str) or (layer_partition and len(layer_partition) == pp):
+        return layer_partition
+    return None
+
+
 def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
@@ -107,8 +114,7 @@ def run_throughput_bench(args) -> int:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     for pp in args.pp:  # every layout refused before any of them runs
         for tp in args.tp:
-            partition = args.layer_partition if isinstance(args.layer_partition, str) or (
-                args.layer_partition and len(args.layer_partition) == pp) else None
+            partition = _partition_for(args.layer_partition, pp)
             try:
                 resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1)
             except ConfigError as e:
@@ -150,9 +156,7 @@ def run_throughput_bench(args) -> int:
         keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
     for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
                                    for k in args.curve]:
-        partition = None
-        if isinstance(args.layer_partition, str) or (args.layer_partition and len(args.layer_partition) == pp):
-            partition = args.layer_partition
+        partition = _partition_for(args.layer_partition, pp)
         try:
             expert_parallel = args.expert_parallel and tp > 1
             layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
