@@ -233,9 +233,9 @@ class Gateway:
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)
         if body.messages is not None:
-            ids = await self._chat_prompt(body.messages, True, {})
+            ids = self._chat_prompt(body.messages, True, {})
         elif body.prompt is not None:
-            ids = await self._encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self._encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
@@ -261,7 +261,7 @@ class Gateway:
         self._check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        prompts = await self._prompts(body.prompt)
+        prompts = self._prompts(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = [self._params(body, len(p), max_tokens, body.logprobs, body.logprobs if body.echo else None)
                   for p in prompts]
@@ -274,7 +274,7 @@ class Gateway:
             raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        ids = await self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
@@ -550,7 +550,7 @@ class Gateway:
         if bad is not None:
             raise HTTPError(400, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})", param)
 
-    async def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Text -> ids. Text longer than any prompt the model takes could be (max_model_len times the
         longest token) is refused before the work, which bounds how long one request tokenizes on the
         event loop (the tokenizers library holds the GIL while it encodes: a thread would not help)."""
@@ -559,11 +559,11 @@ class Gateway:
                                  f"(this model's context) can hold", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _prompts(self, prompt) -> list[list[int]]:
+    def _prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
-            prompts = [await self._encode(prompt)]
+            prompts = [self._encode(prompt)]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [await self._encode(p) for p in prompt]
+            prompts = [self._encode(p) for p in prompt]
         elif prompt and all(_is_int(p) for p in prompt):
             prompts = [list(prompt)]
         elif prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
@@ -579,7 +579,7 @@ class Gateway:
             self._check_ids(p, "prompt")
         return prompts
 
-    async def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
         if self.chat_template is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -595,7 +595,7 @@ class Gateway:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except TemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
-        return await self._encode(text, add_special_tokens=False, param="messages")
+        return self._encode(text, add_special_tokens=False, param="messages")
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):
