@@ -38,7 +38,7 @@ from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
-from moemesh.protocol import RequestOutput, TokenLogprobs
+from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.tokenizer import TextTokenizer
@@ -426,8 +426,8 @@ class Gateway:
                 text = c.detok.text
                 lp = None
                 if body.logprobs is not None:
-                    lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None, prompt_lps.get(index))
-                    del lp["end_offset"]
+                    lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
+                                                   prompt_lps.get(index))[0]
                 if body.echo:
                     text = self.tokenizer.decode(prompt, skip_special_tokens=False) + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
@@ -505,8 +505,8 @@ class Gateway:
                         if d.text or prefix or d.finish_reason or d.has_tokens:
                             lp = None
                             if body.logprobs is not None:  # (offsets by tokens, as the non-streamed answer's)
-                                lp = self._completion_logprobs(d.logprobs, echo, d.prompt_logprobs, start)
-                                offsets[index] = lp.pop("end_offset")
+                                lp, offsets[index] = self._completion_logprobs(d.logprobs, echo, d.prompt_logprobs,
+                                                                               start)
                             await send(chunk([{"index": index, "text": prefix + d.text, "logprobs": lp,
                                                "finish_reason": _reason(d.finish_reason)}]))
                 if with_usage:
@@ -603,9 +603,10 @@ class Gateway:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0) -> dict:
-        """`offset`: where in the choice's text the first token starts (a stream's later chunks: the
-        previous chunk's `end_offset`, which is left in the dict for them and taken out before sending)."""
+    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps,
+                             offset: int = 0) -> tuple[dict, int]:
+        """-> (the logprobs object, where the text after these tokens starts). `offset`: where the first
+        token starts (a stream's later chunk: the end of the one before)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         entries = []  # (token, its logprobs, whether the returned text shows it)
         if echo_prompt is not None:  # (the echo keeps special tokens, the generated text drops them)
@@ -619,8 +620,7 @@ class Gateway:
             tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
             offsets.append(offset)
             offset += len(text) if shown else 0
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets,
-                "end_offset": offset}
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 def _is_int(x) -> bool:

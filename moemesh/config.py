@@ -94,9 +94,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in model directory {model_dir}")
-        raw = _read_json(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} is not a JSON object")
+        raw = read_json_object(path)
         eos = _eos_ids(raw, Path(model_dir) / "generation_config.json")
         return cls.from_hf(raw, eos_token_ids=eos)
 
@@ -191,23 +189,25 @@ def _as_tuple(x) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, list) else (int(x),)
 
 
-def _read_json(path: Path):
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file (config, generation or tokenizer config): ConfigError naming it if it
+    cannot be read or is not a JSON object."""
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: {e.strerror or e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return raw
 
 
 def _eos_ids(raw: dict, generation_config: Path) -> tuple[int, ...]:
     try:
         eos = set(_as_tuple(raw.get("eos_token_id")))
         if generation_config.is_file():
-            generation = _read_json(generation_config)
-            if not isinstance(generation, dict):
-                raise ConfigError(f"{generation_config} is not a JSON object")
-            eos |= set(_as_tuple(generation.get("eos_token_id")))
+            eos |= set(_as_tuple(read_json_object(generation_config).get("eos_token_id")))
         return tuple(sorted(eos))
     except TypeError as e:  # (an id that is not a number)
         raise ConfigError(f"eos_token_id of {generation_config.parent}: {e}") from None

@@ -38,11 +38,12 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 
 # -- flag types ---------------------------------------------------------------------------------
 
-def _int_at_least(low: int, name: str):
-    """An integer flag's parser, refusing values below `low`; `name` is what argparse's errors say."""
+def _int_at_least(low: int, name: str, high: int | None = None):
+    """An integer flag's parser, refusing values below `low` (or above `high`); `name` is what
+    argparse's errors say."""
     def parse(text: str) -> int:
         value = int(text)
-        if value < low:
+        if value < low or (high is not None and value > high):
             raise ValueError
         return value
 
@@ -54,14 +55,7 @@ positive_int = _int_at_least(1, "positive integer")
 non_negative_int = _int_at_least(0, "non-negative integer")
 
 
-def port_int(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError
-    return value
-
-
-port_int.__name__ = "port (0 to 65535)"
+port_int = _int_at_least(0, "port (0 to 65535)", high=65535)
 
 
 def device_arg(text: str) -> str:
@@ -262,26 +256,22 @@ def _env_bool(text: _EnvText) -> bool:
 
 
 def _env_checked(spec: Flag):
-    """The flag's parser, for a default from the environment: a bad value names the variable and the flag."""
+    """The flag's parser, for a flag whose default came from the environment: a bad value of the
+    variable names it (argparse adds the flag; it checks the choices of a value given as a flag itself)."""
     def parse(text: str):
-        value = spec.parse(text) if spec.parse else str(text)
         if not isinstance(text, _EnvText):
-            return value
+            return spec.parse(text) if spec.parse else text
+        try:
+            value = spec.parse(text) if spec.parse else str(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not a valid value") from None
         if spec.choices and value not in spec.choices:
             raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not one of "
                                              f"{', '.join(map(str, spec.choices))}")
         return value
 
-    def checked(text: str):
-        try:
-            return parse(text)
-        except (TypeError, ValueError):
-            if isinstance(text, _EnvText):
-                raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not a valid value") from None
-            raise
-
-    checked.__name__ = getattr(spec.parse, "__name__", "value")
-    return checked
+    parse.__name__ = getattr(spec.parse, "__name__", "value")
+    return parse
 
 
 # -- the settings -------------------------------------------------------------------------------

@@ -3,11 +3,12 @@ transformers at run time), plus what tokenizer_config.json says about special to
 
 from __future__ import annotations
 
-import json
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from moemesh.config import read_json_object
 from moemesh.errors import ConfigError
 
 
@@ -22,12 +23,7 @@ class TextTokenizer:
         except Exception as e:  # (tokenizers raises a bare Exception for a file it cannot read)
             raise ConfigError(f"{path} is not a tokenizer the tokenizers library can read: {e}") from None
         config_path = d / "tokenizer_config.json"
-        try:
-            self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{config_path} is not valid JSON: {e}") from None
-        if not isinstance(self.config, dict):
-            raise ConfigError(f"{config_path} is not a JSON object")
+        self.config = read_json_object(config_path) if config_path.is_file() else {}
 
     @property
     def vocab_size(self) -> int:
@@ -45,12 +41,10 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
-    @property
+    @cached_property
     def special_ids(self) -> frozenset[int]:
         """Ids of the special tokens (those a decode with skip_special_tokens leaves out)."""
-        if not hasattr(self, "_special_ids"):
-            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
-        return self._special_ids
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def longest_token_chars(self) -> int:
         """The most characters any one token decodes to (at most its vocabulary entry's length: a

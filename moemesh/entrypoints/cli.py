@@ -324,13 +324,12 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
             return run_eval_demo(args)
         if args.command == "quantize":
-            from moemesh.entrypoints.quantize import quantize_checkpoint
-
-            from moemesh.config import ModelConfig
-
-            ModelConfig.from_dir(args.model)  # (a missing or broken checkpoint named before any work)
             from safetensors import SafetensorError
 
+            from moemesh.config import ModelConfig
+            from moemesh.entrypoints.quantize import quantize_checkpoint
+
+            ModelConfig.from_dir(args.model)  # (a missing or broken checkpoint named before any work)
             try:
                 print(quantize_checkpoint(args.model, args.out))
             except OSError as e:

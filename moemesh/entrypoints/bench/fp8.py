@@ -11,6 +11,7 @@ import torch
 
 from moemesh.config import ModelConfig
 from moemesh.errors import CLIError
+from moemesh.entrypoints.bench.throughput import check_lengths
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
@@ -21,9 +22,7 @@ def run_fp8_bench(args) -> int:
     if bad or not args.quantization:
         raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
     mc = ModelConfig.from_dir(args.model)
-    if args.prompt_len + args.new > mc.max_position_embeddings:
-        raise CLIError(f"--prompt-len {args.prompt_len} and --new {args.new} exceed the model's "
-                       f"{mc.max_position_embeddings} positions")
+    check_lengths(mc, args.prompt_len, args.new)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     base = LLMEngine(EngineSettings(model=args.model, num_kv_blocks=1024), progress=None)

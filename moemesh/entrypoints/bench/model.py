@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from moemesh.errors import CLIError
 from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.entrypoints.bench.throughput import check_lengths
 from moemesh.layout import decode_costs
 from stage_worker.tensors import torch_dtype
 from moemesh.entrypoints.engine import LLMEngine
@@ -140,9 +141,7 @@ def run_model_bench(args) -> int:
         raise CLIError("--batch needs positive batch sizes, e.g. 1,8,32,64")
     torch.set_num_threads(args.threads)
     mc = ModelConfig.from_dir(args.model)
-    if args.prompt_len + args.new > mc.max_position_embeddings:
-        raise CLIError(f"--prompt-len {args.prompt_len} and --new {args.new} exceed the model's "
-                       f"{mc.max_position_embeddings} positions")
+    check_lengths(mc, args.prompt_len, args.new)
     dtype = torch_dtype(resolve_dtype(args.dtype, mc))
     machine = measure_machine(dtype)
     biggest = max(args.batch)

@@ -17,7 +17,7 @@ import signal
 import time
 
 from moemesh.client import CoordinatorClient
-from moemesh.entrypoints.bench.throughput import make_prompts
+from moemesh.entrypoints.bench.throughput import check_lengths, make_prompts
 from moemesh.entrypoints.launcher import LocalMesh
 from moemesh.errors import CLIError
 from moemesh.netutil import run
@@ -86,14 +86,11 @@ async def _tokens(client, prompt, params) -> list[int]:
 
 def run_recovery_bench(args) -> int:
     from moemesh.config import ModelConfig
-
     from moemesh.layout import resolve_layout
 
     mc = ModelConfig.from_dir(args.model)
     resolve_layout(mc, args.pp)  # (a layout the model cannot take, named before anything starts)
-    if args.prompt_len + args.new > mc.max_position_embeddings:
-        raise CLIError(f"--prompt-len {args.prompt_len} and --new {args.new} exceed the model's "
-                       f"{mc.max_position_embeddings} positions")
+    check_lengths(mc, args.prompt_len, args.new)
     if not 0 <= args.kill_stage < args.pp:
         raise CLIError(f"--kill-stage {args.kill_stage} is not a stage of --pp {args.pp}")
     prompts = make_prompts(mc.vocab_size, args.concurrency, args.prompt_len)

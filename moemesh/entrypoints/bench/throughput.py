@@ -94,6 +94,14 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         await client.close()
 
 
+def check_lengths(mc: ModelConfig, prompt_len: int, new: int, shared_prefix: int = 0) -> None:
+    """A benchmark's requests must fit the model's positions: refused before any work, naming the flags."""
+    if shared_prefix + prompt_len + new > mc.max_position_embeddings:
+        prefix = f" (plus --shared-prefix {shared_prefix})" if shared_prefix else ""
+        raise CLIError(f"--prompt-len {prompt_len}{prefix} and --new {new} exceed the model's "
+                       f"{mc.max_position_embeddings} positions")
+
+
 def _partition_for(layer_partition, pp: int):
     """--layer-partition for the layout of `pp` stages: auto for all, counts for the one they fit."""
     if isinstance(layer_partition, str) or (layer_partition and len(layer_partition) == pp):
@@ -107,16 +115,15 @@ def run_throughput_bench(args) -> int:
                                    max_batched_tokens=args.max_batched_tokens, threads=1,
                                    max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
-    if args.shared_prefix + args.prompt_len + args.new > mc.max_position_embeddings:
-        raise CLIError(f"--prompt-len {args.prompt_len} (plus --shared-prefix {args.shared_prefix}) and --new "
-                       f"{args.new} exceed the model's {mc.max_position_embeddings} positions")
+    check_lengths(mc, args.prompt_len, args.new, args.shared_prefix)
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
-    for pp in args.pp:  # every layout refused before any of them runs
+    layouts = {}  # every layout resolved (or refused) before any of them runs
+    for pp in args.pp:
         for tp in args.tp:
-            partition = _partition_for(args.layer_partition, pp)
             try:
-                resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1)
+                layouts[pp, tp] = resolve_layout(mc, pp, tp, _partition_for(args.layer_partition, pp),
+                                                 args.expert_parallel and tp > 1)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     n = args.num_prompts or args.concurrency
@@ -156,11 +163,9 @@ def run_throughput_bench(args) -> int:
         keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
     for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
                                    for k in args.curve]:
-        partition = _partition_for(args.layer_partition, pp)
+        layout, expert_parallel = layouts[pp, tp], args.expert_parallel and tp > 1
+        partition = layout.stage_layers if _partition_for(args.layer_partition, pp) else None
         try:
-            expert_parallel = args.expert_parallel and tp > 1
-            layout = resolve_layout(mc, pp, tp, partition, expert_parallel)
-            partition = layout.stage_layers if partition else None
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
                                              layer_partition=partition, no_prefix_caching=caching == "off",
                                              mesh_keys=keys_dir if curve == "on" else None,
