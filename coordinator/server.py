@@ -39,6 +39,7 @@ from coordinator.router import ClientRouter
 from coordinator.scheduler import SchedulerConfig
 from coordinator.step_loop import StepLoop, in_flight_limit, make_core
 from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
@@ -325,6 +326,12 @@ class Coordinator:
                           f"{msg.max_message_bytes} bytes, but this model's activations or schedules at "
                           f"--max-batched-tokens {self.cfg.max_batched_tokens} need {self.worker_message_bytes}: "
                           f"start it with --max-message-bytes {self.worker_message_bytes}")
+            else:  # no keys: the previous stage would send its activations (users' hidden states) there
+                try:
+                    check_exposure(self.cfg.mesh_keys, self.cfg.insecure_mesh, data_address=msg.data_address)
+                except ConfigError:
+                    reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} listens on {msg.data_address}, "
+                              f"not loopback, and the mesh has no keys (--mesh-keys, or --insecure-mesh)")
             if reason is not None:
                 log.error("worker refused", extra={"fields": {"reason": reason}})
                 await self._send_worker(identity, Shutdown())
@@ -558,7 +565,7 @@ def _generate_request_id(header) -> str | None:
     """The request id of a generate request that did not validate, if its header says that much."""
     try:
         raw = msgspec.msgpack.decode(header.buffer if hasattr(header, "buffer") else header)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
     if isinstance(raw, dict) and raw.get("type") == "generate" and isinstance(raw.get("request_id"), str):
         return raw["request_id"][:256]

@@ -539,6 +539,8 @@ class Gateway:
             raise HTTPError(400, f"invalid request: {e}", param) from None
         except msgspec.DecodeError as e:
             raise HTTPError(400, f"invalid JSON body: {e}") from None
+        except RecursionError:
+            raise HTTPError(400, "invalid JSON body: nested too deeply") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 from collections.abc import AsyncIterator
 
 import zmq
@@ -30,7 +31,9 @@ class CoordinatorClient:
         """`mesh_keys`: the mesh's key directory (its client key and the server's public key): CURVE."""
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{id(self):x}".encode())
+        # unguessable: the coordinator routes a client's outputs by its identity, and another holder of a
+        # client key that took this one's identity while it reconnects would read (and could abort) its requests
+        self.sock.setsockopt(zmq.IDENTITY, f"c{os.getpid()}-{secrets.token_hex(8)}".encode())
         set_heartbeats(self.sock)
         if mesh_keys:
             MeshKeys(mesh_keys).connect(self.sock, "client")

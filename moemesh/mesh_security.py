@@ -56,6 +56,7 @@ def make_keys(directory: str | os.PathLike) -> Path:
                           f"delete it to start over (every process then needs the new keys)")
     for sub in ("", *DOMAINS):
         (directory / sub).mkdir(parents=True, exist_ok=True)
+        (directory / sub).chmod(0o755)  # whatever the umask: only the owner adds keys to the allowed sets
     old_umask = os.umask(0o077)  # secret files readable by their owner only
     try:
         for role in ROLES:
@@ -66,6 +67,7 @@ def make_keys(directory: str | os.PathLike) -> Path:
         (directory / f"{role}.key").chmod(0o644)  # public
     for domain, role in DOMAINS.items():
         shutil.copyfile(directory / f"{role}.key", directory / domain / f"{role}.key")
+        (directory / domain / f"{role}.key").chmod(0o644)
     return directory
 
 
@@ -78,6 +80,7 @@ class MeshKeys:
             raise ConfigError(f"--mesh-keys {directory}: no such directory (make one with `moemesh keys --out DIR`)")
         if not zmq.has("curve"):  # pragma: no cover - pyzmq's wheels always have it
             raise ConfigError("--mesh-keys: this libzmq was built without CURVE")
+        self._warned: set[Path] = set()
 
     def _pair(self, role: str, secret: bool) -> tuple[bytes, bytes | None]:
         path = self.directory / (f"{role}.key_secret" if secret else f"{role}.key")
@@ -89,7 +92,25 @@ class MeshKeys:
             raise ConfigError(f"--mesh-keys {self.directory}: cannot read {path.name}: {e}") from None
         if secret and not secret_key:
             raise ConfigError(f"--mesh-keys {self.directory}: {path.name} holds no secret key")
+        if secret and path.stat().st_mode & 0o077 and path not in self._warned:
+            self._warned.add(path)
+            log.warning("secret mesh key readable by others", extra={"fields": {
+                "file": str(path), "mode": oct(path.stat().st_mode & 0o777), "hint": f"chmod 600 {path}"}})
         return public, secret_key
+
+    def check_allowed_sets(self) -> None:
+        """A listening side lets in the keys in DIR/workers and DIR/clients: refuses to start when anyone
+        but the owner may write there (or to the key directory, or to a key file in them), since whoever
+        can would let their own key in (as ssh refuses a group-writable authorized_keys)."""
+        for path in (self.directory, *(self.directory / d for d in DOMAINS),
+                     *(p for d in DOMAINS for p in sorted((self.directory / d).glob("*.key")))):
+            try:
+                mode = path.stat().st_mode
+            except FileNotFoundError:  # (a host holds only what its role needs)
+                continue
+            if mode & 0o022:
+                raise ConfigError(f"--mesh-keys {self.directory}: {path} is writable by group or others, who could "
+                                  f"add a key of their own to the allowed set (chmod go-w {path})")
 
     def serve(self, sock: zmq.Socket, domain: str) -> None:
         """Makes `sock` (before it binds) a CURVE server that lets in the keys allowed in `domain`."""
@@ -147,6 +168,7 @@ class MeshGuard:
         if self.keys is None:
             return
         if self._auth is None:
+            self.keys.check_allowed_sets()
             # the thread form: pyzmq's asyncio one (27.3) polls its ZAP socket on the event loop in a way
             # that makes other sockets' receives on that loop fail with EAGAIN under CURVE
             self._auth = ThreadAuthenticator(self.ctx, log=get_logger("zap"))

@@ -326,6 +326,8 @@ class Codec:
             msg = self._decoder.decode(_buffer(frames[0]))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
             raise ProtocolError(f"undecodable message: {e}") from None
+        except RecursionError:  # (msgspec skipping a deeply nested unknown field)
+            raise ProtocolError("undecodable message: nested too deeply") from None
         metas = getattr(msg, "tensors", [])
         if len(frames) - 1 != len(metas):
             raise ProtocolError(f"message declares {len(metas)} tensors but carries {len(frames) - 1} frames")

@@ -42,6 +42,8 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 
 log = get_logger("stage_worker")
 
+EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
+
 
 def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
     """(step id, the residual stream) of an activations message from the previous stage: exactly one
@@ -71,8 +73,9 @@ class StageWorker:
         self.act_codec = Codec(Activations)
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
-        self.activations: asyncio.Queue = asyncio.Queue()
-        self.early: dict[int, torch.Tensor] = {}  # residual streams that came before their step's turn
+        # the previous stage's residual streams by step, until their step's turn (bounded: _keep_activations)
+        self.arrived: dict[int, torch.Tensor] = {}
+        self.arrival = asyncio.Event()  # set when one comes
         self.last_heard: float | None = None  # when the coordinator last sent anything
         self.next_address: str | None = None  # the next stage's worker of this tensor rank
         # torch's thread count is per calling thread under OpenMP: set it where the compute runs
@@ -252,15 +255,14 @@ class StageWorker:
 
     def _drop_older(self, first_step: int) -> None:
         """Drops the queued schedules and activations of steps below `first_step`."""
-        for q in (self.schedules, self.activations):
-            kept = []
-            while not q.empty():
-                item = q.get_nowait()
-                if (item.step_id if isinstance(item, Schedule) else item[0]) >= first_step:
-                    kept.append(item)
-            for item in kept:
-                q.put_nowait(item)
-        self.early = {s: t for s, t in self.early.items() if s >= first_step}
+        kept = []
+        while not self.schedules.empty():
+            sched = self.schedules.get_nowait()
+            if sched.step_id >= first_step:
+                kept.append(sched)
+        for sched in kept:
+            self.schedules.put_nowait(sched)
+        self.arrived = {s: t for s, t in self.arrived.items() if s >= first_step}
 
     def _connect_next(self, address: str) -> None:
         if self.push is not None:
@@ -357,7 +359,25 @@ class StageWorker:
             except ProtocolError as e:
                 self.bad(e, "previous stage")
                 continue
-            self.activations.put_nowait((step_id, stream))
+            self._keep_activations(step_id, stream)
+
+    def _keep_activations(self, step_id: int, stream: torch.Tensor) -> None:
+        """Holds a step's residual stream until its turn. The previous stage sends its steps in order, at
+        most a microbatch or two ahead of this stage: activations of a step this stage has passed are
+        stale (a reset dropped it), and only so many wait at once (the schedules queued here, plus
+        EARLY_ACTIVATIONS for those whose schedule has not come yet). Past that the furthest step is
+        dropped, so a bad peer cannot fill this worker's memory; both count as malformed."""
+        if step_id < self.current_step:
+            self.bad(ProtocolError(f"stale activations of step {step_id}"), "previous stage")
+            return
+        for passed in [s for s in self.arrived if s < self.current_step]:  # (a step's duplicate, never taken)
+            del self.arrived[passed]
+        self.arrived[step_id] = stream
+        while len(self.arrived) > EARLY_ACTIVATIONS + self.schedules.qsize():
+            furthest = max(self.arrived)
+            del self.arrived[furthest]
+            self.bad(ProtocolError(f"activations of step {furthest}, too far ahead, dropped"), "previous stage")
+        self.arrival.set()
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
@@ -381,28 +401,15 @@ class StageWorker:
                 await self._send(out)
 
     async def _activations_for(self, step_id: int, num_tokens: int):
-        """The previous stage's residual stream for `step_id`. Stages run steps in issue order, so older
-        activations are stale (a reset dropped their step); newer ones wait here (a few, bounded),
-        counted as odd: only a bad peer sends a step before the one its own schedule says. Tensors
-        that do not fit the step (shape, dtype) are refused, and the wait goes on."""
+        """The previous stage's residual stream for `step_id`. Tensors that do not fit the step (shape,
+        dtype) are refused, and the wait goes on."""
         while True:
-            if step_id in self.early:
-                stream = self.early.pop(step_id)
-                if self._fit(step_id, stream, num_tokens):
-                    return stream
-                continue
-            got, stream = await self.activations.get()
-            if got == step_id:
-                if self._fit(step_id, stream, num_tokens):
-                    return stream
-                continue
-            if got < step_id:
-                self.bad(ProtocolError(f"stale activations of step {got}"), "previous stage")
-                continue
-            self.bad(ProtocolError(f"activations of step {got} before step {step_id}"), "previous stage")
-            self.early[got] = stream
-            while len(self.early) > 16:
-                self.early.pop(min(self.early))
+            stream = self.arrived.pop(step_id, None)
+            if stream is None:
+                self.arrival.clear()
+                await self.arrival.wait()
+            elif self._fit(step_id, stream, num_tokens):
+                return stream
 
     def _fit(self, step_id: int, stream: torch.Tensor, num_tokens: int) -> bool:
         """Whether a step's residual stream is [num_tokens, hidden] in this stage's dtype."""

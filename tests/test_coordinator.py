@@ -405,10 +405,12 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
     assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")
 
 
-@pytest.mark.parametrize("case", ["message-limit", "protocol"])
+@pytest.mark.parametrize("case", ["message-limit", "protocol", "exposed"])
 def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tiny, case):
-    """A message limit below what the model needs (naming the flag), or a worker of another
-    protocol version (an older one says none), which could misread schedules without an error."""
+    """A message limit below what the model needs (naming the flag), a worker of another protocol
+    version (an older one says none), which could misread schedules without an error, or, on a
+    mesh without keys, a worker whose activation socket is not on loopback (the previous stage would
+    send users' hidden states there in the clear)."""
     from moemesh.protocol import Shutdown
 
     async def scenario():
@@ -421,8 +423,10 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
             if case == "message-limit":
                 bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000,
                                protocol=PROTOCOL_VERSION)
-            else:
+            elif case == "protocol":
                 bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1")
+            else:
+                bad = Register(0, 0, "tcp://10.1.2.3:7000", "cpu", 1, "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)
             await sock.send_multipart(Codec.encode(bad))
             while True:
                 msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
@@ -439,8 +443,10 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
     assert status.phase == "down"
     if case == "message-limit":
         assert "--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
-    else:
+    elif case == "protocol":
         assert f"speaks protocol 0, this coordinator {PROTOCOL_VERSION}" in status.failure
+    else:
+        assert "listens on tcp://10.1.2.3:7000, not loopback, and the mesh has no keys" in status.failure
 
 
 def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):

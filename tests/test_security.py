@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -29,6 +30,7 @@ from moemesh.settings import EngineSettings
 
 PROMPTS = [[(5 * i + 2 * j) % 300 + 4 for j in range(2 + (3 * i) % 11)] for i in range(6)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+DEMO_MODEL = str(Path(__file__).resolve().parents[1] / "moemesh" / "demo_model")
 FUZZ = settings(max_examples=60, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -52,6 +54,37 @@ def test_keys_have_zmq_auths_layout_and_are_never_overwritten(tmp_path):
     with pytest.raises(ConfigError, match="--mesh-keys .*no such directory"):
         MeshKeys(tmp_path / "missing")
 
+
+def test_an_allowed_set_others_can_write_to_is_refused_and_a_readable_secret_is_named(tmp_path, caplog):
+    """Whoever can write to DIR, DIR/workers or DIR/clients (or a key in them) could let their own key
+    in: a listening process refuses to start, naming the path and the flag; a secret key others can
+    read is said once, with the chmod that mends it. make_keys gives safe modes whatever the umask."""
+    old = os.umask(0o002)
+    try:
+        d = make_keys(tmp_path / "k")
+    finally:
+        os.umask(old)
+    MeshKeys(d).check_allowed_sets()
+    for path in (d, d / "workers", d / "clients" / "client.key"):
+        path.chmod(path.stat().st_mode | 0o020)
+        with pytest.raises(ConfigError, match=f"--mesh-keys .*{path} is writable by group or others"):
+            MeshKeys(d).check_allowed_sets()
+        path.chmod(path.stat().st_mode & ~0o022)
+    (d / "worker.key_secret").chmod(0o644)
+    keys = MeshKeys(d)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        keys.connect(sock, "worker")
+        keys.connect(sock, "worker")
+    finally:
+        sock.close(linger=0)
+    warned = [r for r in caplog.records if r.getMessage() == "secret mesh key readable by others"]
+    assert len(warned) == 1 and warned[0].fields["hint"] == f"chmod 600 {d / 'worker.key_secret'}"
+    (d / "clients").chmod(0o777)
+    out = subprocess.run([sys.executable, "-m", "moemesh", "coordinator", "--model", DEMO_MODEL, "--mesh-keys",
+                          str(d), "--port", "0", "--client-port", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "clients is writable by group or others" in out.stderr
+    assert "Traceback" not in out.stderr
 
 def test_each_host_works_with_only_the_key_files_deploy_readme_gives_it(tmp_path):
     """deploy/README.md hands a stage host server.key, server.key_secret, worker.key_secret and
@@ -314,6 +347,94 @@ def _harmless(link: str, msg: dict) -> bool:
     return True
 
 
+def _deep(tag: str) -> bytes:
+    """A message of type `tag` whose unknown field nests 20,000 arrays deep (20 KB: under every link's size limit)."""
+    return b"\x82" + msgspec.msgpack.encode({"type": tag})[1:] + b"\xa1x" + b"\x91" * 20_000 + b"\xc0"
+
+
+def test_deeply_nested_frames_are_a_protocol_error_on_every_link():
+    """msgspec raises RecursionError skipping a deeply nested unknown field: a refusal like any other."""
+    from moemesh.protocol import Activations, ClientMessage, CoordinatorMessage, CoordinatorReply, ProtocolError, \
+        WorkerMessage
+
+    for link, tag in ((ClientMessage, "generate"), (CoordinatorReply, "output"), (WorkerMessage, "register"),
+                      (CoordinatorMessage, "schedule"), (Activations, "activations")):
+        with pytest.raises(ProtocolError, match="nested too deeply"):
+            Codec(link).decode([_deep(tag)])
+
+
+def test_deep_nesting_and_a_flood_of_activations_never_hurt_the_mesh(mesh, keys, reference):
+    """A deeply nested message on the client, worker and activation sockets (it used to stop the
+    coordinator or a stage), and 60 activations for steps far ahead (they used to be kept, all of
+    them): counted as malformed, and the mesh goes on with the same tokens and no recovery."""
+    from stage_worker.worker import EARLY_ACTIVATIONS
+
+    server_public = zmq.auth.load_certificate(keys / "server.key")[0]
+    before = run(_generate(mesh, keys, PROMPTS[:1]))[1]
+    ctx = zmq.Context()
+    try:
+        act, kept = ctx.socket(zmq.PUSH), []
+        for link, address, kind, role in [("clients", mesh.client_address, zmq.DEALER, "client"),
+                                          ("workers", mesh.worker_address, zmq.DEALER, "worker"),
+                                          ("activations", f"tcp://127.0.0.1:{_activation_port(mesh, 1)}", zmq.PUSH,
+                                           "worker")]:
+            s = act if link == "activations" else ctx.socket(kind)
+            kept.append(s)  # (a socket collected now would close before its handshake)
+            s.linger = 0
+            s.curve_serverkey = server_public
+            s.curve_publickey, s.curve_secretkey = zmq.auth.load_certificate(keys / f"{role}.key_secret")
+            s.connect(address)
+            s.send_multipart([_deep({"clients": "generate", "workers": "register"}.get(link, link))])
+            if link == "clients":  # (a request that fails is also read for a request id to answer)
+                s.send_multipart([b"\x91" * 20_000 + b"\xc0"])
+        flood = [msgspec.msgpack.encode({"type": "activations", "step_id": 10 ** 9 + i,
+                                         "tensors": [["float32", [4, 64]]]}) for i in range(60)]
+        for header in flood:
+            act.send_multipart([header, bytes(4 * 4 * 64)])
+        expected = before.malformed_messages + 4 + 60 - EARLY_ACTIVATIONS
+        deadline = time.monotonic() + 10
+        while True:  # (a worker reports its count with its heartbeat)
+            results, status = run(_generate(mesh, keys))
+            if status.malformed_messages >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    finally:
+        ctx.destroy(linger=0)
+    assert results == reference and status.serving and mesh.died is None
+    assert status.recoveries == before.recoveries
+    assert status.malformed_messages >= expected
+
+
+def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
+    """The previous stage's activations wait for their step's turn, but no more than the schedules
+    queued plus EARLY_ACTIVATIONS: past that the furthest step goes (malformed); a stale step never
+    stays."""
+    import torch
+
+    from moemesh.protocol import Schedule
+    from moemesh.settings import WorkerSettings
+    from stage_worker.worker import EARLY_ACTIVATIONS, StageWorker
+
+    async def scenario():
+        w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
+        try:
+            w.current_step = 10
+            t = torch.zeros(1, 4)
+            w._keep_activations(9, t)  # stale: dropped at once
+            assert not w.arrived and w.bad.count == 1
+            w.schedules.put_nowait(Schedule(11, [], []))
+            for step in range(11, 11 + 1000):
+                w._keep_activations(step, t)
+            assert sorted(w.arrived) == list(range(11, 11 + EARLY_ACTIVATIONS + 1))  # the nearest kept
+            assert w.bad.count == 1 + 1000 - (EARLY_ACTIVATIONS + 1)
+            w.current_step = 12  # step 11 was taken (and a duplicate of it came later)
+            w._keep_activations(13, t)
+            assert 11 not in w.arrived and w.arrived[13] is t
+        finally:
+            w.ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
+
 def test_hostile_messages_on_every_socket_never_hurt_the_mesh(mesh, keys, reference):
     """Random and mutated messages, from peers holding valid keys, on the client socket, the worker
     socket and a stage's activation socket: counted as malformed, no crash, no hang, and the mesh
@@ -497,6 +618,12 @@ def test_hostile_bodies_never_get_a_5xx_or_a_traceback(tls_server):
 
     post()
     assert 400 in seen and 200 in seen
+    deep = b"[" * 100_000 + b"]" * 100_000  # (msgspec raises RecursionError for it: a 400 all the same)
+    for path, raw in (("/v1/completions", b'{"prompt": ' + deep + b"}"),
+                      ("/v1/chat/completions", b'{"messages": [], "chat_template_kwargs": {"a": ' + deep + b"}}"),
+                      ("/tokenize", b'{"prompt": "x", "extra": ' + deep + b"}")):
+        status, out = _https("POST", url + path, context, headers=auth, raw=raw)
+        assert status == 400 and b"nested too deeply" in out, (path, out[:300])
     status, raw = _https("POST", f"{url}/v1/completions", context, {"prompt": [5, 6, 7], "max_tokens": 3,
                                                                      "temperature": 0}, auth)
     assert status == 200 and _https("GET", f"{url}/ready", context)[0] == 200
