@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# where torch comes from: pip's own choice by default (PyPI's build of 2.13.0 is the CUDA one, several GB);
+# `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` for the CPU-only build
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test bench clean
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e '.[worker,test]'
 	touch $(STAMP)
 

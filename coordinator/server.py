@@ -106,6 +106,7 @@ class Coordinator:
         self.core: EngineCore | None = None
         self.loop: StepLoop | None = None
         self.failure: str | None = None
+        self.down_linger = 5.0  # seconds a down pipeline keeps answering status before `run` returns
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
         self.instance = os.urandom(8).hex()  # tells clients this process from one restarted on the same ports
@@ -137,14 +138,32 @@ class Coordinator:
         tasks = [asyncio.ensure_future(c) for c in (self._worker_loop(), self._client_loop(), self._step_loop(),
                                                     self._watchdog(), self._lifecycle(), self._ping(),
                                                     self._step_deadline())]
+        down = asyncio.ensure_future(self._end_when_down())
         try:
-            await asyncio.gather(*tasks)
+            pending = {*tasks, down}
+            while down in pending:  # (the lifecycle task ends once serving; the others run until the end)
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is not down and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
         finally:
+            down.cancel()
             for t in tasks:
                 t.cancel()
             await self._broadcast(Shutdown())
             self.guard.close()
             self.ctx.destroy(linger=100)
+
+    async def _end_when_down(self) -> None:
+        """A pipeline that went down never comes back in this process (workers that never came, or
+        failed to load, or could not be replaced): `down_linger` seconds after it, for clients to
+        learn the reason from their status, `run` returns, and the process exits with status 1, to be
+        started afresh by whatever started it (compose's restart policy, `serve`'s launcher), with its
+        workers registering again."""
+        await self.registry.went_down.wait()
+        log.error("exiting: the pipeline is down", extra={"fields": {"reason": self.failure,
+                                                                      "seconds": self.down_linger}})
+        await asyncio.sleep(self.down_linger)
 
     async def _lifecycle(self) -> None:
         """REGISTERING -> LOADING -> SERVING, each wait bounded by its deadline."""

@@ -195,6 +195,23 @@ def test_nobody_registering_brings_the_pipeline_down_at_the_register_deadline(ti
     assert "(0, 0), (1, 0)" in status.failure and "register" in status.failure
 
 
+def test_a_coordinator_whose_pipeline_went_down_exits_after_saying_why(tiny):
+    """A down pipeline never comes back in the process, so `moemesh coordinator` exits (status 1,
+    the reason on stderr) once clients have had `down_linger` seconds to read it: a restart policy
+    (compose's, serve's launcher) then starts it afresh, where a live but down process would look
+    healthy forever."""
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "moemesh", "coordinator", "--model", str(tiny), "--port", "0",
+                          "--client-port", "0", "--register-timeout", "0.5"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and time.monotonic() - started > 5
+    assert "the pipeline went down: timed out waiting for stage workers" in out.stderr
+    assert "Traceback" not in out.stderr
+
 # -- the in-process engine runs the same loop ------------------------------------------------
 
 def test_in_process_engine_keeps_one_microbatch_per_stage_in_flight(tiny):

@@ -33,11 +33,15 @@ def test_compose_files_are_valid(path):
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     config = yaml.safe_load(out.stdout)
+    dockerfiles = {svc["image"]: svc["build"]["dockerfile"] for svc in config["services"].values() if "build" in svc}
     for name, svc in config["services"].items():
         if name == "keys":  # the one-shot that makes the mesh's keys: runs to completion, once per start
             assert svc.get("restart") == "no" and svc["command"][1:3] == ["keys", "--out"], svc
             continue
         assert svc.get("healthcheck"), f"{name} has no health check"
+        check = svc["healthcheck"]["test"]
+        if check[0] == "CMD" and check[1] == "pgrep":  # (python:3.11-slim has no procps of its own)
+            assert "procps" in (REPO / dockerfiles[svc["image"]]).read_text(), (name, dockerfiles[svc["image"]])
         assert svc.get("restart") == "unless-stopped", name
         if name.startswith("stage"):
             devices = svc["deploy"]["resources"]["reservations"]["devices"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
@@ -394,6 +395,9 @@ def cmd_coordinator(args) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     run(coord.run())
+    if coord.failure:
+        print(f"moemesh: error: the pipeline went down: {coord.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
