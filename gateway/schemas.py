@@ -54,17 +54,25 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the answer continues the last message (as transformers and vLLM do)
+    add_special_tokens: bool = False  # a BOS before the rendered template (which usually writes its own)
     chat_template_kwargs: dict[str, Any] | None = None
     # (not supported: refused where they would change the answer)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    echo: bool = False
+    chat_template: str | None = None  # a template from the request (vLLM also refuses one unless trusted)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as the endpoints)
+    # for messages, as /v1/chat/completions takes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
 
 

@@ -233,9 +233,10 @@ class Gateway:
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)
         if body.messages is not None:
-            ids = self._chat_prompt(body.messages, True, {})
+            ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
+                                    body.continue_final_message, bool(body.add_special_tokens))
         elif body.prompt is not None:
-            ids = self._encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self._encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
@@ -274,7 +275,11 @@ class Gateway:
             raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
+        for name, given in (("echo", body.echo), ("chat_template", body.chat_template is not None)):
+            if given:
+                raise HTTPError(400, f"{name} is not supported by this server", name)
+        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
+                                body.continue_final_message, body.add_special_tokens)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
@@ -581,7 +586,8 @@ class Gateway:
             self._check_ids(p, "prompt")
         return prompts
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict,
+                     continue_final: bool = False, add_special_tokens: bool = False) -> list[int]:
         if self.chat_template is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -593,11 +599,17 @@ class Gateway:
         if "messages" in kwargs:
             raise HTTPError(400, "chat_template_kwargs cannot set `messages`", "chat_template_kwargs")
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final = kwargs.pop("continue_final_message", continue_final)
+        if continue_final and add_generation_prompt:
+            raise HTTPError(400, "continue_final_message and add_generation_prompt cannot both be true (give "
+                                 "add_generation_prompt: false to continue the last message)", "continue_final_message")
         try:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
         except TemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
-        return self._encode(text, add_special_tokens=False, param="messages")
+        if continue_final:
+            text = _up_to_final_message(text, messages[-1]["content"])
+        return self._encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):
@@ -650,15 +662,36 @@ def _usage(jobs, choices: dict[int, Choice], n: int) -> dict:
 
 
 def _text_content(content) -> str:
-    """OpenAI content: a string, or a list of parts of which the text parts are joined."""
+    """OpenAI content: a string, or a list of text parts, joined by newlines (as vLLM joins them). A part
+    of another kind (an image, audio) is refused: this server's models read text only."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"}
+        if kinds:
+            raise HTTPError(400, f"content parts of type {sorted(map(str, kinds))[0]!r} are not supported by "
+                                 f"this server (text only)", "messages")
+        texts = [p.get("text") for p in content]
         if not all(isinstance(t, str) for t in texts):
             raise HTTPError(400, "a text part of a message's content needs a string `text`", "messages")
-        return "".join(texts)
+        return "\n".join(texts)
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
+
+
+def _up_to_final_message(text: str, final: str) -> str:
+    """The rendered chat cut right after the last message's content, so that the answer continues it
+    (what the template writes after it, an end-of-turn token, is dropped), as transformers does for
+    continue_final_message: the content is found from the end, and its trailing whitespace is kept
+    when the template kept it."""
+    core = final.strip()
+    if not core:
+        raise HTTPError(400, "continue_final_message needs a last message with content", "continue_final_message")
+    at = text.rfind(core)
+    if at < 0:
+        raise HTTPError(400, "continue_final_message: the chat template does not write the last message's "
+                             "content as given", "continue_final_message")
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(core))]
 
 
 def _digest(text: str) -> bytes:

@@ -279,6 +279,50 @@ def test_streamed_chunks_carry_their_own_logprobs_and_finish_reason_under_load(s
             assert all(abs(v - w) < 1e-4 for v, w in zip(values, want) if v is not None)
 
 
+def test_chat_options_render_as_transformers_renders_them(model, server, client):
+    """add_generation_prompt, continue_final_message (the answer continues the last message), text
+    parts (joined by newlines, as vLLM joins them) and add_special_tokens give the token ids
+    transformers' apply_chat_template gives, on /tokenize and on the chat endpoint (its prompt
+    tokens); options this server does not take are a 400, never ignored."""
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(model)
+    user = {"role": "user", "content": "Name a colour."}
+    partial = {"role": "assistant", "content": "The colour is "}
+    cases = [  # (body fields, messages, apply_chat_template's arguments)
+        ({"add_generation_prompt": False}, [user], dict(add_generation_prompt=False)),
+        ({"add_generation_prompt": False, "continue_final_message": True}, [user, partial],
+         dict(add_generation_prompt=False, continue_final_message=True)),
+        ({"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}}, [user, partial],
+         dict(add_generation_prompt=False, continue_final_message=True)),
+    ]
+    for fields, messages, theirs in cases:
+        want = hf_tok.apply_chat_template(messages, tokenize=True, return_dict=True, **theirs)["input_ids"]
+        status, body, _ = http("POST", f"{server.url}/tokenize", {"messages": messages, **fields})
+        assert status == 200 and json.loads(body)["tokens"] == want, fields
+        r = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=2, temperature=0,
+                                           extra_body={"ignore_eos": True, **fields})
+        assert r.usage.prompt_tokens == len(want), fields
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
+    want = hf_tok.apply_chat_template([{"role": "user", "content": "Name\na colour."}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+    assert json.loads(http("POST", f"{server.url}/tokenize", {"messages": parts})[1])["tokens"] == want
+    with_bos = json.loads(http("POST", f"{server.url}/tokenize", {"messages": [user], "add_special_tokens": True})[1])
+    plain = json.loads(http("POST", f"{server.url}/tokenize", {"messages": [user]})[1])
+    assert with_bos["tokens"] == hf_tok(hf_tok.apply_chat_template([user], add_generation_prompt=True,
+                                                                    tokenize=False))["input_ids"]
+    assert plain["tokens"] == hf_tok.apply_chat_template([user], add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)["input_ids"]
+    url = client.base_url.__str__() + "chat/completions"
+    for fields, param in [({"continue_final_message": True}, "continue_final_message"),
+                          ({"echo": True}, "echo"), ({"chat_template": "{{ messages }}"}, "chat_template"),
+                          ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                              "url": "http://x/y.png"}}]}]}, "messages"),
+                          ({"messages": [user, {"role": "assistant", "content": " "}], "continue_final_message": True,
+                            "add_generation_prompt": False}, "continue_final_message")]:
+        status, body, _ = http("POST", url, {"messages": [user, partial], "max_tokens": 2, **fields})
+        assert status == 400 and json.loads(body)["error"]["param"] == param, (fields, body)
+
 def test_tokenizer_endpoints_round_trip(server):
     status, body, _ = http("GET", f"{server.url}/tokenizer_info")
     info = json.loads(body)
