@@ -358,6 +358,8 @@ class WorkerResources(Settings):
                                parse=positive_int)
     num_kv_blocks: int | None = flag(None, "a KV pool of exactly this many blocks instead of one sized from "
                                            "--kv-memory", parse=positive_int)
+    device: str = flag("cpu", "cpu, cuda or cuda:N; a mesh started here puts its worker i (stage by stage, "
+                              "tensor rank by rank) on cuda:i for cuda", parse=device_arg)
     coordinator_timeout: float = flag(10.0, "seconds a stage worker waits without a word from the coordinator "
                                             "(once it has spoken) before it exits, to be started again and "
                                             "register with the coordinator that answers", parse=positive_float)
@@ -399,7 +401,6 @@ class WorkerSettings(WorkerResources, MeshSecurity):
     host: str = flag("127.0.0.1", "address the activation socket listens on")
     advertise_host: str | None = flag(None, "address other workers use to reach this one (default: --host)")
     port: int = flag(0, "activation port (0: any free port)", parse=port_int)
-    device: str = flag("cpu", "cpu, cuda or cuda:N", parse=device_arg)
     record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
     record_steps: int = flag(16, "steps --record writes", parse=positive_int)
     max_message_bytes: int = flag(1 << 30, "the largest message this worker accepts (a schedule, the previous "

@@ -1,5 +1,5 @@
 """The Ray launcher: stage workers as Ray actors, one placement group per stage, on a local Ray
-instance bound to loopback; the same coordinator and ZeroMQ data path."""
+instance; the same coordinator and ZeroMQ data path (with mesh keys, as across nodes)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,16 @@ def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
 
     hf = build_hf_model("mixtral", tmp_path)
     want = [hf_greedy(hf, p, 6) for p in PROMPTS]
-    mesh = RayMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20))
+    from moemesh.mesh_security import make_keys
+
+    # with keys the mesh may face the network, as across nodes: the coordinator listens on every
+    # interface and the actors reach it at this node's address
+    keys = make_keys(tmp_path / "keys")
+    mesh = RayMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, kv_memory=8 << 20, mesh_keys=str(keys)))
+    assert mesh.coordinator.host == "0.0.0.0"
     try:
         mesh.start()
+        assert all(not coordinator.startswith("tcp://0.0.0.0") for coordinator, *_ in mesh.placement.values())
         results, status = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=6, temperature=0,
                                                                         ignore_eos=True)))
         assert [t for t, _ in results] == want
@@ -48,3 +55,18 @@ def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
         mesh.stop()
     assert not ray.is_initialized()
     assert os.environ.get("RAY_USAGE_STATS_ENABLED") == "0"
+
+
+def test_a_mesh_started_here_gives_each_worker_its_gpu_and_keeps_loopback_without_keys(tmp_path):
+    """--device cuda: worker i (stage by stage, tensor rank by tensor rank) on cuda:i, by both launchers'
+    settings (nothing is started); without keys the Ray launcher's coordinator stays on loopback."""
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.entrypoints.ray_launcher import RayMesh
+    from moemesh.settings import EngineSettings
+
+    build_hf_model("mixtral", tmp_path)
+    mesh = LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, device="cuda"))
+    assert [mesh.worker_device(p, t) for p in range(2) for t in range(2)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2)).worker_device(1, 0) == "cpu"
+    ray_mesh = RayMesh.of(EngineSettings(model=str(tmp_path), pp=2, device="cuda"))
+    assert ray_mesh.gpu and ray_mesh.coordinator.host == "127.0.0.1"

@@ -35,8 +35,9 @@ class Output:
 
 
 class LLMEngine:
-    def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str = "cpu"):
+    def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str | None = None):
         self.settings = settings
+        device = device or settings.device
         self.model_config = mc = ModelConfig.from_dir(settings.model)
         if settings.tp > 1 or settings.expert_parallel:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")

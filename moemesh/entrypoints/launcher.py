@@ -149,10 +149,16 @@ class LocalMesh:
         return WorkerSettings.derive(self.worker, coordinator=coordinator, pp_rank=pp_rank, tp_rank=tp_rank,
                                      record=record, **changes)
 
+    def worker_device(self, pp_rank: int, tp_rank: int) -> str:
+        """cuda: one GPU a worker, stage by stage and tensor rank by tensor rank (worker i on cuda:i)."""
+        if self.worker.device != "cuda":
+            return self.worker.device
+        return f"cuda:{pp_rank * self.coordinator.tp + tp_rank}"
+
     def _start_workers(self, coordinator: str) -> None:
         for p in range(self.coordinator.pp):
             for t in range(self.coordinator.tp):
-                w = self.worker_settings(coordinator, p, t)
+                w = self.worker_settings(coordinator, p, t, device=self.worker_device(p, t))
                 self._spawn(f"stage-worker pp={p} tp={t}", ["stage-worker", *w.to_argv()])
 
     def _read_announcement(self, coord: subprocess.Popen, timeout: float = 60.0) -> dict:

@@ -4,13 +4,17 @@ One actor per (stage, tensor rank); the actors of a stage are packed on one node
 group (one bundle per rank, STRICT_PACK), so a stage's tensor parallelism stays inside a host and
 the pipeline crosses hosts, the layout vLLM's TPU backend adopted for Ray. Everything else is the
 same as the local launcher: the coordinator is a child process of this one, the actors register
-with it like any worker, and activations travel over ZeroMQ, not through Ray. An actor whose worker
+with it like any worker, and activations travel over ZeroMQ, not through Ray. Beyond one node the
+mesh faces the network, so it needs --mesh-keys (or --insecure-mesh): then the coordinator listens
+on every interface of this (the driver's) node and the actors reach it at the node's IP; without
+them everything stays on loopback, on the driver's node. `--device cuda` gives each actor one GPU. An actor whose worker
 exits (or that dies) is replaced in its bundle, within the local launcher's restart budget, and the
 coordinator's recovery takes the replacement in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
@@ -45,10 +49,11 @@ def _worker_actor():
 
 
 class RayMesh(LocalMesh):
-    def __init__(self, coordinator, worker, extra_env=None, ray_address: str | None = None, device: str = "cpu",
+    def __init__(self, coordinator, worker, extra_env=None, ray_address: str | None = None,
                  startup_timeout: float = 300.0):
         super().__init__(coordinator, worker, extra_env, startup_timeout)
-        self.ray_address, self.device = ray_address, device
+        self.ray_address = ray_address
+        self.gpu = worker.device.startswith("cuda")
         self.actors, self.runs, self.groups = [], {}, []
         self.placement: dict[str, tuple] = {}  # actor name -> (coordinator address, pp rank, tp rank, group)
         self.by_name: dict = {}
@@ -58,7 +63,14 @@ class RayMesh(LocalMesh):
     def of(cls, engine, extra_env=None, ray_address: str | None = None, **changes) -> "RayMesh":
         mesh = super().of(engine, extra_env, **changes)
         mesh.ray_address = ray_address
+        if mesh.exposed:  # actors on other nodes must reach the coordinator
+            mesh.coordinator = dataclasses.replace(mesh.coordinator, host="0.0.0.0")
         return mesh
+
+    @property
+    def exposed(self) -> bool:
+        """Whether the mesh may face the network (keys, or --insecure-mesh): else all on loopback."""
+        return bool(self.worker.mesh_keys or self.worker.insecure_mesh)
 
     def _start_workers(self, coordinator: str) -> None:
         try:
@@ -72,8 +84,10 @@ class RayMesh(LocalMesh):
                      **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
             self._started_ray = True
         self._actor_cls = _worker_actor()
+        if self.exposed:  # (it listens on every interface: the actors reach it at this node's address)
+            coordinator = f"tcp://{ray.util.get_node_ip_address()}:{coordinator.rsplit(':', 1)[1]}"
         pp, tp = self.coordinator.pp, self.coordinator.tp
-        gpu = 1 if self.device == "cuda" else 0
+        gpu = 1 if self.gpu else 0
         for p in range(pp):
             group = placement_group([{"CPU": 0.01, **({"GPU": 1} if gpu else {})}] * tp, strategy="STRICT_PACK")
             if not group.wait(timeout_seconds=120):
@@ -90,17 +104,16 @@ class RayMesh(LocalMesh):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         coordinator, p, t, group = self.placement[name]
-        gpu = 1 if self.device == "cuda" else 0
+        gpu = 1 if self.gpu else 0
         actor = self._actor_cls.options(
             num_cpus=0.01, num_gpus=gpu,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
         ).remote()
         host = ray.get(actor.node_ip.remote())
         # beyond loopback only with keys (or --insecure-mesh): the activation socket faces the network
-        exposed = self.worker.mesh_keys or self.worker.insecure_mesh
-        worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if exposed else "127.0.0.1",
-                                      advertise_host=host if exposed else "127.0.0.1",
-                                      device="cuda:0" if gpu else "cpu")
+        worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if self.exposed else "127.0.0.1",
+                                      advertise_host=host if self.exposed else "127.0.0.1",
+                                      device="cuda:0" if gpu else "cpu")  # (Ray shows the actor its one GPU)
         self.actors.append(actor)
         self.by_name[name] = actor
         self.runs[name] = actor.run.remote(worker.to_argv())
