@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
-from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult
+from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
+
+
+ENDED_KEPT = 1024  # ended requests whose outputs a client may still ask to have again
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What a client that missed a request's last outputs gets again (EngineCore.resend)."""
+    output_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
 
 
 class EngineCore:
@@ -30,6 +46,8 @@ class EngineCore:
         self.next_step_id = 0  # the id the next schedule gets
         self._seq_ids = itertools.count()
         self._forget: list[int] = []
+        # requests that ended, newest last, for a client that missed their last outputs (ResendRequest)
+        self.ended: OrderedDict[str, Sequence] = OrderedDict()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -58,7 +76,7 @@ class EngineCore:
         self.scheduler.finish(seq, reason)
         self._forget.append(seq.seq_id)
         return RequestOutput(request_id, [], finish_reason=reason, error=error, error_status=503 if error else 0,
-                             num_prompt_tokens=len(seq.prompt_ids))
+                             num_prompt_tokens=len(seq.prompt_ids), start=seq.num_streamed)
 
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Ends every request with an error the client sees as 'service unavailable'."""
@@ -119,19 +137,49 @@ class EngineCore:
         for seq in finished:
             self.requests.pop(seq.request_id, None)
             self._forget.append(seq.seq_id)
+            self._keep_ended(seq)
         return outputs
+
+    def _keep_ended(self, seq: Sequence) -> None:
+        """Keeps what a resend of an ended request needs (its outputs, not its prompt), for the last
+        ENDED_KEPT requests."""
+        self.ended[seq.request_id] = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None,
+                                           seq.prompt_logprobs, seq.finish_reason, len(seq.prompt_ids),
+                                           seq.num_cached_tokens)
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
+    def resend(self, request_id: str, start: int) -> RequestOutput | None:
+        """A request's outputs from token `start` on, as they were sent (a client missed some), and its end
+        if it has ended; None for a request not known (ended long ago, or never) or nothing to resend."""
+        start = max(0, start)
+        if (seq := self.requests.get(request_id)) is not None:
+            if start >= seq.num_streamed:
+                return None
+            wants = seq.params.logprobs is not None
+            return RequestOutput(request_id, seq.output_ids[start:seq.num_streamed],
+                                 seq.logprobs[start:seq.num_streamed] if wants else None,
+                                 seq.prompt_logprobs if start == 0 else None, num_prompt_tokens=len(seq.prompt_ids),
+                                 num_cached_tokens=seq.num_cached_tokens if start == 0 else 0, start=start)
+        if (ended := self.ended.get(request_id)) is not None:
+            return RequestOutput(request_id, ended.output_ids[start:],
+                                 ended.logprobs[start:] if ended.logprobs is not None else None,
+                                 ended.prompt_logprobs if start == 0 else None, finish_reason=ended.finish_reason,
+                                 num_prompt_tokens=ended.num_prompt_tokens,
+                                 num_cached_tokens=ended.num_cached_tokens if start == 0 else 0, start=start)
+        return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new = seq.output_ids[seq.num_streamed:]
         logprobs = seq.logprobs[seq.num_streamed:] if seq.params.logprobs is not None else None
         first = seq.num_streamed == 0
         prompt_logprobs = seq.prompt_logprobs if first else None
-        seq.num_streamed = len(seq.output_ids)
+        start, seq.num_streamed = seq.num_streamed, len(seq.output_ids)
         queue = seq.first_scheduled - seq.arrival if first and seq.first_scheduled is not None else None
         return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
                              finish_reason=seq.finish_reason if seq.finished else None,
                              num_prompt_tokens=len(seq.prompt_ids), queue_seconds=queue,
-                             num_cached_tokens=seq.num_cached_tokens if first else 0)
+                             num_cached_tokens=seq.num_cached_tokens if first else 0, start=start)
 
     def fail_in_flight(self) -> None:
         """Forgets every step in flight (their stage died); the sequences stay as they were."""

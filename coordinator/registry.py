@@ -50,6 +50,8 @@ class WorkerInfo:
     refused: int = 0  # handshakes its activation socket refused (its heartbeat says)
     malformed: int = 0  # messages it could not decode or use (its heartbeat says)
     last_step: int = -1  # the last step it finished (its heartbeat says)
+    received_step: int = -1  # the last schedule it took (its heartbeat says)
+    heard_at: float = 0.0  # when its last heartbeat came
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -45,12 +45,15 @@ from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest,
-                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, Reset, Schedule,
-                              Shutdown, Start, StatusReply, StatusRequest, StepResult, WorkerFailed, WorkerMessage,
-                              max_client_message_bytes, max_result_bytes, worker_message_bytes)
+                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, ResendRequest,
+                              Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult, WorkerFailed,
+                              WorkerMessage, max_client_message_bytes, max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
+
+LOST_AFTER = 2.0  # seconds a computed step's result may take to arrive before it counts as lost
+STALL = 1.0  # seconds the watchdog may wake late before the delay counts as this process's own stall
 
 
 class ZmqPipeline:
@@ -86,6 +89,11 @@ class Coordinator:
         for s in (self.workers_sock, self.clients_sock):
             set_heartbeats(s)
             s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            # a peer that reconnects (its heartbeats timed out while this process stalled, or the link
+            # dropped) comes back with its identity: the new connection takes it over, where libzmq would
+            # otherwise refuse it while the old one lingers, and route nothing to that peer again. (Client
+            # identities are unguessable, so no other client can take one over.)
+            s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # a gateway that reads slowly is never dropped an output (ZeroMQ drops at the high-water mark on a
         # ROUTER): what it has not read waits here, bounded by its requests' tokens (its --max-pending);
         # the gateway cuts off its own slow HTTP readers (--stream-timeout)
@@ -117,6 +125,7 @@ class Coordinator:
         self.issued: dict[int, float] = {}  # step id -> when it went out (--step-timeout)
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
+        self._computed_at: dict[int, float] = {}  # step in flight -> when the last stage said it had computed it
         self._recovery_started = 0.0
 
     @property
@@ -370,6 +379,9 @@ class Coordinator:
                                                              "address": w.data_address, "pid": msg.pid}})
             return
         w = reg.get(identity)
+        if w is None and _handed_over(identity):  # what a connection replaced by its own reconnection had queued
+            log.debug("message on a replaced connection", extra={"fields": {"type": type(msg).__name__}})
+            return
         if w is None:
             self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
             # a worker this pipeline dropped (silent too long, a stage peer), or one registered with a
@@ -382,6 +394,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
             w.refused, w.malformed, w.last_step = msg.refused, msg.malformed, msg.last_step
+            w.received_step, w.heard_at = msg.received_step, time.monotonic()
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
@@ -419,7 +432,7 @@ class Coordinator:
         last reset, the first stage behind the overdue step is replaced."""
         timeout = self.cfg.step_timeout
         while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
+            await asyncio.sleep(min(0.5, timeout / 4))
             if self.failure:
                 return
             if not self.serving:
@@ -427,9 +440,14 @@ class Coordinator:
             now = time.monotonic()
             self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
             overdue = [s for s, t in self.issued.items() if now - t > timeout]
-            if not overdue:
+            lost = self._lost_on_a_link(now)
+            if lost is not None:
+                step, why = lost
+            elif overdue:
+                step = min(overdue)
+                why = f"step {step} overdue ({timeout:g} s, --step-timeout)"
+            else:
                 continue
-            step = min(overdue)
             # with tensor parallelism a reset could leave a stage's ranks one step apart in their
             # collectives (as _lost says): replace instead
             if self.cfg.tp > 1 or self._results_at_reset == self.results_taken:  # or the reset did not help
@@ -438,10 +456,33 @@ class Coordinator:
                 if behind or (self.cfg.tp > 1 and workers):
                     w = (behind or workers)[0]
                     await self._send_worker(w.identity, Shutdown())
-                    self._lost(w, f"step {step} overdue ({timeout:g} s, --step-timeout) at stage worker "
-                                  f"pp={w.pp_rank} tp={w.tp_rank}")
+                    self._lost(w, f"{why} at stage worker pp={w.pp_rank} tp={w.tp_rank}")
                     continue
-            await self._reset_pipeline(f"step {step} overdue ({timeout:g} s, --step-timeout)")
+            await self._reset_pipeline(why)
+
+    def _lost_on_a_link(self, now: float) -> tuple[int, str] | None:
+        """(step, why) when a message was lost on a link that dropped and came back (ZeroMQ drops what
+        was queued on it), which the step deadline would notice only after --step-timeout: a worker
+        whose heartbeat came well after a schedule went out has not taken it, or the last stage
+        computed the oldest step in flight LOST_AFTER seconds ago (its heartbeat says) and its result
+        never came."""
+        if not self.issued:
+            self._computed_at.clear()
+            return None
+        for w in self.registry.workers.values():
+            missed = [s for s, sent in self.issued.items() if w.received_step < s and w.heard_at - sent > LOST_AFTER]
+            if missed:
+                return min(missed), (f"the schedule of step {min(missed)} was lost on its link to stage worker "
+                                     f"pp={w.pp_rank} tp={w.tp_rank}")
+        oldest = min(self.issued)
+        last = self.registry.workers.get((self.cfg.pp - 1, 0))
+        self._computed_at = {s: t for s, t in self._computed_at.items() if s in self.issued}
+        if last is None or last.last_step < oldest:
+            return None
+        seen = self._computed_at.setdefault(oldest, now)
+        if now - seen < LOST_AFTER:
+            return None
+        return oldest, f"the result of step {oldest} was lost on its link (computed {now - seen:.1f} s ago)"
 
     async def _reset_pipeline(self, reason: str) -> None:
         """Every worker drops the steps not yet run; every unfinished sequence is recomputed."""
@@ -464,9 +505,17 @@ class Coordinator:
         """Sleeps until the earliest worker could count as silent, then checks."""
         timeout = self.cfg.worker_timeout
         while True:
-            await asyncio.sleep(max(0.05, self.registry.next_silence(timeout)))
+            planned = max(0.05, self.registry.next_silence(timeout))
+            started = time.monotonic()
+            await asyncio.sleep(planned)
             if self.failure:
                 return  # down for good
+            late = time.monotonic() - started - planned
+            if late > STALL:  # this process did not run (stopped, starved of CPU): the silence was its own
+                log.warning("coordinator stalled", extra={"fields": {"seconds": round(late, 1)}})
+                for w in self.registry.workers.values():
+                    w.last_seen += late
+                continue
             w = self.registry.silent(timeout)
             if w is not None:
                 self._lost(w, f"stage worker pp={w.pp_rank} tp={w.tp_rank} stopped responding "
@@ -536,6 +585,24 @@ class Coordinator:
             await self._abort(identity, msg.request_id)
         elif isinstance(msg, StatusRequest):
             await self.router.reply(identity, self.status())
+        elif isinstance(msg, ResendRequest):
+            await self._resend(identity, msg)
+
+    async def _resend(self, identity: bytes, msg: ResendRequest) -> None:
+        """A client missed outputs (its link dropped while they were queued for it): they come again, or
+        the request ends with an error when it is no longer known here. A request still held (not
+        serving yet) has nothing to resend."""
+        if any((i, r.request_id) == (identity, msg.request_id) for i, r in self.router.held):
+            return
+        key = self.router.key(identity, msg.request_id)
+        out = self.core.resend(key, msg.start) if self.core is not None else None
+        if out is not None:
+            await self.router.reply(identity, msgspec.structs.replace(out, request_id=msg.request_id))
+        elif self.core is None or (key not in self.core.requests and key not in self.core.ended):
+            await self.router.reply(identity, RequestOutput(
+                msg.request_id, [], finish_reason="error", error_status=503, start=msg.start,
+                error="the request's outputs were lost on the link to the coordinator (it dropped, or the "
+                      "coordinator was restarted) and it is no longer known there; retry it"))
 
     async def _add(self, identity: bytes, req: GenerateRequest) -> None:
         try:
@@ -578,6 +645,12 @@ class Coordinator:
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0,
             mesh_refused=self.guard.refused + sum(w.refused for w in reg.workers.values()) + reg.refused_gone)
+
+
+def _handed_over(identity: bytes) -> bool:
+    """Whether a ROUTER identity is the one libzmq gives a connection that its peer's reconnection took
+    over (ROUTER_HANDOVER): a zero byte and four more, which no worker's own identity looks like."""
+    return len(identity) == 5 and identity[0] == 0
 
 
 def _generate_request_id(header) -> str | None:

@@ -8,15 +8,18 @@ import itertools
 import os
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshKeys
 from moemesh.netutil import BadMessages, receive, set_heartbeats
 from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
-                              ProtocolError, RequestOutput, StatusReply, StatusRequest)
+                              ProtocolError, RequestOutput, ResendRequest, StatusReply, StatusRequest)
 from moemesh.sampling import SamplingParams
 
 log = get_logger("client")
@@ -24,6 +27,15 @@ log = get_logger("client")
 
 class PipelineFailed(RuntimeError):
     """The coordinator's pipeline went down before it served (the reason is the message)."""
+
+
+@dataclass
+class _Stream:
+    """One request's outputs on their way to its `generate` loop."""
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    received: int = 0  # tokens handed over
+    early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs past a gap, by their start
+    asked: bool = False  # the missing outputs were asked for again
 
 
 class CoordinatorClient:
@@ -40,15 +52,76 @@ class CoordinatorClient:
         self.sock.connect(address)
         self.codec = Codec(CoordinatorReply)
         self.bad = BadMessages(log, "coordinator")
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, _Stream] = {}
         self.status_waiters: list[asyncio.Future] = []
+        self.resends = 0  # outputs asked for again (missed on a link that dropped)
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._watcher = asyncio.ensure_future(self._watch_link(monitor))
 
     async def close(self) -> None:
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watcher):
+            task.cancel()
+        await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
+        self.sock.disable_monitor()
         self.sock.close(linger=0)
+
+    async def _watch_link(self, monitor) -> None:
+        """Once the link to the coordinator dropped and came back, outputs queued for this client on the
+        old connection are gone (ZeroMQ drops them with it), among them perhaps a request's last: every
+        open stream asks for its outputs again from where it is."""
+        dropped = False
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    dropped = True
+                elif dropped:
+                    dropped = False
+                    log.warning("link to the coordinator came back; asking for missed outputs",
+                                extra={"fields": {"streams": len(self.streams)}})
+                    for rid, st in self.streams.items():
+                        self._ask_again(rid, st)
+        finally:
+            monitor.close(linger=0)
+
+    def _ask_again(self, rid: str, st: "_Stream") -> None:
+        st.asked = True
+        self.resends += 1
+        try:
+            self.sock.send_multipart(Codec.encode(ResendRequest(rid, st.received)), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no link right now: asked again when it comes back
+            st.asked = False
+
+    def _arrive(self, rid: str, st: "_Stream", out: RequestOutput) -> None:
+        """Hands a stream its outputs in order, each token once. An output past a gap (outputs lost on a
+        link that dropped) waits while the missing ones are asked for again; one that repeats tokens
+        already handed over is trimmed. An error ends the stream at once."""
+        if out.start < 0 or out.error:  # (a coordinator that does not count, or the end of the request)
+            st.queue.put_nowait(out)
+            return
+        if out.start > st.received:
+            st.early[out.start] = out
+            if not st.asked:
+                self._ask_again(rid, st)
+            return
+        self._hand_over(st, out)
+        while (ready := [start for start in st.early if start <= st.received]):
+            self._hand_over(st, st.early.pop(min(ready)))
+
+    @staticmethod
+    def _hand_over(st: "_Stream", out: RequestOutput) -> None:
+        """An output that starts at or before what the stream has: the tokens it does not have yet."""
+        skip = st.received - out.start
+        if skip > 0 and skip >= len(out.token_ids) and out.finish_reason is None:
+            return  # (all of it came already)
+        if skip:
+            out = msgspec.structs.replace(out, token_ids=out.token_ids[skip:], start=st.received, prompt_logprobs=None,
+                                          logprobs=out.logprobs[skip:] if out.logprobs is not None else None)
+        st.received += len(out.token_ids)
+        st.asked = False
+        st.queue.put_nowait(out)
 
     async def _read(self) -> None:
         while True:
@@ -66,8 +139,8 @@ class CoordinatorClient:
                     self.status_waiters.pop(0).set_result(msg)
                 continue
             for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
-                if (q := self.streams.get(out.request_id)) is not None:
-                    q.put_nowait(out)
+                if (st := self.streams.get(out.request_id)) is not None:
+                    self._arrive(out.request_id, st, out)
 
     async def status(self, timeout: float = 5.0) -> StatusReply:
         """Raises asyncio.TimeoutError when the coordinator does not answer in time (or cannot be
@@ -105,7 +178,7 @@ class CoordinatorClient:
         rid = request_id or f"r{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already streaming")
-        q = self.streams[rid] = asyncio.Queue()
+        st = self.streams[rid] = _Stream()
         finished = False
         try:
             try:
@@ -117,7 +190,7 @@ class CoordinatorClient:
                                     error_status=503)
                 return
             while True:
-                out = await q.get()
+                out = await st.queue.get()
                 finished = out.finish_reason is not None
                 yield out
                 if finished:
@@ -128,9 +201,11 @@ class CoordinatorClient:
                 self.abort(rid)
 
     def fail_all(self, error: str) -> None:
-        """Ends every open stream with an error (the coordinator is gone: nothing else will)."""
-        for rid, q in self.streams.items():
-            q.put_nowait(RequestOutput(rid, [], finish_reason="error", error=error, error_status=503))
+        """Ends every open stream with an error (the coordinator does not answer), and asks it to end
+        the requests, which it would otherwise go on computing should it come back."""
+        for rid, st in self.streams.items():
+            st.queue.put_nowait(RequestOutput(rid, [], finish_reason="error", error=error, error_status=503))
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         """Asks the coordinator to end a request (no wait: safe from a closing generator)."""

@@ -61,6 +61,13 @@ class StatusRequest(msgspec.Struct, tag="status", frozen=True):
     pass
 
 
+class ResendRequest(msgspec.Struct, tag="resend", frozen=True):
+    """A client missed outputs of a request (its link to the coordinator dropped): its tokens from
+    `start` on again, and its end if it has ended."""
+    request_id: str
+    start: int
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
     """Logprob of one token, and the top-N alternatives at its position (N may be 0)."""
     token_id: int
@@ -80,6 +87,7 @@ class RequestOutput(msgspec.Struct, tag="output", frozen=True):
     num_prompt_tokens: int = 0
     queue_seconds: float | None = None  # on the first output: from arrival to first scheduled
     num_cached_tokens: int = 0  # on the first output: prompt tokens found in the prefix cache
+    start: int = -1  # the index of its first token among the request's outputs (-1: not counted)
 
 
 class OutputBatch(msgspec.Struct, tag="outputs", frozen=True):
@@ -118,7 +126,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
 
 
-ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest]
+ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest, ResendRequest]
 CoordinatorReply = Union[RequestOutput, OutputBatch, StatusReply]
 
 
@@ -170,6 +178,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     refused: int = 0  # handshakes its activation socket refused (no key, or one not allowed), since start
     malformed: int = 0  # messages it received that did not decode or did not fit, since start
     last_step: int = -1  # the last step it finished computing
+    received_step: int = -1  # the last schedule it took (in order: after a gap it takes none until a Reset)
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

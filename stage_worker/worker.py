@@ -427,7 +427,8 @@ class StageWorker:
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
-                                       self.guard.refused, self.bad.count, self.last_step))
+                                       self.guard.refused, self.bad.count, self.last_step,
+                                       -1 if self.next_schedule is None else self.next_schedule - 1))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

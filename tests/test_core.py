@@ -249,6 +249,34 @@ def test_prompt_logprobs_come_with_an_output_that_finishes_at_once():
 
 # -- abort, add, results ------------------------------------------------------------------------
 
+def test_outputs_count_their_tokens_and_any_of_them_can_be_had_again():
+    """Each output says where its tokens start among the request's; `resend` gives them again from any
+    point, as they were sent (logprobs too, prompt logprobs from 0), while the request runs and for a
+    while after it ended (its end with them); nothing for a request not known."""
+    core = make_core()
+    core.add("a", prompt(5), SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=0))
+    stage = FakeLastStage()
+    sent = []
+    while core.has_work():
+        sent += core.process_result(stage(core.next_schedule()))
+        if len(sent) == 3:  # while it runs
+            again = core.resend("a", 1)
+            assert again.start == 1 and again.finish_reason is None
+            assert again.token_ids == [t for o in sent for t in o.token_ids][1:]
+    assert [o.start for o in sent] == [sum(len(p.token_ids) for p in sent[:i]) for i in range(len(sent))]
+    tokens = [t for o in sent for t in o.token_ids]
+    logprobs = [lp for o in sent for lp in o.logprobs]
+    whole = core.resend("a", 0)
+    assert whole.token_ids == tokens and whole.logprobs == logprobs and whole.finish_reason == "length"
+    assert whole.prompt_logprobs == sent[0].prompt_logprobs and whole.num_prompt_tokens == 5
+    tail = core.resend("a", 4)
+    assert tail.token_ids == tokens[4:] and tail.prompt_logprobs is None and tail.start == 4
+    assert core.resend("a", 6).token_ids == [] and core.resend("a", 6).finish_reason == "length"
+    assert core.resend("nobody", 0) is None
+    for i in range(1025):  # only the last ENDED_KEPT ended requests are kept
+        core._keep_ended(core.add(f"x{i}", prompt(2), SamplingParams(max_tokens=1)))
+    assert core.resend("a", 0) is None and len(core.ended) == 1024 and "x1024" in core.ended
+
 def test_abort_unknown_or_finished_request_returns_none():
     core = make_core()
     assert core.abort("nobody") is None

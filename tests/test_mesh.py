@@ -250,6 +250,108 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
     assert status.num_free_blocks == status.num_blocks
 
 
+def test_a_stalled_coordinator_loses_no_output(model):
+    """The coordinator stopped (SIGSTOP) for longer than the links' heartbeat timeout (3 s) during 16
+    greedy streams: its links to the client and the workers drop and come back (the returning peer
+    takes its identity over), outputs queued on the dropped link are asked for again, and a lost
+    schedule or result resets the pipeline at once rather than after --step-timeout. Every stream
+    completes with the same tokens as an undisturbed run, none repeated or skipped, and no worker
+    is replaced (the stall was the coordinator's own, not its workers' silence)."""
+    import os
+    import signal
+
+    prompts, params = PROMPTS, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), pp=2, kv_memory=KV, mesh_keys=keys_for(model[0])))
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
+        try:
+            await client.wait_serving(timeout=120)
+            undisturbed = await asyncio.gather(*(collect(client, p, params) for p in prompts))
+            tasks, got = stream_all(client, prompts, [params] * len(prompts))
+            while sum(map(len, got)) < 16 * 4:
+                await asyncio.sleep(0.005)
+            pid = mesh.procs["coordinator"].pid
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(4.5)
+            os.kill(pid, signal.SIGCONT)
+            resumed = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+            return [t for t, _ in undisturbed], got, await client.status(), time.monotonic() - resumed, client.resends
+        finally:
+            await client.close()
+            mesh.stop()
+
+    want, got, status, seconds, resends = run(scenario())
+    assert got == want and all(len(t) == 120 for t in got)
+    assert status.workers_replaced == 0 and status.phase == "serving"
+    assert resends > 0  # (the client's link did drop)
+    assert seconds < 60  # (nothing waited for the 120 s step deadline)
+    assert status.num_free_blocks == status.num_blocks
+
+def test_the_client_hands_over_outputs_in_order_each_token_once():
+    """Outputs past a gap wait while the missing ones are asked for again (once per gap); repeats are
+    trimmed; an error ends the stream at once; a coordinator that does not count (start -1) is
+    taken as it comes."""
+    import msgspec
+
+    from moemesh.client import _Stream
+    from moemesh.protocol import Codec, ResendRequest, RequestOutput, TokenLogprobs
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        peer = ctx.socket(zmq.ROUTER)
+        port = peer.bind_to_random_port("tcp://127.0.0.1")
+        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx=ctx)
+        try:
+            await client.status(timeout=0.2)
+        except asyncio.TimeoutError:
+            pass  # (it connected: the request reached the peer, which does not answer)
+        await peer.recv_multipart()
+        st = _Stream()
+
+        def out(start, tokens, finish=None, error=None):
+            lps = [TokenLogprobs(t, -1.0, []) for t in tokens]
+            return RequestOutput("r", tokens, lps, finish_reason=finish, error=error, start=start)
+
+        def taken():
+            got = []
+            while not st.queue.empty():
+                got.append(st.queue.get_nowait())
+            return got
+
+        client._arrive("r", st, out(0, [1, 2]))
+        client._arrive("r", st, out(4, [5, 6]))  # 3, 4 were lost
+        client._arrive("r", st, out(6, [7]))
+        assert [o.token_ids for o in taken()] == [[1, 2]] and st.asked
+        ask, = [Codec(ResendRequest).decode((await peer.recv_multipart())[1:])[0]]
+        assert ask == ResendRequest("r", 2)
+        client._arrive("r", st, out(1, [2, 3, 4, 5]))  # the resend (overlapping both sides)
+        got = taken()
+        assert [t for o in got for t in o.token_ids] == [3, 4, 5, 6, 7] and not st.asked
+        assert [lp.token_id for o in got for lp in o.logprobs] == [3, 4, 5, 6, 7]
+        client._arrive("r", st, out(3, [4, 5]))  # a repeat: nothing
+        client._arrive("r", st, out(7, [], finish="length"))
+        assert [(o.token_ids, o.finish_reason) for o in taken()] == [([], "length")] and st.received == 7
+        other = _Stream()
+        client._arrive("s", other, out(5, [9]))
+        client._arrive("s", other, msgspec.structs.replace(out(0, [], finish="error", error="down"), request_id="s"))
+        assert [o.error for o in taken_of(other)] == ["down"]
+        plain = _Stream()
+        client._arrive("t", plain, out(-1, [8]))
+        assert [o.token_ids for o in taken_of(plain)] == [[8]]
+        await client.close()
+        ctx.destroy(linger=0)
+
+    def taken_of(stream):
+        got = []
+        while not stream.queue.empty():
+            got.append(stream.queue.get_nowait())
+        return got
+
+    run(scenario())
+
 LONG_PROMPT = list(range(5, 205))  # 200 tokens: prefilled in chunks of the 16-token budget
 
 
