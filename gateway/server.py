@@ -100,6 +100,7 @@ class Gateway:
         self.client: CoordinatorClient | None = None
         self.status = None
         self.pending = 0
+        self.down: str | None = None  # set by whoever runs the gateway when the mesh is gone for good
         self.api_keys = load_api_keys(cfg.api_key or os.environ.get("MOEMESH_API_KEY"), cfg.api_key_file)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class Gateway:
                 if status.instance != self.status.instance:  # a new coordinator: ours are gone
                     log.error("coordinator restarted", extra={"fields": {"requests": len(self.client.streams)}})
                     self.client.fail_all("the coordinator restarted")
+                if self.down:  # (the coordinator may still answer: its launcher has given up on the mesh)
+                    status = msgspec.structs.replace(status, serving=False, failure=self.down, phase="down")
                 self.status = status
                 self.metrics.update_from_status(self.status, time.monotonic())
                 silent = 0
@@ -153,6 +156,15 @@ class Gateway:
                     log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams)}})
                     self.client.fail_all(reason)
             await asyncio.sleep(0.5)
+
+    def fail(self, reason: str) -> None:
+        """The mesh is gone for good (its launcher gave up on it): 503 with the reason from now on, and
+        the requests in flight end with it."""
+        self.down = reason
+        if self.status is not None:
+            self.status = msgspec.structs.replace(self.status, serving=False, failure=reason, phase="down")
+        if self.client is not None:
+            self.client.fail_all(reason)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
@@ -738,10 +750,14 @@ def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
     return context
 
 
-async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, urls: list | None = None) -> None:
+async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, urls: list | None = None,
+                      down: asyncio.Future | None = None) -> None:
     """Serves until cancelled; once listening sets `ready` and appends its URL (the port it bound,
-    which --port 0 leaves to the system) to `urls`."""
+    which --port 0 leaves to the system) to `urls`. `down`: its result, a reason, turns the gateway to
+    503 for good (the mesh's launcher gave up on it)."""
     gw = Gateway(cfg)
+    if down is not None:
+        down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context(cfg))

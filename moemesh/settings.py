@@ -16,13 +16,15 @@ The classes, one per process role, share groups of fields by inheritance:
     ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
     LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
     SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight
-    WorkerResources    kv_memory, threads                            what each stage worker may use
+    WorkerResources    kv_memory, threads, device, ...               what each stage worker may use
+    PipelineTimeouts   worker, register, ready, step, recovery       the coordinator's deadlines
     MeshSecurity       mesh_keys, insecure_mesh                      CurveZMQ on the mesh (every mesh process)
-    CoordinatorSettings = Model + Layout + Scheduler + its sockets and timeouts
-    WorkerSettings      = WorkerResources + its coordinator, ranks, sockets, device, recording
+    CoordinatorSettings = Model + Layout + Scheduler + PipelineTimeouts + its sockets
+    WorkerSettings      = WorkerResources + its coordinator, ranks, sockets, recording
     StageSettings       = WorkerSettings + tp (`moemesh stage` starts tp workers)
     GatewaySettings       the HTTP front: coordinator, host, port, model, names, keys, limits
-    EngineSettings      = Model + Layout + Scheduler + WorkerResources (generate, serve, LLMEngine)
+    EngineSettings      = Model + Layout + Scheduler + WorkerResources + PipelineTimeouts
+                          (generate, serve, LLMEngine)
 """
 
 from __future__ import annotations
@@ -371,15 +373,8 @@ class WorkerResources(Settings):
 
 
 @dataclass(frozen=True)
-class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerResources, MeshSecurity):
-    """The whole system on this machine: `generate`, `serve`, `LLMEngine`, `LocalMesh.of`."""
-
-
-@dataclass(frozen=True)
-class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, MeshSecurity):
-    host: str = flag("127.0.0.1", "address to listen on")
-    port: int = flag(0, "port for stage workers (0: any free port)", parse=port_int)
-    client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=port_int)
+class PipelineTimeouts(Settings):
+    """The coordinator's, and `serve`'s and `generate`'s for the coordinator they start."""
     worker_timeout: float = flag(5.0, "seconds without a heartbeat before a worker counts as dead",
                                  parse=positive_float)
     register_timeout: float = flag(600.0, "seconds to wait for every stage worker to register before giving up "
@@ -391,6 +386,19 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, Mesh
                                parse=positive_float)
     recovery_timeout: float = flag(120.0, "seconds a recovering pipeline waits for a replacement of a lost worker "
                                           "(and its load) before it ends every request with 503", parse=positive_float)
+
+
+@dataclass(frozen=True)
+class EngineSettings(ModelSettings, LayoutSettings, SchedulerSettings, WorkerResources, PipelineTimeouts,
+                     MeshSecurity):
+    """The whole system on this machine: `generate`, `serve`, `LLMEngine`, `LocalMesh.of`."""
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, PipelineTimeouts, MeshSecurity):
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(0, "port for stage workers (0: any free port)", parse=port_int)
+    client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=port_int)
 
 
 @dataclass(frozen=True)

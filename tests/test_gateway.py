@@ -323,6 +323,47 @@ def test_chat_options_render_as_transformers_renders_them(model, server, client)
         status, body, _ = http("POST", url, {"messages": [user, partial], "max_tokens": 2, **fields})
         assert status == 400 and json.loads(body)["error"]["param"] == param, (fields, body)
 
+def test_a_mesh_its_launcher_gave_up_on_is_a_503_at_once(model):
+    """`serve` tells its gateway when the launcher gives up on the mesh (a child past its restart
+    budget): /health, /ready and new requests are a 503 with the reason from then on, though the
+    coordinator may still answer (it would wait --recovery-timeout for a replacement that never comes)."""
+    import asyncio
+
+    import aiohttp
+
+    from gateway.server import run_gateway
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.settings import EngineSettings, GatewaySettings
+
+    async def scenario():
+        with LocalMesh.of(EngineSettings(model=str(model), kv_memory=4 << 20)) as mesh:
+            ready, urls = asyncio.Event(), []
+            down = asyncio.get_running_loop().create_future()
+            server = asyncio.ensure_future(run_gateway(GatewaySettings(coordinator=mesh.client_address, port=0),
+                                                       ready, urls, down))
+            try:
+                await asyncio.wait_for(ready.wait(), 120)
+                async with aiohttp.ClientSession() as http_session:
+                    async def get(path, body=None):
+                        call = http_session.post if body else http_session.get
+                        async with call(urls[0] + path, json=body) as r:
+                            return r.status, await r.json()
+
+                    assert (await get("/health"))[0] == 200
+                    down.set_result("the mesh is down: stage worker pp=0 tp=0 past its restart budget")
+                    await asyncio.sleep(0.7)  # (and a status poll that still hears the coordinator)
+                    results = [await get("/health"), await get("/ready"),
+                               await get("/v1/completions", {"prompt": [5, 6], "max_tokens": 2})]
+            finally:
+                server.cancel()
+                await asyncio.gather(server, return_exceptions=True)
+        return results
+
+    (health, h), (ready, r), (gen, g) = asyncio.run(scenario())
+    assert (health, ready, gen) == (503, 503, 503)
+    assert "past its restart budget" in h["error"]["message"] and "past its restart budget" in r["reason"]
+    assert "past its restart budget" in g["error"]["message"]
+
 def test_tokenizer_endpoints_round_trip(server):
     status, body, _ = http("GET", f"{server.url}/tokenizer_info")
     info = json.loads(body)

@@ -118,3 +118,21 @@ def test_a_dead_stage_worker_is_restarted_and_generate_completes(model):
     assert proc.returncode == 0, err
     assert json.loads(out)["token_ids"] == json.loads(undisturbed.stdout)["token_ids"]
     assert len(json.loads(out)["token_ids"]) == 1500 and b"restarting" in err  # killed mid-run
+
+
+def test_serve_and_generate_give_their_coordinator_its_timeouts(model):
+    """--worker-timeout, --step-timeout, --recovery-timeout (and the start's) on serve and generate
+    reach the coordinator they start (its MOEMESH_* variables do not: a child gets flags)."""
+    from moemesh.entrypoints.cli import build_parser
+    from moemesh.entrypoints.generate import engine_settings_from_args
+    from moemesh.entrypoints.launcher import LocalMesh
+
+    for command in ("serve", "generate"):
+        extra = ["--prompt-ids", "5,6"] if command == "generate" else []
+        args = build_parser().parse_args([command, "--model", str(model), "--pp", "2", "--worker-timeout", "3",
+                                          "--step-timeout", "7", "--recovery-timeout", "300", *extra])
+        mesh = LocalMesh.of(engine_settings_from_args(args))
+        c = mesh.coordinator
+        assert (c.worker_timeout, c.step_timeout, c.recovery_timeout) == (3, 7, 300), command
+        argv = c.to_argv()
+        assert argv[argv.index("--step-timeout") + 1] == "7.0" and "--recovery-timeout" in argv

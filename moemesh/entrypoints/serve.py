@@ -50,7 +50,8 @@ def run_serve(args) -> int:
 
 async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
     ready, urls = asyncio.Event(), []
-    server = asyncio.ensure_future(run_gateway(cfg, ready, urls))
+    down = asyncio.get_running_loop().create_future()
+    server = asyncio.ensure_future(run_gateway(cfg, ready, urls, down))
 
     async def watch():
         # before the URL is printed a dead child is fatal; after it, the pipeline is down but the
@@ -60,6 +61,7 @@ async def _serve(mesh: LocalMesh, cfg: GatewaySettings) -> None:
         if not ready.is_set():
             raise LaunchError(f"the mesh failed to start: {mesh.died}")
         log.error("a mesh process died; serving 503 until stopped", extra={"fields": {"reason": mesh.died}})
+        down.set_result(f"the mesh is down: {mesh.died} (restart `moemesh serve`)")
         await asyncio.Event().wait()
 
     watcher = asyncio.ensure_future(watch())
