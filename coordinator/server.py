@@ -382,6 +382,10 @@ class Coordinator:
         if w is None and _handed_over(identity):  # what a connection replaced by its own reconnection had queued
             log.debug("message on a replaced connection", extra={"fields": {"type": type(msg).__name__}})
             return
+        if w is None and isinstance(msg, WorkerFailed):  # (a launcher's report for a worker already dropped)
+            log.info("failure report for a worker no longer in the pipeline", extra={"fields": {
+                "pp_rank": msg.pp_rank, "tp_rank": msg.tp_rank, "error": msg.error}})
+            return
         if w is None:
             self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
             # a worker this pipeline dropped (silent too long, a stage peer), or one registered with a

@@ -124,8 +124,13 @@ class StageWorker:
             life.cancel()
             return 3  # the coordinator went silent: to be started again
         except Exception as e:
-            log.error("stage worker failed", exc_info=True)
-            await self._send(WorkerFailed(cfg.pp_rank, cfg.tp_rank, f"{type(e).__name__}: {e}"))
+            if _peer_lost(e):  # a tensor-parallel peer died mid-collective: its loss, not this worker's bug
+                log.warning("tensor-parallel peer lost", extra={"fields": {"error": str(e).splitlines()[0][:300]}})
+                reason = f"a tensor-parallel peer of stage {cfg.pp_rank} was lost ({type(e).__name__})"
+            else:
+                log.error("stage worker failed", exc_info=True)
+                reason = f"{type(e).__name__}: {e}"
+            await self._send(WorkerFailed(cfg.pp_rank, cfg.tp_rank, reason))
             await asyncio.sleep(0.1)  # let the message leave
             return 1
         finally:
@@ -430,6 +435,16 @@ class StageWorker:
                                        self.guard.refused, self.bad.count, self.last_step,
                                        -1 if self.next_schedule is None else self.next_schedule - 1))
             await asyncio.sleep(self.cfg.heartbeat_interval)
+
+
+def _peer_lost(e: Exception) -> bool:
+    """Whether an error is a collective failing because a peer of the stage's process group went away
+    (gloo reports a closed or reset connection; NCCL a remote error) rather than a fault here."""
+    if not dist.is_initialized() or not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return any(m in text for m in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                   "remote process exited", "nccl communicator was aborted"))
 
 
 def _free_port(host: str) -> int:
