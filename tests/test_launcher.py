@@ -136,3 +136,53 @@ def test_serve_and_generate_give_their_coordinator_its_timeouts(model):
         assert (c.worker_timeout, c.step_timeout, c.recovery_timeout) == (3, 7, 300), command
         argv = c.to_argv()
         assert argv[argv.index("--step-timeout") + 1] == "7.0" and "--recovery-timeout" in argv
+
+
+def test_moemesh_stage_runs_a_stage_with_its_ranks_on_the_ports_asked_for(model):
+    """`moemesh stage --tp 2 --port P` (a stage host's container command): its two workers register
+    with a coordinator started alone, listen on P and P + 1, and the pipeline gives the in-process
+    engine's greedy tokens; stopping `stage` stops both."""
+    import asyncio
+    import socket
+
+    from moemesh.client import CoordinatorClient
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.netutil import run
+    from moemesh.sampling import SamplingParams
+    from moemesh.settings import EngineSettings
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLMEngine(EngineSettings(model=str(model), num_kv_blocks=64), progress=False).generate([[5, 6, 7]], params)
+    with socket.socket() as s:  # two free ports in a row (checked below by the workers binding them)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    port = port if port < 65000 else 20000
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_")}
+    coord = subprocess.Popen([sys.executable, "-m", "moemesh", "coordinator", "--model", str(model), "--tp", "2",
+                              "--port", "0", "--client-port", "0"], stdout=subprocess.PIPE, env=env)
+    stage = None
+    try:
+        addresses = json.loads(coord.stdout.readline().decode().split(" ", 1)[1])
+        stage = subprocess.Popen([sys.executable, "-m", "moemesh", "stage", "--coordinator", addresses["workers"],
+                                  "--pp-rank", "0", "--tp", "2", "--host", "127.0.0.1", "--port", str(port),
+                                  "--kv-memory", str(4 << 20)], env=env)
+
+        async def generate():
+            client = CoordinatorClient(addresses["clients"])
+            try:
+                await client.wait_serving(timeout=120)
+                return [t for out in [o async for o in client.generate([5, 6, 7], params)] for t in out.token_ids]
+            finally:
+                await client.close()
+
+        assert run(generate()) == want[0].token_ids
+        for p in (port, port + 1):  # the workers hold them
+            with socket.socket() as s, pytest.raises(OSError):
+                s.bind(("127.0.0.1", p))
+        stage.terminate()
+        assert stage.wait(timeout=30) is not None
+    finally:
+        for proc in (stage, coord):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

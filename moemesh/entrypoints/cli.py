@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stage", help="run the tensor-parallel workers of one pipeline stage on this host")
     StageSettings.add_arguments(
-        st, coordinator={"required": True}, pp_rank={"required": True}, tp_rank=None, port=None, record=None,
+        st, coordinator={"required": True}, pp_rank={"required": True}, tp_rank=None, record=None,
+        port={"help": "activation port of tensor rank 0; rank i listens on PORT + i (0: any free ports), so a "
+                      "firewall can open just those"},
         record_steps=None, device={"help": "cpu or cuda (worker i on cuda:i)", "choices": ("cpu", "cuda")},
         host={"default": "0.0.0.0", "help": "address the activation sockets listen on"},
         kv_memory={"help": "bytes of KV cache per worker"},

@@ -286,7 +286,8 @@ def run_stage(stage: StageSettings) -> int:
     procs = []
     try:
         for t in range(stage.tp):
-            worker = WorkerSettings.derive(stage, tp_rank=t, device=f"cuda:{t}" if stage.device == "cuda" else stage.device)
+            worker = WorkerSettings.derive(stage, tp_rank=t, port=stage.port + t if stage.port else 0,
+                                           device=f"cuda:{t}" if stage.device == "cuda" else stage.device)
             procs.append(subprocess.Popen([sys.executable, "-m", "moemesh", "stage-worker", *worker.to_argv()],
                                           env=child_environment(), stdin=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent))
