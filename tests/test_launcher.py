@@ -142,7 +142,6 @@ def test_moemesh_stage_runs_a_stage_with_its_ranks_on_the_ports_asked_for(model)
     """`moemesh stage --tp 2 --port P` (a stage host's container command): its two workers register
     with a coordinator started alone, listen on P and P + 1, and the pipeline gives the in-process
     engine's greedy tokens; stopping `stage` stops both."""
-    import asyncio
     import socket
 
     from moemesh.client import CoordinatorClient
