@@ -21,18 +21,26 @@ from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, Token
 from moemesh.sampling import SamplingParams
 
 
-ENDED_KEPT = 1024  # ended requests whose outputs a client may still ask to have again
+# ended requests whose outputs a client may still ask to have again: at most this many, holding at most
+# ENDED_ENTRIES tokens and logprob alternatives in all
+ENDED_KEPT = 1024
+ENDED_ENTRIES = 1 << 21
 
 
 @dataclass(frozen=True)
 class Ended:
-    """What a client that missed a request's last outputs gets again (EngineCore.resend)."""
+    """What a client that missed a request's last outputs gets again (EngineCore.resend): not its prompt,
+    nor its prompt logprobs (a resend that needs them is answered as for a request not known)."""
     output_ids: list[int]
     logprobs: list[TokenLogprobs] | None
-    prompt_logprobs: list[TokenLogprobs | None] | None
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    had_prompt_logprobs: bool
+
+    @property
+    def entries(self) -> int:
+        return len(self.output_ids) + sum(1 + len(lp.top) for lp in self.logprobs or ())
 
 
 class EngineCore:
@@ -47,7 +55,8 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._forget: list[int] = []
         # requests that ended, newest last, for a client that missed their last outputs (ResendRequest)
-        self.ended: OrderedDict[str, Sequence] = OrderedDict()
+        self.ended: OrderedDict[str, Ended] = OrderedDict()
+        self.ended_entries = 0
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -143,11 +152,12 @@ class EngineCore:
     def _keep_ended(self, seq: Sequence) -> None:
         """Keeps what a resend of an ended request needs (its outputs, not its prompt), for the last
         ENDED_KEPT requests."""
-        self.ended[seq.request_id] = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None,
-                                           seq.prompt_logprobs, seq.finish_reason, len(seq.prompt_ids),
-                                           seq.num_cached_tokens)
-        while len(self.ended) > ENDED_KEPT:
-            self.ended.popitem(last=False)
+        ended = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None, seq.finish_reason,
+                      len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None)
+        self.ended[seq.request_id] = ended
+        self.ended_entries += ended.entries
+        while len(self.ended) > ENDED_KEPT or self.ended_entries > ENDED_ENTRIES:
+            self.ended_entries -= self.ended.popitem(last=False)[1].entries
 
     def resend(self, request_id: str, start: int) -> RequestOutput | None:
         """A request's outputs from token `start` on, as they were sent (a client missed some), and its end
@@ -161,11 +171,10 @@ class EngineCore:
                                  seq.logprobs[start:seq.num_streamed] if wants else None,
                                  seq.prompt_logprobs if start == 0 else None, num_prompt_tokens=len(seq.prompt_ids),
                                  num_cached_tokens=seq.num_cached_tokens if start == 0 else 0, start=start)
-        if (ended := self.ended.get(request_id)) is not None:
+        if (ended := self.ended.get(request_id)) is not None and not (start == 0 and ended.had_prompt_logprobs):
             return RequestOutput(request_id, ended.output_ids[start:],
                                  ended.logprobs[start:] if ended.logprobs is not None else None,
-                                 ended.prompt_logprobs if start == 0 else None, finish_reason=ended.finish_reason,
-                                 num_prompt_tokens=ended.num_prompt_tokens,
+                                 finish_reason=ended.finish_reason, num_prompt_tokens=ended.num_prompt_tokens,
                                  num_cached_tokens=ended.num_cached_tokens if start == 0 else 0, start=start)
         return None
 

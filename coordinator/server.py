@@ -46,8 +46,9 @@ from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest,
                               Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, ResendRequest,
-                              Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult, WorkerFailed,
-                              WorkerMessage, max_client_message_bytes, max_result_bytes, worker_message_bytes)
+                              Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
+                              UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes, max_result_bytes,
+                              worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -126,6 +127,7 @@ class Coordinator:
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
         self._computed_at: dict[int, float] = {}  # step in flight -> when the last stage said it had computed it
+        self._stalled_until = 0.0  # until then no message counts as lost (this process just stalled)
         self._recovery_started = 0.0
 
     @property
@@ -435,13 +437,17 @@ class Coordinator:
         sequence recomputed, as in a recovery, but nobody replaced); if no step has finished since the
         last reset, the first stage behind the overdue step is replaced."""
         timeout = self.cfg.step_timeout
+        tick = min(0.5, timeout / 4)
         while True:
-            await asyncio.sleep(min(0.5, timeout / 4))
+            started = time.monotonic()
+            await asyncio.sleep(tick)
             if self.failure:
                 return
             if not self.serving:
                 continue
             now = time.monotonic()
+            if now - started - tick > STALL:  # (as the watchdog: the stall was this process's own)
+                self._stalled_until = now + 2 * LOST_AFTER
             self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
             overdue = [s for s, t in self.issued.items() if now - t > timeout]
             lost = self._lost_on_a_link(now)
@@ -470,7 +476,7 @@ class Coordinator:
         whose heartbeat came well after a schedule went out has not taken it, or the last stage
         computed the oldest step in flight LOST_AFTER seconds ago (its heartbeat says) and its result
         never came."""
-        if not self.issued:
+        if not self.issued or now < self._stalled_until:  # (right after a stall of its own, nothing is known)
             self._computed_at.clear()
             return None
         for w in self.registry.workers.values():
@@ -514,12 +520,13 @@ class Coordinator:
             await asyncio.sleep(planned)
             if self.failure:
                 return  # down for good
-            late = time.monotonic() - started - planned
-            if late > STALL:  # this process did not run (stopped, starved of CPU): the silence was its own
+            now = time.monotonic()
+            late = now - started - planned
+            if late > STALL:  # this process did not run (stopped, starved of CPU): that silence was its own
                 log.warning("coordinator stalled", extra={"fields": {"seconds": round(late, 1)}})
+                self._stalled_until = now + 2 * LOST_AFTER  # (and what it reads first may be from before it)
                 for w in self.registry.workers.values():
-                    w.last_seen += late
-                continue
+                    w.last_seen = min(now, w.last_seen + late)
             w = self.registry.silent(timeout)
             if w is not None:
                 self._lost(w, f"stage worker pp={w.pp_rank} tp={w.tp_rank} stopped responding "
@@ -558,6 +565,8 @@ class Coordinator:
         while True:
             identity, *frames = await receive(self.clients_sock)
             identity = identity.bytes
+            if _handed_over(identity):  # queued on a connection its client's reconnection replaced: nothing
+                continue  # sent to this identity reaches that client, which asks again (ResendRequest)
             try:
                 msg, _ = self.client_codec.decode(frames)
             except ProtocolError as e:
@@ -602,9 +611,11 @@ class Coordinator:
         out = self.core.resend(key, msg.start) if self.core is not None else None
         if out is not None:
             await self.router.reply(identity, msgspec.structs.replace(out, request_id=msg.request_id))
-        elif self.core is None or (key not in self.core.requests and key not in self.core.ended):
+        elif self.core is None or key not in self.core.requests:  # (a live one with nothing new: no answer)
+            # (a request that never arrived, lost on a link that dropped, is sent again by a client that has
+            # had none of its tokens: a 404 here says so; a client that has some ends the stream with a 503)
             await self.router.reply(identity, RequestOutput(
-                msg.request_id, [], finish_reason="error", error_status=503, start=msg.start,
+                msg.request_id, [], finish_reason="error", error_status=UNKNOWN_REQUEST, start=msg.start,
                 error="the request's outputs were lost on the link to the coordinator (it dropped, or the "
                       "coordinator was restarted) and it is no longer known there; retry it"))
 
@@ -653,7 +664,8 @@ class Coordinator:
 
 def _handed_over(identity: bytes) -> bool:
     """Whether a ROUTER identity is the one libzmq gives a connection that its peer's reconnection took
-    over (ROUTER_HANDOVER): a zero byte and four more, which no worker's own identity looks like."""
+    over (ROUTER_HANDOVER): a zero byte and four more, which no worker's or client's own identity looks
+    like (theirs are set, and printable)."""
     return len(identity) == 5 and identity[0] == 0
 
 

@@ -617,10 +617,12 @@ class Gateway:
                                  "add_generation_prompt: false to continue the last message)", "continue_final_message")
         try:
             text = self.chat_template.render(messages, add_generation_prompt, **kwargs)
+            if continue_final:  # the same chat with a stand-in for the last content: what follows it is the template's
+                stand_in = [*messages[:-1], {**messages[-1], "content": _STAND_IN}]
+                after = _common_suffix(text, self.chat_template.render(stand_in, add_generation_prompt, **kwargs))
+                text = _up_to_final_message(text[:len(text) - len(after)], messages[-1]["content"])
         except TemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
-        if continue_final:
-            text = _up_to_final_message(text, messages[-1]["content"])
         return self._encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
@@ -690,11 +692,22 @@ def _text_content(content) -> str:
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 
 
+_STAND_IN = "\ue000"  # (a private-use character: no template writes one after a message's content)
+
+
+def _common_suffix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n:]
+
+
 def _up_to_final_message(text: str, final: str) -> str:
-    """The rendered chat cut right after the last message's content, so that the answer continues it
-    (what the template writes after it, an end-of-turn token, is dropped), as transformers does for
-    continue_final_message: the content is found from the end, and its trailing whitespace is kept
-    when the template kept it."""
+    """The rendered chat, without what the template writes after the last message (an end-of-turn
+    token), cut right after that message's content, so that the answer continues it, as transformers
+    does for continue_final_message: the content is found from the end, and its trailing whitespace is
+    kept when the template kept it. (Searching only before the template's suffix, a content that also
+    ends a special token, `d` before `<|im_end|>`, is never found inside it.)"""
     core = final.strip()
     if not core:
         raise HTTPError(400, "continue_final_message needs a last message with content", "continue_final_message")

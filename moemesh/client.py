@@ -19,7 +19,8 @@ from moemesh.log import get_logger
 from moemesh.mesh_security import MeshKeys
 from moemesh.netutil import BadMessages, receive, set_heartbeats
 from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
-                              ProtocolError, RequestOutput, ResendRequest, StatusReply, StatusRequest)
+                              ProtocolError, RequestOutput, ResendRequest, StatusReply, StatusRequest,
+                              UNKNOWN_REQUEST)
 from moemesh.sampling import SamplingParams
 
 log = get_logger("client")
@@ -36,6 +37,7 @@ class _Stream:
     received: int = 0  # tokens handed over
     early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs past a gap, by their start
     asked: bool = False  # the missing outputs were asked for again
+    request: GenerateRequest | None = None  # sent again should the coordinator never have had it
 
 
 class CoordinatorClient:
@@ -57,14 +59,15 @@ class CoordinatorClient:
         self.resends = 0  # outputs asked for again (missed on a link that dropped)
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._watcher = asyncio.ensure_future(self._watch_link(monitor))
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._watcher = asyncio.ensure_future(self._watch_link(self._monitor))
 
     async def close(self) -> None:
         for task in (self._reader, self._watcher):
             task.cancel()
         await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
         self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)
 
     async def _watch_link(self, monitor) -> None:
@@ -72,19 +75,16 @@ class CoordinatorClient:
         old connection are gone (ZeroMQ drops them with it), among them perhaps a request's last: every
         open stream asks for its outputs again from where it is."""
         dropped = False
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    dropped = True
-                elif dropped:
-                    dropped = False
-                    log.warning("link to the coordinator came back; asking for missed outputs",
-                                extra={"fields": {"streams": len(self.streams)}})
-                    for rid, st in self.streams.items():
-                        self._ask_again(rid, st)
-        finally:
-            monitor.close(linger=0)
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                dropped = True
+            elif dropped:
+                dropped = False
+                log.warning("link to the coordinator came back; asking for missed outputs",
+                            extra={"fields": {"streams": len(self.streams)}})
+                for rid, st in self.streams.items():
+                    self._ask_again(rid, st)
 
     def _ask_again(self, rid: str, st: "_Stream") -> None:
         st.asked = True
@@ -98,6 +98,15 @@ class CoordinatorClient:
         """Hands a stream its outputs in order, each token once. An output past a gap (outputs lost on a
         link that dropped) waits while the missing ones are asked for again; one that repeats tokens
         already handed over is trimmed. An error ends the stream at once."""
+        if out.error_status == UNKNOWN_REQUEST and st.received == 0 and st.request is not None:
+            # it never reached the coordinator (lost on a link that dropped): nothing of it was shown, so
+            # it is sent again, once
+            request, st.request, st.asked = st.request, None, False
+            try:
+                self.sock.send_multipart(Codec.encode(request), flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
         if out.start < 0 or out.error:  # (a coordinator that does not count, or the end of the request)
             st.queue.put_nowait(out)
             return
@@ -178,12 +187,12 @@ class CoordinatorClient:
         rid = request_id or f"r{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already streaming")
-        st = self.streams[rid] = _Stream()
+        request = GenerateRequest(rid, list(prompt_ids), params)
+        st = self.streams[rid] = _Stream(request=request)
         finished = False
         try:
             try:
-                await self.sock.send_multipart(Codec.encode(GenerateRequest(rid, list(prompt_ids), params)),
-                                               flags=zmq.NOBLOCK)
+                await self.sock.send_multipart(Codec.encode(request), flags=zmq.NOBLOCK)
             except zmq.Again:  # no connection to the coordinator: say so now rather than wait forever
                 finished = True
                 yield RequestOutput(rid, [], finish_reason="error", error="the coordinator cannot be reached",

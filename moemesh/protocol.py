@@ -32,7 +32,9 @@ class ProtocolError(ValueError):
 # does not know is dropped silently on decode, so a worker of another version could compute the
 # wrong tokens without an error. Workers say theirs in `Register`; the coordinator refuses another.
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
-PROTOCOL_VERSION = 1
+# 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
+# that lost every schedule).
+PROTOCOL_VERSION = 2
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -59,6 +61,9 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
 
 class StatusRequest(msgspec.Struct, tag="status", frozen=True):
     pass
+
+
+UNKNOWN_REQUEST = 404  # a RequestOutput's error_status for a resend of a request the coordinator does not know
 
 
 class ResendRequest(msgspec.Struct, tag="resend", frozen=True):

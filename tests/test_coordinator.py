@@ -212,6 +212,43 @@ def test_a_coordinator_whose_pipeline_went_down_exits_after_saying_why(tiny):
     assert "the pipeline went down: timed out waiting for stage workers" in out.stderr
     assert "Traceback" not in out.stderr
 
+def test_a_message_lost_on_a_link_is_known_from_the_heartbeats(tiny):
+    """A schedule a worker's heartbeat still lacks LOST_AFTER seconds after it went out, or a result the
+    last stage computed LOST_AFTER ago that never came, counts as lost (the pipeline is then reset);
+    a heartbeat older than that, a result still on its way, or anything right after the coordinator's
+    own stall does not."""
+    import time
+
+    from coordinator.server import LOST_AFTER
+
+    async def scenario():
+        coord = _coordinator(tiny, pp=2)
+        registry = coord.registry
+        first, last = registry.register(b"w0", reg(0, 0)), registry.register(b"w1", reg(1, 0))
+        now = time.monotonic()
+        coord.issued = {10: now - 3 * LOST_AFTER, 11: now - 0.1}
+        for w in (first, last):
+            w.received_step, w.last_step, w.heard_at = 11, 9, now
+        verdicts = [coord._lost_on_a_link(now)]  # every schedule taken, step 10 not computed yet: nothing
+        first.received_step = 10  # step 11 went out 0.1 s ago: still on its way
+        verdicts.append(coord._lost_on_a_link(now))
+        first.received_step, first.heard_at = 9, now - 3 * LOST_AFTER + 0.5  # a heartbeat from before step 10 went out
+        verdicts.append(coord._lost_on_a_link(now))
+        first.heard_at = now  # a fresh heartbeat that still lacks step 10
+        verdicts.append(coord._lost_on_a_link(now))
+        first.received_step, last.last_step = 11, 10  # step 10 computed; its result not here
+        verdicts.append(coord._lost_on_a_link(now))  # (first seen now)
+        verdicts.append(coord._lost_on_a_link(now + LOST_AFTER / 2))
+        verdicts.append(coord._lost_on_a_link(now + LOST_AFTER + 0.1))
+        coord._stalled_until = now + 10
+        verdicts.append(coord._lost_on_a_link(now + 5))
+        return verdicts
+
+    v = asyncio.run(scenario())
+    assert v[:3] == [None, None, None] and v[4:6] == [None, None] and v[7] is None
+    assert v[3][0] == 10 and "schedule of step 10 was lost on its link to stage worker pp=0" in v[3][1]
+    assert v[6][0] == 10 and "result of step 10 was lost" in v[6][1]
+
 # -- the in-process engine runs the same loop ------------------------------------------------
 
 def test_in_process_engine_keeps_one_microbatch_per_stage_in_flight(tiny):

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from coordinator.core import EngineCore
+from coordinator.core import ENDED_ENTRIES, EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.protocol import PromptLogprobs, SampledToken, Schedule, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
@@ -266,16 +266,24 @@ def test_outputs_count_their_tokens_and_any_of_them_can_be_had_again():
     assert [o.start for o in sent] == [sum(len(p.token_ids) for p in sent[:i]) for i in range(len(sent))]
     tokens = [t for o in sent for t in o.token_ids]
     logprobs = [lp for o in sent for lp in o.logprobs]
-    whole = core.resend("a", 0)
-    assert whole.token_ids == tokens and whole.logprobs == logprobs and whole.finish_reason == "length"
-    assert whole.prompt_logprobs == sent[0].prompt_logprobs and whole.num_prompt_tokens == 5
+    assert core.resend("a", 0) is None  # (its prompt logprobs are not kept: answered as for a request not known)
+    whole = core.resend("a", 1)
+    assert whole.token_ids == tokens[1:] and whole.logprobs == logprobs[1:] and whole.finish_reason == "length"
+    assert whole.num_prompt_tokens == 5
     tail = core.resend("a", 4)
     assert tail.token_ids == tokens[4:] and tail.prompt_logprobs is None and tail.start == 4
     assert core.resend("a", 6).token_ids == [] and core.resend("a", 6).finish_reason == "length"
     assert core.resend("nobody", 0) is None
+    core.add("b", prompt(5, base=40), SamplingParams(max_tokens=3))
+    run(core, stage)
+    assert core.resend("b", 0).token_ids == core.ended["b"].output_ids
     for i in range(1025):  # only the last ENDED_KEPT ended requests are kept
         core._keep_ended(core.add(f"x{i}", prompt(2), SamplingParams(max_tokens=1)))
-    assert core.resend("a", 0) is None and len(core.ended) == 1024 and "x1024" in core.ended
+    assert core.resend("a", 1) is None and len(core.ended) == 1024 and "x1024" in core.ended
+    big = core.add("big", prompt(2), SamplingParams(max_tokens=1, logprobs=20))
+    big.output_ids, big.logprobs = [7] * 200_000, [token_lp(7, 20)] * 200_000  # 4.4M entries: over the bound
+    core._keep_ended(big)
+    assert core.ended_entries <= ENDED_ENTRIES and list(core.ended) == []
 
 def test_abort_unknown_or_finished_request_returns_none():
     core = make_core()

@@ -293,11 +293,13 @@ def test_a_stalled_coordinator_loses_no_output(model):
 def test_the_client_hands_over_outputs_in_order_each_token_once():
     """Outputs past a gap wait while the missing ones are asked for again (once per gap); repeats are
     trimmed; an error ends the stream at once; a coordinator that does not count (start -1) is
-    taken as it comes."""
+    taken as it comes; a request the coordinator never had is sent again while nothing of it was
+    shown."""
     import msgspec
 
     from moemesh.client import _Stream
-    from moemesh.protocol import Codec, ResendRequest, RequestOutput, TokenLogprobs
+    from moemesh.protocol import (UNKNOWN_REQUEST, ClientMessage, Codec, GenerateRequest, RequestOutput,
+                                  ResendRequest, TokenLogprobs)
 
     async def scenario():
         ctx = zmq.asyncio.Context()
@@ -341,6 +343,16 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
         plain = _Stream()
         client._arrive("t", plain, out(-1, [8]))
         assert [o.token_ids for o in taken_of(plain)] == [[8]]
+        # a request the coordinator never had (lost with a link), nothing of it shown: sent again, once
+        request = GenerateRequest("u", [5, 6], SamplingParams(max_tokens=2))
+        lost = _Stream(request=request)
+        unknown = RequestOutput("u", [], finish_reason="error", error="not known", error_status=UNKNOWN_REQUEST, start=0)
+        client._arrive("u", lost, unknown)
+        assert taken_of(lost) == []
+        sent = [Codec(ClientMessage).decode((await peer.recv_multipart())[1:])[0] for _ in range(2)]
+        assert sent == [ResendRequest("s", 0), request]  # (the second stream's gap above, then this)
+        client._arrive("u", lost, unknown)
+        assert [o.error for o in taken_of(lost)] == ["not known"]
         await client.close()
         ctx.destroy(linger=0)
 

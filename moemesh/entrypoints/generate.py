@@ -38,6 +38,9 @@ def engine_settings_from_args(args) -> EngineSettings:
     except ConfigError as e:
         raise CLIError(f"--model {model}: {e}") from None
     settings = EngineSettings.from_args(args, model=str(model))
+    if settings.device.startswith("cuda:") and settings.tp > 1:
+        raise CLIError(f"--device {settings.device} puts every worker on one GPU, and the --tp {settings.tp} ranks of "
+                       f"a stage need one each: give --device cuda (worker i on cuda:i)")
     pp = settings.pp or (len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else 1)
     try:
         layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
