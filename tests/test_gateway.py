@@ -303,6 +303,14 @@ def test_chat_options_render_as_transformers_renders_them(model, server, client)
         r = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=2, temperature=0,
                                            extra_body={"ignore_eos": True, **fields})
         assert r.usage.prompt_tokens == len(want), fields
+    # a last message that also ends the template's end-of-turn token ("d" of <|im_end|>): cut after the
+    # message, never inside the token (where transformers' search from the end would cut)
+    short = [user, {"role": "assistant", "content": "d"}]
+    text = hf_tok.apply_chat_template(short, add_generation_prompt=False, tokenize=False)
+    want = hf_tok(text[:text.rindex("d<|im_end|>") + 1], add_special_tokens=False)["input_ids"]
+    status, body, _ = http("POST", f"{server.url}/tokenize", {"messages": short, "add_generation_prompt": False,
+                                                              "continue_final_message": True})
+    assert status == 200 and json.loads(body)["tokens"] == want
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]}]
     want = hf_tok.apply_chat_template([{"role": "user", "content": "Name\na colour."}], add_generation_prompt=True,
                                       tokenize=True, return_dict=True)["input_ids"]
