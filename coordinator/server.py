@@ -565,8 +565,6 @@ class Coordinator:
         while True:
             identity, *frames = await receive(self.clients_sock)
             identity = identity.bytes
-            if _handed_over(identity):  # queued on a connection its client's reconnection replaced: nothing
-                continue  # sent to this identity reaches that client, which asks again (ResendRequest)
             try:
                 msg, _ = self.client_codec.decode(frames)
             except ProtocolError as e:
@@ -664,8 +662,8 @@ class Coordinator:
 
 def _handed_over(identity: bytes) -> bool:
     """Whether a ROUTER identity is the one libzmq gives a connection that its peer's reconnection took
-    over (ROUTER_HANDOVER): a zero byte and four more, which no worker's or client's own identity looks
-    like (theirs are set, and printable)."""
+    over (ROUTER_HANDOVER): a zero byte and four more, which no worker's own identity looks like (a
+    worker sets its own; a client need not, so on the client socket the two cannot be told apart)."""
     return len(identity) == 5 and identity[0] == 0
 
 

@@ -107,6 +107,8 @@ class CoordinatorClient:
                 return
             except zmq.Again:
                 pass
+        if out.error_status == UNKNOWN_REQUEST:  # (to the consumer: the service could not finish it, retry)
+            out = msgspec.structs.replace(out, error_status=503)
         if out.start < 0 or out.error:  # (a coordinator that does not count, or the end of the request)
             st.queue.put_nowait(out)
             return

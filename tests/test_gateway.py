@@ -457,17 +457,18 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         limited = [r for r in results if r[0] == 429]
         assert limited and all(r[2].get("Retry-After") == "1" for r in limited)
         assert sum(r[0] == 200 for r in results) >= 1
-        # a stage worker dies: it is restarted, the pipeline recovers, the request in flight completes
-        running = []
-        runner = threading.Thread(target=lambda: running.append(http(
-            "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
-        runner.start()
-        time.sleep(0.3)
-        workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
-        os.kill(workers[0], signal.SIGKILL)
-        runner.join(timeout=60)
-        assert not runner.is_alive(), "the request in flight hung"
-        assert running[0][0] == 200 and json.loads(running[0][1])["usage"]["completion_tokens"] == 250
+        # a stage worker dies (once the request's first tokens have streamed: it is surely in flight): it is
+        # restarted, the pipeline recovers, the request completes
+        body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **auth})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            events = [r.readline()]
+            workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
+            os.kill(workers[0], signal.SIGKILL)
+            events += r.read().splitlines()
+        chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert all("error" not in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 250
         assert http("GET", f"{server.url}/health")[0] == 200
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and http("GET", f"{server.url}/ready")[0] != 200:
@@ -480,7 +481,7 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         # the coordinator dies: the request it held ends with an error, /ready turns 503; `serve` starts it
         # again on the same ports, the workers (hearing nothing) exit, are started again and register
         # with it, and the gateway serves new requests without a restart
-        running.clear()
+        running = []
         runner = threading.Thread(target=lambda: running.append(http(
             "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
         runner.start()

@@ -352,7 +352,7 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
         sent = [Codec(ClientMessage).decode((await peer.recv_multipart())[1:])[0] for _ in range(2)]
         assert sent == [ResendRequest("s", 0), request]  # (the second stream's gap above, then this)
         client._arrive("u", lost, unknown)
-        assert [o.error for o in taken_of(lost)] == ["not known"]
+        assert [(o.error, o.error_status) for o in taken_of(lost)] == [("not known", 503)]
         await client.close()
         ctx.destroy(linger=0)
 
