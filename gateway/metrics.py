@@ -26,7 +26,8 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in the pipeline", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", labels, registry=r)
-        self.preemptions = Gauge("vllm:num_preemptions", "Preemptions since start", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (their KV cache given up, to be "
+                                   "recomputed)", labels, registry=r)
         self.stage_busy = Gauge("moemesh:stage_busy_fraction", "Share of the last interval each pipeline stage "
                                 "spent computing", labels + ["stage"], registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -48,14 +49,14 @@ class Metrics:
         self.slow_clients = Counter("moemesh:slow_clients_aborted", "Streaming requests aborted because their "
                                     "client stopped reading (--stream-timeout)", labels, registry=r)
         self._last_busy: tuple[float, list[float]] | None = None
-        self._last_prefix = (0, 0)  # the coordinator's running totals at the last status
+        self._last_totals = (0, 0, 0)  # the coordinator's running totals at the last status (see update_from_status)
+        self._instance = None  # the coordinator that reported them
 
     def update_from_status(self, status, now: float) -> None:
         m = self.model
         self.running.labels(m).set(status.num_running)
         self.waiting.labels(m).set(status.num_waiting)
         self.kv_usage.labels(m).set(1 - status.num_free_blocks / status.num_blocks if status.num_blocks else 0)
-        self.preemptions.labels(m).set(status.num_preemptions)
         self.recoveries.labels(m).set(status.recoveries)
         self.recovery_seconds.labels(m).set(status.recovery_seconds)
         self.requests_resumed.labels(m).set(status.requests_resumed)
@@ -68,9 +69,12 @@ class Metrics:
             for stage, (a, b) in enumerate(zip(busy, status.stage_busy_seconds)):
                 self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
         self._last_busy = (now, list(status.stage_busy_seconds))
-        q, h = status.prefix_cache_queries, status.prefix_cache_hits
-        if q < self._last_prefix[0] or h < self._last_prefix[1]:  # a new coordinator counts from zero again
-            self._last_prefix = (0, 0)
-        self.prefix_queries.labels(m).inc(max(0, q - self._last_prefix[0]))
-        self.prefix_hits.labels(m).inc(max(0, h - self._last_prefix[1]))
-        self._last_prefix = (q, h)
+        # the coordinator's running totals, as counters: what they rose by since the last status
+        totals = (status.prefix_cache_queries, status.prefix_cache_hits, status.num_preemptions)
+        if status.instance != self._instance or any(t < last for t, last in zip(totals, self._last_totals)):
+            self._last_totals = (0, 0, 0)  # a new coordinator counts from zero again
+        self._instance = status.instance
+        for counter, total, last in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
+                                        self._last_totals):
+            counter.labels(m).inc(max(0, total - last))
+        self._last_totals = totals

@@ -362,6 +362,7 @@ class Gateway:
         choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop, params.min_tokens))
         start = last = time.monotonic()
         stream = self.client.generate(prompt, params, request_id=f"{rid}-{index}")
+        ended = "abort"  # (a client that went away cancels this task)
         try:
             async for out in stream:
                 if out.error:
@@ -387,12 +388,17 @@ class Gateway:
                                                        bool(out.token_ids), out.prompt_logprobs)))
                 if choice.finish_reason is not None:
                     break
+            ended = choice.finish_reason
+        except Exception:
+            ended = "error"
+            raise
         finally:
             await stream.aclose()  # an unfinished stream aborts its request in the coordinator
-        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
-        self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
-        self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
-        self.metrics.requests.labels(self.model_name, choice.finish_reason).inc()
+            # every request counted once, however it ended (vLLM's finished_reason: stop, length, abort, error)
+            self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
+            self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
+            self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
+            self.metrics.requests.labels(self.model_name, ended).inc()
         await queue.put((index, "done", choice))
 
     async def _gather(self, rid, jobs, stop):

@@ -7,6 +7,8 @@ import asyncio
 import json
 import threading
 
+import pytest
+
 from moemesh.entrypoints.cli import main
 
 
@@ -14,7 +16,8 @@ class FakeServer:
     """A minimal OpenAI-style streaming server on loopback: each completion streams `max_tokens`
     chunks of one token each (no usage), announces keep-alive and then closes the connection."""
 
-    def __init__(self):
+    def __init__(self, mode: str = "stream"):
+        self.mode = mode  # stream; json: a plain JSON answer (stream ignored); garbage: a non-JSON event
         self.prompts: list[list[int]] = []
         self.handlers: set[asyncio.Task] = set()
         self.loop = asyncio.new_event_loop()
@@ -41,7 +44,13 @@ class FakeServer:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             events = [json.dumps({"choices": [{"index": 0, "text": "x"}]}) for _ in range(body["max_tokens"])]
-            for data in [*events, "[DONE]"]:
+            if self.mode == "json":
+                events = []
+                payload = json.dumps({"choices": [{"index": 0, "text": "x" * body["max_tokens"]}]}).encode()
+                writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+            elif self.mode == "garbage":
+                events = ["not json", *events]
+            for data in [*events, "[DONE]"] if self.mode != "json" else []:
                 payload = f"data: {data}\n\n".encode()
                 writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
                 await writer.drain()
@@ -77,3 +86,20 @@ def test_bench_serve_against_a_server_that_closes_connections_and_sends_no_usage
     assert len(server.prompts) == 24 and all(len(p) == 15 for p in server.prompts)
     assert len({tuple(p[:10]) for p in server.prompts}) == 1  # one shared prefix
     assert len({tuple(p[10:]) for p in server.prompts}) == 24  # different suffixes
+
+
+def test_bench_serve_says_why_requests_failed(capsys):
+    """A server that answers 200 without an event stream of tokens, or streams an event that is not
+    JSON: every request is a failure, and the command says why (no traceback, no figures)."""
+    for mode, reason in (("json", "the reply streamed no tokens"), ("garbage", "not a JSON event in the stream")):
+        server = FakeServer(mode)
+        try:
+            with pytest.raises(SystemExit) as stop:
+                main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
+                      "--num-prompts", "4", "--prompt-len", "3", "--new", "3", "--vocab", "500"])
+            assert stop.value.code == 2
+        finally:
+            server.stop()
+        err = capsys.readouterr().err
+        assert f"every request failed against http://127.0.0.1:{server.port} at concurrency 2: 4 x {reason}" in err, err
+        assert "Traceback" not in err

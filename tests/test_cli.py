@@ -362,3 +362,13 @@ def test_train_demo_refuses_a_missing_stdlib_and_an_unwritable_out(tmp_path, cap
     (tmp_path / "src" / "a.py").write_text("x = 1\n")
     assert "--out /proc/nope" in user_error(capsys, ["train-demo", "--out", "/proc/nope/d", "--stdlib",
                                                      str(tmp_path / "src")])
+
+
+def test_log_level_goes_before_or_after_the_command():
+    from moemesh.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-level", "info"]).log_level == "info"
+    assert parser.parse_args(["--log-level", "debug", "serve"]).log_level == "debug"
+    assert parser.parse_args(["bench", "serve", "--url", "http://x", "--log-level", "error"]).log_level == "error"
+    assert parser.parse_args(["generate", "--prompt-ids", "1"]).log_level == "warning"

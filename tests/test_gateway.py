@@ -383,14 +383,14 @@ def test_tokenizer_endpoints_round_trip(server):
         assert http("GET", server.url + path)[0] == 200
 
 
-def metric(server, name: str) -> float:
+def metric(server, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = http("GET", f"{server.url}/metrics")[1].decode()
     total = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == name:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
 
@@ -411,14 +411,20 @@ def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
         chunk = conn.recv(4096)
         assert chunk, "the server closed the stream"
         received += chunk
-    time.sleep(0.6)
-    assert metric(server, "vllm:num_requests_running") == 1
-    conn.close()
+    conn.close()  # (at its first token: 239 more to go)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (metric(server, "vllm:num_requests_running") or
                                            metric(server, "vllm:kv_cache_usage_perc")):
         time.sleep(0.2)
     assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
+    # the aborted request is counted as vLLM counts it: finished_reason="abort", its tokens and latency included
+    while time.monotonic() < deadline and not metric(server, "vllm:request_success_total", finished_reason="abort"):
+        time.sleep(0.1)  # (the gateway counts it as its handler unwinds)
+    assert metric(server, "vllm:request_success_total", finished_reason="abort") >= 1
+    assert before + 5 < metric(server, "vllm:generation_tokens_total") < before + 5 + 240
+    assert metric(server, "vllm:e2e_request_latency_seconds_count") == \
+        metric(server, "vllm:time_to_first_token_seconds_count")
+    assert "vllm:num_preemptions_total" in http("GET", f"{server.url}/metrics")[1].decode()  # (a counter, as vLLM's)
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):

@@ -262,7 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--api-key", default=None)
     sb.add_argument("--json", action="store_true", help="one JSON line per concurrency level")
     sb.add_argument("--plot", default=None, help="write a latency-vs-throughput plot (PNG)")
+    _log_level_anywhere(parser)
     return parser
+
+
+def _log_level_anywhere(parser: argparse.ArgumentParser) -> None:
+    """--log-level after the command as well as before it (`moemesh serve --log-level info`): every
+    subcommand takes it too, leaving the top-level value alone unless it is given there."""
+    choices = LogSettings.flags()[0].metadata["flag"].choices
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if "--log-level" not in sub._option_string_actions:
+                    sub.add_argument("--log-level", dest="log_level", default=argparse.SUPPRESS, choices=choices,
+                                     help="what the processes log (as before the command)")
+                _log_level_anywhere(sub)
 
 
 def out_path(text: str) -> Path:

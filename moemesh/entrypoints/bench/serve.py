@@ -17,6 +17,7 @@ latency-vs-throughput curve, which `--plot FILE.png` draws.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import statistics
@@ -26,6 +27,9 @@ import aiohttp
 from tqdm import tqdm
 
 from moemesh.errors import CLIError
+from moemesh.log import get_logger
+
+log = get_logger("bench")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -41,7 +45,9 @@ def summarize(results: list[dict], seconds: float) -> dict:
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     itl = [g for r in ok for g in r["itl"]]
     out_tokens = sum(r["tokens"] for r in ok)
-    row = {"requests": len(results), "failed": len(results) - len(ok), "seconds": round(seconds, 3),
+    row = {"requests": len(results), "failed": len(results) - len(ok), "errors": [r["error"] for r in results
+                                                                                  if r["error"] is not None],
+           "seconds": round(seconds, 3),
            "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
            "total_tok_per_s": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / seconds, 1)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
@@ -69,7 +75,14 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                 async for line in resp.content:
                     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                         continue
-                    chunk = json.loads(line[6:])
+                    try:
+                        chunk = json.loads(line[6:])
+                    except ValueError:
+                        error = f"not a JSON event in the stream: {line[:100]!r}"
+                        break
+                    if not isinstance(chunk, dict):
+                        error = f"not a JSON object in the stream: {line[:100]!r}"
+                        break
                     if "error" in chunk:
                         error = chunk["error"].get("message")
                         break
@@ -83,11 +96,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                         else:
                             gaps.append(now - last)
                         last = now
-    except aiohttp.ClientError as e:
-        error = str(e)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     if error is None and tokens == 0:  # no usage from this server: a chunk per token
         tokens = chunks
+    if error is None and tokens == 0:  # (a reply that is not an event stream of tokens: not a served request)
+        error = "the reply streamed no tokens (is this an OpenAI-compatible server streaming completions?)"
+    if error is not None:
+        first = None
     return {"ttft": (first or end) - start, "e2e": end - start, "itl": gaps, "tokens": tokens,
             "prompt_tokens": len(prompt), "error": error}
 
@@ -139,14 +156,26 @@ def run_serve_bench(args) -> int:
                                 args.seed, args.model_name))
         except aiohttp.ClientError as e:
             raise CLIError(f"--url {args.url}: {e}") from None
+        errors = row.pop("errors")
         row = {"concurrency": level, "request_rate": args.request_rate, "shared_prefix": args.shared_prefix, **row}
         if row["failed"] == row["requests"]:
-            raise CLIError(f"every request failed against {args.url}")
+            if rows and args.plot:  # (what did run is still drawn)
+                plot(rows, args.plot)
+            raise CLIError(f"every request failed against {args.url} at concurrency {level}: {_reasons(errors)}")
+        if errors:
+            log.warning("requests failed", extra={"fields": {"concurrency": level, "failed": len(errors),
+                                                               "reasons": _reasons(errors)}})
         rows.append(row)
         print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def _reasons(errors: list[str], most: int = 3) -> str:
+    """The commonest failure reasons, with their counts."""
+    counts = collections.Counter(errors)
+    return "; ".join(f"{n} x {reason}" for reason, n in counts.most_common(most))
 
 
 def plot(rows: list[dict], path: str) -> None:
