@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0, 600.0,
+            1800.0, 3600.0)  # (long answers on a CPU take minutes)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class Metrics:
@@ -48,6 +50,12 @@ class Metrics:
                                "handled, since the coordinator started", labels, registry=r)
         self.slow_clients = Counter("moemesh:slow_clients_aborted", "Streaming requests aborted because their "
                                     "client stopped reading (--stream-timeout)", labels, registry=r)
+        # every series there from the start (as vLLM's), so that rates and alerts see zeros, not "no data"
+        for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
+                       self.slow_clients):
+            metric.labels(model)
+        for reason in FINISHED_REASONS:
+            self.requests.labels(model, reason)
         self._last_busy: tuple[float, list[float]] | None = None
         self._last_totals = (0, 0, 0)  # the coordinator's running totals at the last status (see update_from_status)
         self._instance = None  # the coordinator that reported them

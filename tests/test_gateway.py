@@ -396,6 +396,8 @@ def metric(server, name: str, **labels) -> float:
 
 
 def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
+    text = http("GET", f"{server.url}/metrics")[1].decode()  # every series there from the start, as vLLM's
+    assert all(f'finished_reason="{reason}"' in text for reason in ("stop", "length", "abort", "error"))
     before = metric(server, "vllm:generation_tokens_total")
     client.completions.create(model="tiny-mixtral", prompt="count", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
