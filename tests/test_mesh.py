@@ -346,7 +346,8 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
         # a request the coordinator never had (lost with a link), nothing of it shown: sent again, once
         request = GenerateRequest("u", [5, 6], SamplingParams(max_tokens=2))
         lost = _Stream(request=request)
-        unknown = RequestOutput("u", [], finish_reason="error", error="not known", error_status=UNKNOWN_REQUEST, start=0)
+        unknown = RequestOutput("u", [], finish_reason="error", error="not known", error_status=UNKNOWN_REQUEST,
+                                start=0)
         client._arrive("u", lost, unknown)
         assert taken_of(lost) == []
         sent = [Codec(ClientMessage).decode((await peer.recv_multipart())[1:])[0] for _ in range(2)]

@@ -249,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--concurrency", type=positive_int_list, default=[64],
                     help="requests in flight; a list gives a curve")
     sb.add_argument("--num-prompts", type=positive_int, default=200)
-    sb.add_argument("--request-rate", type=positive_float, default=None, help="Poisson arrivals per second (default: all "
-                                                                     "at once)")
+    sb.add_argument("--request-rate", type=positive_float, default=None,
+                    help="Poisson arrivals per second (default: all at once)")
     sb.add_argument("--prompt-len", type=positive_int, default=32,
                     help="prompt tokens of each request (after the shared prefix, if any)")
     sb.add_argument("--shared-prefix", type=non_negative_int, default=0, metavar="P",

@@ -7,9 +7,9 @@ same as the local launcher: the coordinator is a child process of this one, the 
 with it like any worker, and activations travel over ZeroMQ, not through Ray. Beyond one node the
 mesh faces the network, so it needs --mesh-keys (or --insecure-mesh): then the coordinator listens
 on every interface of this (the driver's) node and the actors reach it at the node's IP; without
-them everything stays on loopback, on the driver's node. `--device cuda` gives each actor one GPU. An actor whose worker
-exits (or that dies) is replaced in its bundle, within the local launcher's restart budget, and the
-coordinator's recovery takes the replacement in.
+them everything stays on loopback, on the driver's node. `--device cuda` gives each actor one GPU.
+An actor whose worker exits (or that dies) is replaced in its bundle, within the local launcher's
+restart budget, and the coordinator's recovery takes the replacement in.
 """
 
 from __future__ import annotations
