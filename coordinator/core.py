@@ -154,6 +154,10 @@ class EngineCore:
         ENDED_KEPT requests."""
         ended = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None, seq.finish_reason,
                       len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None)
+        if (old := self.ended.pop(seq.request_id, None)) is not None:  # (an id used again)
+            self.ended_entries -= old.entries
+        if ended.entries > ENDED_ENTRIES:  # (one too big to keep: not at the cost of all the others)
+            return
         self.ended[seq.request_id] = ended
         self.ended_entries += ended.entries
         while len(self.ended) > ENDED_KEPT or self.ended_entries > ENDED_ENTRIES:

@@ -446,8 +446,10 @@ class Coordinator:
             if not self.serving:
                 continue
             now = time.monotonic()
-            if now - started - tick > STALL:  # (as the watchdog: the stall was this process's own)
+            late = now - started - tick
+            if late > STALL:  # (as the watchdog: the stall was this process's own, not the steps' time)
                 self._stalled_until = now + 2 * LOST_AFTER
+                self.issued = {s: t + late for s, t in self.issued.items()}
             self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
             overdue = [s for s, t in self.issued.items() if now - t > timeout]
             lost = self._lost_on_a_link(now)

@@ -366,6 +366,8 @@ class Gateway:
         try:
             async for out in stream:
                 if out.error:
+                    if out.error_status in (400, 429) and not choice.token_ids:
+                        ended = None  # refused, never run: not a finished request (vLLM counts none)
                     raise HTTPError(out.error_status or 500, out.error)
                 now = time.monotonic()
                 if out.token_ids:
@@ -390,15 +392,16 @@ class Gateway:
                     break
             ended = choice.finish_reason
         except Exception:
-            ended = "error"
+            ended = ended and "error"
             raise
         finally:
             await stream.aclose()  # an unfinished stream aborts its request in the coordinator
-            # every request counted once, however it ended (vLLM's finished_reason: stop, length, abort, error)
-            self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
-            self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
-            self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
-            self.metrics.requests.labels(self.model_name, ended).inc()
+            if ended is not None:  # every request that ran counted once, however it ended (vLLM's
+                # finished_reason: stop, length, abort, error)
+                self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
+                self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
+                self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
+                self.metrics.requests.labels(self.model_name, ended).inc()
         await queue.put((index, "done", choice))
 
     async def _gather(self, rid, jobs, stop):

@@ -38,6 +38,7 @@ class _Stream:
     early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs past a gap, by their start
     asked: bool = False  # the missing outputs were asked for again
     request: GenerateRequest | None = None  # sent again should the coordinator never have had it
+    resubmitted: bool = False  # it was: a later "not known" answers an earlier ask, sent before it arrived
 
 
 class CoordinatorClient:
@@ -87,26 +88,30 @@ class CoordinatorClient:
                     self._ask_again(rid, st)
 
     def _ask_again(self, rid: str, st: "_Stream") -> None:
-        st.asked = True
         self.resends += 1
-        try:
-            self.sock.send_multipart(Codec.encode(ResendRequest(rid, st.received)), flags=zmq.NOBLOCK)
-        except zmq.Again:  # no link right now: asked again when it comes back
-            st.asked = False
+        st.asked = self._send_now(ResendRequest(rid, st.received))  # (no link now: asked when it comes back)
+
+    def _send_now(self, msg) -> bool:
+        """Sends without waiting; whether ZeroMQ took the message (the asyncio socket reports a refusal,
+        no peer or a full queue, on the future it returns)."""
+        sent = self.sock.send_multipart(Codec.encode(msg), flags=zmq.NOBLOCK)
+        if sent.done():
+            return sent.exception() is None
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its error, if any, is not lost)
+        return True
 
     def _arrive(self, rid: str, st: "_Stream", out: RequestOutput) -> None:
         """Hands a stream its outputs in order, each token once. An output past a gap (outputs lost on a
         link that dropped) waits while the missing ones are asked for again; one that repeats tokens
         already handed over is trimmed. An error ends the stream at once."""
-        if out.error_status == UNKNOWN_REQUEST and st.received == 0 and st.request is not None:
-            # it never reached the coordinator (lost on a link that dropped): nothing of it was shown, so
-            # it is sent again, once
-            request, st.request, st.asked = st.request, None, False
-            try:
-                self.sock.send_multipart(Codec.encode(request), flags=zmq.NOBLOCK)
+        if out.error_status == UNKNOWN_REQUEST and st.received == 0:
+            if st.resubmitted:  # (an answer to an ask sent before the request went again: it runs now)
                 return
-            except zmq.Again:
-                pass
+            if st.request is not None and self._send_now(st.request):
+                # it never reached the coordinator (lost on a link that dropped): nothing of it was shown,
+                # so it is sent again, once
+                st.request, st.asked, st.resubmitted = None, False, True
+                return
         if out.error_status == UNKNOWN_REQUEST:  # (to the consumer: the service could not finish it, retry)
             out = msgspec.structs.replace(out, error_status=503)
         if out.start < 0 or out.error:  # (a coordinator that does not count, or the end of the request)
@@ -220,7 +225,5 @@ class CoordinatorClient:
 
     def abort(self, request_id: str) -> None:
         """Asks the coordinator to end a request (no wait: safe from a closing generator)."""
-        try:
-            self.sock.send_multipart(Codec.encode(AbortRequest(request_id)), flags=zmq.NOBLOCK)
-        except zmq.Again:  # pragma: no cover - the coordinator's queue is full: it is gone anyway
+        if not self._send_now(AbortRequest(request_id)):  # (no link, or its queue full: the coordinator is gone)
             log.warning("could not send abort", extra={"fields": {"request_id": request_id}})

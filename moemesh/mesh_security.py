@@ -101,8 +101,9 @@ class MeshKeys:
     def check_allowed_sets(self) -> None:
         """A listening side lets in the keys in DIR/workers and DIR/clients: refuses to start when anyone
         but the owner may write there (or to the key directory, or to a key file in them), since whoever
-        can would let their own key in (as ssh refuses a group-writable authorized_keys). A read-only
-        mount (a Kubernetes secret's, a compose `:ro` volume) is fine whatever its modes say."""
+        can would let their own key in (as ssh refuses a group-writable authorized_keys). On a read-only
+        mount (a Kubernetes secret's, a compose `:ro` volume) nobody writes here, but the mount's source
+        may be writable where it lives: a warning says so."""
         for path in (self.directory, *(self.directory / d for d in DOMAINS),
                      *(p for d in DOMAINS for p in sorted((self.directory / d).glob("*.key")))):
             try:
@@ -110,7 +111,10 @@ class MeshKeys:
                 read_only = os.statvfs(path).f_flag & os.ST_RDONLY  # (a read-only mount: nobody can write there)
             except FileNotFoundError:  # (a host holds only what its role needs)
                 continue
-            if mode & 0o022 and not read_only:
+            if mode & 0o022 and read_only:  # (a bind mount's source may still be writable on the host)
+                log.warning("allowed keys writable by others where they come from", extra={"fields": {
+                    "path": str(path), "mode": oct(mode & 0o777), "hint": "read-only here; check the mount's source"}})
+            elif mode & 0o022:
                 raise ConfigError(f"--mesh-keys {self.directory}: {path} is writable by group or others, who could "
                                   f"add a key of their own to the allowed set (chmod go-w {path})")
 

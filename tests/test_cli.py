@@ -371,4 +371,5 @@ def test_log_level_goes_before_or_after_the_command():
     assert parser.parse_args(["serve", "--log-level", "info"]).log_level == "info"
     assert parser.parse_args(["--log-level", "debug", "serve"]).log_level == "debug"
     assert parser.parse_args(["bench", "serve", "--url", "http://x", "--log-level", "error"]).log_level == "error"
-    assert parser.parse_args(["generate", "--prompt-ids", "1"]).log_level == "warning"
+    assert parser.parse_args(["generate", "--prompt-ids", "1"]).log_level == os.environ.get("MOEMESH_LOG_LEVEL",
+                                                                                            "warning")

@@ -282,8 +282,11 @@ def test_outputs_count_their_tokens_and_any_of_them_can_be_had_again():
     assert core.resend("a", 1) is None and len(core.ended) == 1024 and "x1024" in core.ended
     big = core.add("big", prompt(2), SamplingParams(max_tokens=1, logprobs=20))
     big.output_ids, big.logprobs = [7] * 200_000, [token_lp(7, 20)] * 200_000  # 4.4M entries: over the bound
-    core._keep_ended(big)
-    assert core.ended_entries <= ENDED_ENTRIES and list(core.ended) == []
+    core._keep_ended(big)  # (too big to keep: not at the cost of the others)
+    assert "big" not in core.ended and len(core.ended) == 1024 and core.ended_entries <= ENDED_ENTRIES
+    entries = core.ended_entries
+    core._keep_ended(core.ended["x1024"] and core.requests["x1024"])  # an id that ends again: counted once
+    assert core.ended_entries == entries
 
 def test_abort_unknown_or_finished_request_returns_none():
     core = make_core()

@@ -423,6 +423,9 @@ def cmd_stage(args) -> int:
     from moemesh.mesh_security import check_exposure
 
     stage = StageSettings.from_args(args)
+    if stage.port and stage.port + stage.tp - 1 > 65535:
+        raise CLIError(f"--port {stage.port} --tp {stage.tp}: the ranks would listen on ports up to "
+                       f"{stage.port + stage.tp - 1}, past 65535")
     # before any worker starts (each would refuse alone, and a restart policy would start them again)
     check_exposure(stage.mesh_keys, stage.insecure_mesh, host=stage.host, coordinator=stage.coordinator)
     return run_stage(StageSettings.derive(stage, threads=threads_per_worker(stage.threads, stage.tp)))
