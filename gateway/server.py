@@ -705,10 +705,7 @@ _STAND_IN = "\ue000"  # (a private-use character: no template writes one after a
 
 
 def _common_suffix(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return a[len(a) - n:]
+    return os.path.commonprefix([a[::-1], b[::-1]])[::-1]
 
 
 def _up_to_final_message(text: str, final: str) -> str:
