@@ -486,18 +486,22 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
             time.sleep(0.2)
         assert metric(server, "moemesh:recoveries") == 1 and metric(server, "moemesh:requests_resumed") >= 1
         assert metric(server, "moemesh:worker_restarts") == 1
-        # the coordinator dies: the request it held ends with an error, /ready turns 503; `serve` starts it
-        # again on the same ports, the workers (hearing nothing) exit, are started again and register
-        # with it, and the gateway serves new requests without a restart
-        running = []
-        runner = threading.Thread(target=lambda: running.append(http(
-            "POST", url, {"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": False}, auth)))
-        runner.start()
-        time.sleep(0.3)
-        coordinator = [p for p in _children(server.proc.pid) if b"\x00coordinator\x00" in _cmdline(p)]
-        os.kill(coordinator[0], signal.SIGKILL)
-        runner.join(timeout=30)
-        assert not runner.is_alive() and running[0][0] == 503, running
+        # the coordinator dies while a request streams (its first tokens have arrived, so it cannot be sent
+        # again unseen): it ends with an error, /ready turns 503; `serve` starts the coordinator again on the
+        # same ports, the workers (hearing nothing) exit, are started again and register with it, and the
+        # gateway serves new requests without a restart. (A request of which nothing had arrived would be
+        # sent again to the new coordinator and complete: the kill waits for tokens so that this is not it.)
+        body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **auth})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            events = [r.readline()]
+            coordinator = [p for p in _children(server.proc.pid) if b"\x00coordinator\x00" in _cmdline(p)]
+            os.kill(coordinator[0], signal.SIGKILL)
+            events += r.read().splitlines()
+        chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert chunks[0]["choices"][0]["text"] is not None and "error" not in chunks[0]
+        assert chunks[-1]["error"]["code"] == 503, chunks[-1]
+        assert sum(len(c.get("choices") or []) for c in chunks) < 250
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and http("GET", f"{server.url}/ready")[0] != 200:
             time.sleep(0.2)
