@@ -6,14 +6,25 @@ from __future__ import annotations
 from moemesh.tokenizer import TextTokenizer
 
 
+# prompt tokens the first window starts with (vLLM's choice too): enough for a decoder's context
+CONTEXT_TOKENS = 5
+
+
 class IncrementalDetokenizer:
     """Decodes a growing token list window by window: text is released once the window's decode no
-    longer ends in an incomplete character (U+FFFD)."""
+    longer ends in an incomplete character (U+FFFD).
 
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str] = (), min_tokens: int = 0):
+    `context`: the prompt. Its last tokens open the first window, so the first generated token
+    decodes as it does after the prompt: a SentencePiece-style decoder (Llama, Mistral, Mixtral)
+    strips the leading space of whatever a decode starts with, and " Paris" after "The capital of
+    France is" would otherwise come out as "Paris"."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str] = (), min_tokens: int = 0,
+                 context: list[int] = ()):
         self.tok = tokenizer
-        self.tokens: list[int] = []
-        self.prefix_offset = self.read_offset = 0
+        self.tokens: list[int] = list(context)[-CONTEXT_TOKENS:]
+        self.context = len(self.tokens)  # (not generated: never text of this sequence's own)
+        self.prefix_offset, self.read_offset = 0, self.context
         self.text = ""  # decoded so far (stop string and what follows cut off)
         self.emitted = 0  # characters of self.text already returned
         self.stop = [s for s in stop if s]
@@ -22,7 +33,7 @@ class IncrementalDetokenizer:
 
     @property
     def checking(self) -> bool:
-        return len(self.tokens) >= self.min_tokens
+        return len(self.tokens) - self.context >= self.min_tokens
 
     def add(self, token_ids: list[int]) -> str:
         """Appends tokens; returns the new text that is safe to show (may be empty)."""

@@ -359,7 +359,7 @@ class Gateway:
     async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, stop: list[str],
                    queue: asyncio.Queue) -> None:
         """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload)."""
-        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop, params.min_tokens))
+        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop, params.min_tokens, context=prompt))
         start = last = time.monotonic()
         stream = self.client.generate(prompt, params, request_id=f"{rid}-{index}")
         ended = "abort"  # (a client that went away cancels this task)

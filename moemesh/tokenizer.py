@@ -52,5 +52,22 @@ class TextTokenizer:
         return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def token_text(self, token_id: int) -> str:
-        """One token as text (its bytes decoded; a partial character shows as U+FFFD)."""
+        """One token as text, as it reads inside a text (its bytes decoded; a partial character shows as
+        U+FFFD): decoded after an ordinary token, since SentencePiece-style decoders (Llama, Mistral)
+        strip the leading space of a decode's first token ("▁Paris" alone decodes to "Paris")."""
+        anchor, anchor_text = self._anchor
+        if anchor is not None:
+            text = self.decode([anchor, token_id], skip_special_tokens=False)
+            if text.startswith(anchor_text):
+                return text[len(anchor_text):]
         return self.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def _anchor(self) -> tuple[int | None, str]:
+        """An ordinary token that decodes to whole characters of its own (none: decode alone)."""
+        for ids in (self._tok.encode("a", add_special_tokens=False).ids, range(min(self.vocab_size, 512))):
+            for i in ids:
+                text = self.decode([i], skip_special_tokens=False)
+                if i not in self.special_ids and text.strip() and "\ufffd" not in text:
+                    return i, text
+        return None, ""

@@ -307,3 +307,64 @@ def test_a_stop_string_across_the_min_tokens_boundary_never_takes_back_shown_tex
         assert shown == d.text
         if min_tokens <= 1:
             assert d.stopped and d.text == "x = "
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tok(tmp_path_factory):
+    """A Llama/Mistral-style tokenizer: "▁" for spaces, byte fallback, and a decoder that strips the
+    leading space of whatever a decode starts with."""
+    from tokenizers import decoders, models, normalizers, trainers
+
+    raw = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    raw.train_from_iterator([TEXTS["ascii"] + " Paris. Hello world, " + TEXTS["accents"]] * 20,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    d = tmp_path_factory.mktemp("sp")
+    raw.save(str(d / "tokenizer.json"))
+    return TextTokenizer(d)
+
+
+@pytest.mark.parametrize("text", ["The capital of France is Paris. Hello world", TEXTS["accents"], TEXTS["mixed"]])
+def test_the_first_token_decodes_as_it_does_after_the_prompt(sentencepiece_tok, text):
+    """vLLM's text: decode(prompt + output) less decode(prompt). Without the prompt's last tokens as
+    context, a SentencePiece decoder drops the leading space of the first generated token."""
+    tok = sentencepiece_tok
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(7)
+    for cut in sorted({1, len(ids) // 2, len(ids) - 1, *rng.sample(range(1, len(ids)), 5)}):
+        prompt, out = ids[:cut], ids[cut:]
+        expected = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+        d = IncrementalDetokenizer(tok, context=prompt)
+        assert "".join(d.add([t]) for t in out) + d.finish() == expected, cut
+        if "\ufffd" not in tok.decode(prompt):  # (a prompt that ends inside a character: no whole text)
+            d = IncrementalDetokenizer(tok, context=prompt)
+            assert d.add(out) + d.finish() == expected
+    # a stop string at the very start of the output sees the space too, as vLLM's does
+    prompt = tok.encode("The capital of France is", add_special_tokens=False)
+    out = tok.encode("The capital of France is Paris. Hello", add_special_tokens=False)[len(prompt):]
+    d = IncrementalDetokenizer(tok, stop=[" Paris"], context=prompt)
+    assert d.add(out) + d.finish() == "" and d.stopped
+
+
+def test_min_tokens_counts_generated_tokens_not_the_context(sentencepiece_tok):
+    tok = sentencepiece_tok
+    ids = tok.encode("The quick brown fox jumps over", add_special_tokens=False)
+    prompt, out = ids[:3], ids[3:]
+    expected = tok.decode(ids)[len(tok.decode(prompt)):]
+    assert "jumps" in expected
+    d = IncrementalDetokenizer(tok, stop=["jumps"], min_tokens=len(out) + 1, context=prompt)
+    assert d.add(out) + d.finish() == expected and not d.stopped
+    d = IncrementalDetokenizer(tok, stop=["jumps"], min_tokens=len(out), context=prompt)
+    assert d.add(out) + d.finish() == expected[:expected.index("jumps")] and d.stopped
+
+
+def test_token_text_keeps_the_space_a_sentencepiece_token_carries(sentencepiece_tok, tok):
+    sp = sentencepiece_tok
+    ids = sp.encode("Paris. Hello world", add_special_tokens=False)
+    assert "".join(sp.token_text(i) for i in ids) == " Paris. Hello world"  # (each as it reads in a text)
+    assert sp.token_text(sp.encode("Hello", add_special_tokens=False)[0]).startswith(" ")
+    ids = tok.encode(TEXTS["ascii"], add_special_tokens=False)  # a byte-level BPE: one token decodes alone
+    assert [tok.token_text(i) for i in ids] == [tok.decode([i], skip_special_tokens=False) for i in ids]
