@@ -659,7 +659,8 @@ class Coordinator:
                                                       if reg.phase is Phase.RECOVERING else 0.0),
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0,
-            mesh_refused=self.guard.refused + sum(w.refused for w in reg.workers.values()) + reg.refused_gone)
+            mesh_refused=self.guard.refused + sum(w.refused for w in reg.workers.values()) + reg.refused_gone,
+            max_waiting=self.cfg.max_waiting)
 
 
 def _handed_over(identity: bytes) -> bool:

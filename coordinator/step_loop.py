@@ -13,6 +13,7 @@ It also counts what the coordinator itself costs: microbatches issued and its CP
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Iterator
@@ -20,6 +21,7 @@ from typing import Iterator
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig
+from moemesh.log import get_logger
 from moemesh.protocol import RequestOutput, Schedule, StepResult
 from moemesh.settings import SchedulerSettings
 
@@ -34,6 +36,15 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) 
     across stages)."""
     config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
                                        model.max_position_embeddings)
+    # a context the KV cache cannot hold could never be served: every request that asks for it would be
+    # refused (a chat without max_tokens asks for all of it), so the limit is what the cache holds
+    capacity = num_blocks * settings.block_size + 1  # (a sequence's last token is never cached)
+    if config.max_model_len > capacity:
+        get_logger("coordinator").warning(
+            "the KV cache holds fewer tokens than the context length: requests are limited to what it holds "
+            "(raise --kv-memory, or set --max-model-len to say so)",
+            extra={"fields": {"max_model_len": config.max_model_len, "kv_cache_tokens": capacity}})
+        config = dataclasses.replace(config, max_model_len=capacity)
     return EngineCore(config, num_blocks, settings.block_size, model.eos_token_ids, model.vocab_size,
                       prefix_caching=not settings.no_prefix_caching)
 

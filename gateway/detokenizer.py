@@ -20,8 +20,11 @@ class IncrementalDetokenizer:
     France is" would otherwise come out as "Paris"."""
 
     def __init__(self, tokenizer: TextTokenizer, stop: list[str] = (), min_tokens: int = 0,
-                 context: list[int] = ()):
+                 context: list[int] = (), include_stop: bool = False, skip_special_tokens: bool = True):
+        """`include_stop`: the text ends after the stop string found, not before it (vLLM's
+        include_stop_str_in_output); `skip_special_tokens`: special tokens are not text."""
         self.tok = tokenizer
+        self.include_stop, self.skip_special = include_stop, skip_special_tokens
         self.tokens: list[int] = list(context)[-CONTEXT_TOKENS:]
         self.context = len(self.tokens)  # (not generated: never text of this sequence's own)
         self.prefix_offset, self.read_offset = 0, self.context
@@ -40,8 +43,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
-        prefix = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.tokens[self.prefix_offset:])
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             start = len(self.text)
             self.text += full[len(prefix):]
@@ -52,8 +55,8 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """At the end of the request: whatever is still held back (a partial stop-string match)."""
         if not self.stopped:
-            rest = self.tok.decode(self.tokens[self.prefix_offset:])
-            prefix = self.tok.decode(self.tokens[self.prefix_offset:self.read_offset])
+            rest = self._decode(self.tokens[self.prefix_offset:])
+            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
             if len(rest) > len(prefix):
                 start = len(self.text)
                 self.text += rest[len(prefix):]
@@ -68,10 +71,14 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self.stop), default=0)
         # (not before what was shown: text released before min_tokens stays shown)
         search_from = max(0, start - longest + 1, self.emitted)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            first, end = min(hits, key=lambda hit: (hit[0], -hit[1]))  # (the first; of those there, the longest)
+            self.text = self.text[:end if self.include_stop else first]
             self.stopped = True
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def _release(self) -> str:
         end = len(self.text)

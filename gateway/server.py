@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import ssl
@@ -30,8 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.chat import ChatTemplate, TemplateError
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
-                             TokenizeRequest, stop_list)
+from gateway.schemas import (VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             SamplingFields, TokenizeRequest, stop_list)
 from moemesh import __version__
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
@@ -274,7 +275,7 @@ class Gateway:
         self._check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        prompts = self._prompts(body.prompt)
+        prompts = [self._truncated(body, p) for p in self._prompts(body.prompt)]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = [self._params(body, len(p), max_tokens, body.logprobs, body.logprobs if body.echo else None)
                   for p in prompts]
@@ -290,8 +291,9 @@ class Gateway:
         for name, given in (("echo", body.echo), ("chat_template", body.chat_template is not None)):
             if given:
                 raise HTTPError(400, f"{name} is not supported by this server", name)
-        ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
-                                body.continue_final_message, body.add_special_tokens)
+        ids = self._truncated(body, self._chat_prompt(body.messages, body.add_generation_prompt,
+                                                      body.chat_template_kwargs or {}, body.continue_final_message,
+                                                      body.add_special_tokens))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
@@ -300,6 +302,17 @@ class Gateway:
         params = [self._params(body, len(ids), max_tokens, logprobs, None, param)]
         return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
 
+    def _truncated(self, body: SamplingFields, prompt: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context takes)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == -1:
+            k = self.max_model_len
+        if k < 1:
+            raise HTTPError(400, "truncate_prompt_tokens must be at least 1, or -1", "truncate_prompt_tokens")
+        return prompt[-k:]
+
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
                 max_tokens_param: str = "max_tokens"):
         unsupported = [name for name, given in [
@@ -307,8 +320,11 @@ class Gateway:
             ("response_format", (getattr(body, "response_format", None) or {}).get("type", "text") != "text"),
             ("tools", bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none")]
             if given]
+        unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
             raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
+        if body.stream_options is not None and not body.stream:
+            raise HTTPError(400, "stream_options is only for a streamed request (stream: true)", "stream_options")
         if max_tokens < 1:
             raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
         if prompt_len + max_tokens > self.max_model_len:
@@ -337,10 +353,13 @@ class Gateway:
         if not self._accepting():
             raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
         n_seqs = len(prompts) * body.n
-        if n_seqs > self.cfg.max_pending:  # never admitted, however long it waits: not a 429 to retry
+        # never admitted, however long it waits: not a 429 to retry (the coordinator queues at most
+        # --max-waiting sequences, and a request's all arrive at once)
+        limit, flag = min((self.cfg.max_pending, "--max-pending"),
+                          (self.status.max_waiting or math.inf, "--max-waiting"))
+        if n_seqs > limit:
             raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {n_seqs} sequences, more than this "
-                                 f"server takes at once ({self.cfg.max_pending}, --max-pending)",
-                            "n" if body.n > 1 else "prompt")
+                                 f"server takes at once ({limit}, {flag})", "n" if body.n > 1 else "prompt")
         if self.pending + n_seqs > self.cfg.max_pending:
             raise HTTPError(429, f"too many requests in flight ({self.pending}); retry shortly",
                             headers={"Retry-After": "1"})
@@ -349,17 +368,20 @@ class Gateway:
         try:
             jobs = [(i * body.n + j, p, _seeded(sp, j)) for i, (p, sp) in enumerate(zip(prompts, params))
                     for j in range(body.n)]
-            stop = stop_list(body.stop)
+            shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
+                     "skip_special_tokens": body.skip_special_tokens}
             if body.stream:
-                return await self._stream(request, body, rid, jobs, stop, chat)
-            return await self._complete(body, rid, jobs, stop, chat)
+                return await self._stream(request, body, rid, jobs, shown, chat)
+            return await self._complete(body, rid, jobs, shown, chat)
         finally:
             self.pending -= n_seqs
 
-    async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, stop: list[str],
+    async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, shown: dict,
                    queue: asyncio.Queue) -> None:
-        """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload)."""
-        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, stop, params.min_tokens, context=prompt))
+        """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload). `shown`: the
+        IncrementalDetokenizer's options (stop strings, and how they and special tokens show)."""
+        choice = Choice(index, IncrementalDetokenizer(self.tokenizer, min_tokens=params.min_tokens, context=prompt,
+                                                      **shown))
         start = last = time.monotonic()
         stream = self.client.generate(prompt, params, request_id=f"{rid}-{index}")
         ended = "abort"  # (a client that went away cancels this task)
@@ -368,7 +390,8 @@ class Gateway:
                 if out.error:
                     if out.error_status in (400, 429) and not choice.token_ids:
                         ended = None  # refused, never run: not a finished request (vLLM counts none)
-                    raise HTTPError(out.error_status or 500, out.error)
+                    raise HTTPError(out.error_status or 500, out.error,
+                                    headers={"Retry-After": "1"} if out.error_status in (429, 503) else None)
                 now = time.monotonic()
                 if out.token_ids:
                     (self.metrics.ttft if not choice.token_ids else self.metrics.itl).labels(self.model_name).observe(
@@ -404,10 +427,10 @@ class Gateway:
                 self.metrics.requests.labels(self.model_name, ended).inc()
         await queue.put((index, "done", choice))
 
-    async def _gather(self, rid, jobs, stop):
+    async def _gather(self, rid, jobs, shown):
         """Yields (index, kind, payload) from every job until all are done; errors propagate."""
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, stop, queue)) for i, p, sp in jobs]
+        tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue)) for i, p, sp in jobs]
         remaining = len(tasks)
         getter = None
         try:
@@ -432,10 +455,10 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, body, rid, jobs, stop, chat):
+    async def _complete(self, body, rid, jobs, shown, chat):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
-        async for index, kind, payload in self._gather(rid, jobs, stop):
+        async for index, kind, payload in self._gather(rid, jobs, shown):
             if kind == "done":
                 choices[index] = payload
             elif payload.prompt_logprobs is not None:
@@ -453,7 +476,7 @@ class Gateway:
                 lp = None
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
-                                                   prompt_lps.get(index))[0]
+                                                   prompt_lps.get(index), 0, body.skip_special_tokens)[0]
                 if body.echo:
                     text = self.tokenizer.decode(prompt, skip_special_tokens=False) + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
@@ -462,7 +485,7 @@ class Gateway:
                                   "created": int(time.time()), "model": self.model_name, "choices": out,
                                   "usage": usage})
 
-    async def _stream(self, request, body, rid, jobs, stop, chat):
+    async def _stream(self, request, body, rid, jobs, shown, chat):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -488,7 +511,7 @@ class Gateway:
 
         choices: dict[int, Choice] = {}
         offsets: dict[int, int] = {}  # completions: text_offset where each choice's next token starts
-        events = self._gather(rid, jobs, stop)
+        events = self._gather(rid, jobs, shown)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
         except HTTPError as e:
@@ -531,8 +554,8 @@ class Gateway:
                         if d.text or prefix or d.finish_reason or d.has_tokens:
                             lp = None
                             if body.logprobs is not None:  # (offsets by tokens, as the non-streamed answer's)
-                                lp, offsets[index] = self._completion_logprobs(d.logprobs, echo, d.prompt_logprobs,
-                                                                               start)
+                                lp, offsets[index] = self._completion_logprobs(
+                                    d.logprobs, echo, d.prompt_logprobs, start, body.skip_special_tokens)
                             await send(chunk([{"index": index, "text": prefix + d.text, "logprobs": lp,
                                                "finish_reason": _reason(d.finish_reason)}]))
                 if with_usage:
@@ -640,24 +663,37 @@ class Gateway:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps,
-                             offset: int = 0) -> tuple[dict, int]:
+    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0,
+                             skip_special_tokens: bool = True) -> tuple[dict, int]:
         """-> (the logprobs object, where the text after these tokens starts). `offset`: where the first
-        token starts (a stream's later chunk: the end of the one before)."""
+        token starts (a stream's later chunk: the end of the one before). Each position's top_logprobs
+        holds its own token too (OpenAI: "up to logprobs+1 elements", as vLLM gives)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         entries = []  # (token, its logprobs, whether the returned text shows it)
         if echo_prompt is not None:  # (the echo keeps special tokens, the generated text drops them)
             entries = [(t, prompt_lps[i] if prompt_lps else None, True) for i, t in enumerate(echo_prompt)]
-        special = self.tokenizer.special_ids
+        special = self.tokenizer.special_ids if skip_special_tokens else frozenset()
         entries += [(lp.token_id, lp, lp.token_id not in special) for lp in lps]
         for token_id, lp, shown in entries:
             text = self.tokenizer.token_text(token_id)
             tokens.append(text)
             token_lps.append(lp.logprob if lp is not None else None)
-            tops.append({self.tokenizer.token_text(t): v for t, v in lp.top} if lp is not None else None)
+            top = None
+            if lp is not None:
+                top = {self.tokenizer.token_text(t): v for t, v in lp.top}
+                top.setdefault(text, lp.logprob)
+            tops.append(top)
             offsets.append(offset)
             offset += len(text) if shown else 0
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+_DEFAULTS = SamplingFields()
+
+
+def _given(value, default) -> bool:
+    """A field set to something other than its default (an empty list or object counts as not given)."""
+    return value != default and value not in ([], {}, "")
 
 
 def _is_int(x) -> bool:

@@ -126,6 +126,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     requests_resumed: int = 0  # sequences put back to be recomputed by recoveries
     tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
     mesh_refused: int = 0  # handshakes the mesh's sockets refused (--mesh-keys: no key, or one not allowed)
+    max_waiting: int = 0  # the coordinator's --max-waiting (0: not said)
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)

@@ -495,3 +495,22 @@ def test_a_decode_schedule_does_not_grow_with_context_length():
         return max(sizes)
 
     assert decode_bytes(400) <= decode_bytes(40) + 8 * 2  # (token ids and positions may take a byte more)
+
+
+def test_the_context_limit_is_what_the_kv_cache_holds(caplog):
+    """A context longer than the KV cache could never be served (a chat without max_tokens asks for all
+    of it): the mesh's core limits requests to what the cache holds, and says so."""
+    from types import SimpleNamespace
+
+    from coordinator.step_loop import make_core as mesh_core
+    from moemesh.settings import SchedulerSettings
+
+    model = SimpleNamespace(max_position_embeddings=4096, eos_token_ids=(EOS,), vocab_size=VOCAB)
+    settings = SchedulerSettings(block_size=16)
+    core = mesh_core(settings, model, num_blocks=12)
+    assert core.scheduler.config.max_model_len == 12 * 16 + 1 and "KV cache holds fewer" in caplog.text
+    core.add("fits", prompt(100), SamplingParams(max_tokens=93))  # 193 tokens: its last is never cached
+    with pytest.raises(ValueError, match="maximum context length of 193"):
+        core.add("too long", prompt(100), SamplingParams(max_tokens=94))
+    assert mesh_core(SchedulerSettings(block_size=16, max_model_len=64), model, 12).scheduler.config.max_model_len == 64
+    assert mesh_core(settings, model, 1000).scheduler.config.max_model_len == 4096

@@ -368,3 +368,19 @@ def test_token_text_keeps_the_space_a_sentencepiece_token_carries(sentencepiece_
     assert sp.token_text(sp.encode("Hello", add_special_tokens=False)[0]).startswith(" ")
     ids = tok.encode(TEXTS["ascii"], add_special_tokens=False)  # a byte-level BPE: one token decodes alone
     assert [tok.token_text(i) for i in ids] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def test_special_tokens_show_when_not_skipped_and_a_kept_stop_string_ends_the_text(tok):
+    ids = tok.encode(TEXTS["special_tokens"], add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(d.add([t]) for t in ids) + d.finish() == tok.decode(ids, skip_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    assert "<|im_end|>" not in "".join(d.add([t]) for t in ids) + d.finish()
+    ids = tok.encode(TEXTS["ascii"], add_special_tokens=False)
+    for include in (False, True):
+        d = IncrementalDetokenizer(tok, stop=["lazy", "brown"], include_stop=include)
+        text = "".join(d.add([t]) for t in ids) + d.finish()
+        assert text == ("The quick brown" if include else "The quick ") and d.stopped
+    # both at one place in one piece: the longer is kept whole
+    d = IncrementalDetokenizer(tok, stop=["brown", "brown fox"], include_stop=True)
+    assert d.add(ids) + d.finish() == "The quick brown fox"

@@ -204,6 +204,16 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", chat, {"messages": user, "response_format": {"type": "json_object"}}), "response_format"),
         (http("POST", chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
          "tools"),
+        # and so are vLLM's extra parameters that this server does not have
+        (http("POST", chat, {"messages": user, "guided_choice": ["yes", "no"]}), "guided_choice"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True}), "use_beam_search"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}),
+         "spaces_between_special_tokens"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}),
+         "truncate_prompt_tokens"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}),
+         "stream_options"),
     ]
     for (status, body, _), want_param in cases:
         assert status == 400, body
@@ -211,13 +221,48 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     status, body, _ = http("GET", f"{server.url}/v1/completions")
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
     # add_generation_prompt may come in chat_template_kwargs (as vLLM takes it)
-    for ok in [{"chat_template_kwargs": {"add_generation_prompt": False}}, {"logit_bias": {}},
+    for ok in [{"chat_template_kwargs": {"add_generation_prompt": False}}, {"logit_bias": {}}, {"bad_words": []},
+               {"spaces_between_special_tokens": True},
                {"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}]:
         status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
         assert status == 200, (ok, body)
     assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
     status, body, _ = http("GET", f"{server.url}/v1/models/org/gpt-9")  # (a name with a slash reaches the handler)
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
+
+
+def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_among_the_top(server, model):
+    """include_stop_str_in_output keeps the stop string, truncate_prompt_tokens keeps the prompt's last
+    tokens, and each position's top_logprobs holds the sampled token (OpenAI: up to logprobs + 1)."""
+    from moemesh.tokenizer import TextTokenizer
+
+    url = f"{server.url}/v1/completions"
+    base = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    full = json.loads(http("POST", url, base)[1])["choices"][0]["text"]
+    stop = full.strip()[2:5]
+    assert stop and stop in full
+    for stream in (False, True):
+        status, body, _ = http("POST", url, {**base, "stop": [stop], "include_stop_str_in_output": True,
+                                             "stream": stream})
+        assert status == 200
+        if stream:
+            events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith(b"data: {")]
+            text = "".join(c["text"] for e in events for c in e["choices"])
+        else:
+            text = json.loads(body)["choices"][0]["text"]
+        assert text == full[:full.index(stop) + len(stop)], stream
+    cut = json.loads(http("POST", url, {**base, "stop": [stop]})[1])["choices"][0]["text"]
+    assert cut == full[:full.index(stop)]
+    ids = TextTokenizer(model).encode("The quick brown fox")
+    status, body, _ = http("POST", url, {**base, "prompt": ids, "truncate_prompt_tokens": 2, "echo": True,
+                                         "max_tokens": 1})
+    r = json.loads(body)
+    assert status == 200 and r["usage"]["prompt_tokens"] == 2
+    assert r["choices"][0]["text"].startswith(TextTokenizer(model).decode(ids[-2:], skip_special_tokens=False))
+    status, body, _ = http("POST", url, {**base, "temperature": 1.0, "seed": 3, "logprobs": 0, "max_tokens": 6})
+    lp = json.loads(body)["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    assert [top[t] for top, t in zip(lp["top_logprobs"], lp["tokens"])] == lp["token_logprobs"]
 
 
 def test_usage_counts_each_prompt_once_and_tiny_temperatures_are_greedy(client):
@@ -546,8 +591,12 @@ def test_bench_serve_prints_rows_and_plots(server, tmp_path, capsys):
 
 
 def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
-    server = Server(model)
+    server = Server(model, "--max-waiting", "4")
     try:
+        # (first: a request of more sequences than the coordinator queues is a 400, not a 429 retried forever)
+        status, body, _ = http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 5, "max_tokens": 1})
+        assert status == 400 and "--max-waiting" in json.loads(body)["error"]["message"], body
+        assert http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 4, "max_tokens": 1})[0] == 200
         coordinator = [p for p in _children(server.proc.pid) if b" coordinator" in _cmdline(p).replace(b"\0", b" ")]
         assert len(coordinator) == 1
         conn = socket.create_connection(("127.0.0.1", server.port), timeout=30)
