@@ -300,6 +300,13 @@ class StandaloneSettings(Settings):
     replay: str | None = flag(None, "(--standalone) a directory written by --record", metavar="DIR")
     tokens: int = flag(64, "(--standalone) synthetic tokens in the step", parse=positive_int)
     seqs: int = flag(4, "(--standalone) synthetic sequences", parse=positive_int)
+    dtype: str | None = flag(None, "(--standalone) compute dtype (default: the recording's, else auto)",
+                             choices=("auto", *DTYPES))
+    quantization: str | None = flag(None, "(--standalone) fp8 or int8 weights (default: the recording's; an FP8 "
+                                          "checkpoint is always run as one)", choices=QUANTIZATIONS)
+    moe_backend: str | None = flag(None, "(--standalone) the kernels (default: the recording's, else auto)",
+                                   choices=MOE_BACKENDS)
+
 
 @dataclass(frozen=True)
 class MeshSecurity(Settings):

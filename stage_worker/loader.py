@@ -116,6 +116,9 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
     """
     backend = resolve_backend(backend, device)
     config = config or ModelConfig.from_dir(model_dir)
+    if config.quantization is not None and quant is None:  # (its codes would load as plain numbers: garbage)
+        raise LoadError(f"{model_dir} is a quantized ({config.quantization}) checkpoint: it loads with its "
+                        "quantization method (stage_worker.layers.fp8.resolve_quantization)")
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)(config, layers, tp, quant)
     reader = CheckpointReader(model_dir)

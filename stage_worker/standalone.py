@@ -10,6 +10,7 @@ recording, how far its outputs are from the recorded ones.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -17,20 +18,28 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
-from moemesh.config import ModelConfig
+from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.protocol import Schedule, SeqWork, StepResult
 from moemesh.sampling import SamplingParams
 from stage_worker.executor import StageExecutor
+from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.runner import StageRunner
+from stage_worker.tensors import torch_dtype
+
+RUN_FILE = "run.json"  # how the recorded stage computed: a replay computes the same way
 
 
 class Recorder:
     """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors: the residual stream as
-    "stream") or .result (msgpack)."""
+    "stream") or .result (msgpack), and run.json (the stage's layers, dtype, quantization, kernels and
+    block size)."""
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    def describe(self, **run) -> None:
+        (self.dir / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
 
     def record(self, sched: Schedule, stream: torch.Tensor | None, out) -> None:
         if self.count >= self.max_steps:
@@ -46,14 +55,35 @@ class Recorder:
             save_file({"stream": out.contiguous()}, str(stem.with_suffix(".outputs")))
 
 
+def recorded_run(directory: str | None) -> dict:
+    """What a recording's run.json says (nothing for synthetic input, or a recording made before it)."""
+    path = Path(directory) / RUN_FILE if directory else None
+    if path is None or not path.is_file():
+        return {}
+    run = json.loads(path.read_text())
+    return run if isinstance(run, dict) else {}
+
+
 def run_standalone(model: str, layers: range, recording: str | None, tokens: int, seqs: int,
-                   block_size: int = 16, out=print) -> int:
+                   block_size: int = 16, out=print, dtype: str | None = None, quantization: str | None = None,
+                   moe_backend: str | None = None) -> int:
+    """`dtype`, `quantization`, `moe_backend`: as given, else as the recording's stage computed (its
+    run.json), else the defaults; an FP8 checkpoint always runs as one."""
     mc = ModelConfig.from_dir(model)
+    run = recorded_run(recording)
+    if run.get("layers") not in (None, [layers.start, layers.stop]):
+        out(f"note: the recording is of layers {run['layers'][0]}:{run['layers'][1]}, not {layers.start}:{layers.stop}")
+    block_size = run.get("block_size", block_size)
+    compute = resolve_dtype(dtype or run.get("dtype") or "auto", mc)
+    quant = resolve_quantization(mc, quantization or run.get("quantization"))
+    backend = moe_backend or run.get("moe_backend") or "auto"
     num_blocks = 4096
     started = time.perf_counter()
-    runner = StageRunner(model, mc, layers, num_blocks, block_size, progress=None)
+    runner = StageRunner(model, mc, layers, num_blocks, block_size, dtype=torch_dtype(compute), progress=None,
+                         quant=quant, moe_backend=backend)
     out(f"loaded layers {layers.start}:{layers.stop} of {mc.num_layers} in {time.perf_counter() - started:.2f} s "
-        f"({runner.load_stats.bytes_read / 2**20:.1f} MiB read from {len(runner.load_stats.files_opened)} files)")
+        f"({runner.load_stats.bytes_read / 2**20:.1f} MiB read from {len(runner.load_stats.files_opened)} files; "
+        f"{compute}, {type(quant).__name__ if quant else 'unquantized'}, --moe-backend {backend})")
     executor = StageExecutor(runner, mc.eos_token_ids)
     steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
     worst = 0.0

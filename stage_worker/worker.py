@@ -226,6 +226,9 @@ class StageWorker:
 
         started = time.perf_counter()
         self.executor = await asyncio.get_running_loop().run_in_executor(self.compute, build)
+        if self.recorder is not None:  # (a replay computes as this stage does)
+            self.recorder.describe(model=a.model, layers=[a.layer_start, a.layer_end], dtype=str(dtype).split(".")[-1],
+                                   quantization=a.quantization, moe_backend=a.moe_backend, block_size=a.block_size)
         log.info("loaded", extra={"fields": {"layers": f"{a.layer_start}:{a.layer_end}", "blocks": num_blocks,
                                              "bytes": self.executor.runner.load_stats.bytes_read,
                                              "seconds": round(time.perf_counter() - started, 2)}})

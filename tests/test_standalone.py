@@ -32,10 +32,14 @@ def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
 
 
 def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
+    """Recorded with int8 weights: the replay computes as the recorded stage did (its run.json)."""
+    import json
+
     model = tmp_path / "m"
     build_hf_model("mixtral", model)
     rec = tmp_path / "rec"
-    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
+    settings = EngineSettings(model=str(model), pp=2, kv_memory=8 << 20, quantization="int8", block_size=8)
+    with LocalMesh.of(settings, record=str(rec)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
     assert sorted(p.name for p in rec.iterdir()) == ["pp0-tp0", "pp1-tp0"]
@@ -43,6 +47,8 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
 
     sent = load_file(str(next((rec / "pp1-tp0").glob("*.inputs"))))
     assert list(sent) == ["stream"]  # one tensor crosses the boundary: hidden + residual
+    run_file = json.loads((rec / "pp1-tp0" / "run.json").read_text())
+    assert run_file["quantization"] == "int8" and run_file["block_size"] == 8 and run_file["layers"] == [2, 4]
     assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:2",
                  "--replay", str(rec / "pp0-tp0")]) == 0
     first = capsys.readouterr().out
@@ -64,3 +70,23 @@ def test_a_replay_that_differs_is_reported(tmp_path, capsys):
     assert main(["stage-worker", "--standalone", "--model", str(other), "--layers", "0:2",
                  "--replay", str(rec / "pp0-tp0")]) == 1
     assert "DIFFERS FROM the recording" in capsys.readouterr().out
+
+
+def test_an_fp8_checkpoint_runs_as_one_alone_and_never_loads_as_plain_numbers(tmp_path, capsys):
+    import pytest
+
+    from moemesh.errors import LoadError
+    from stage_worker.loader import load_model
+
+    build_hf_model("mixtral", tmp_path / "m")
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    absmax = {}
+    for name in ("m", "q"):
+        assert main(["stage-worker", "--standalone", "--model", str(tmp_path / name), "--layers", "0:2"]) == 0
+        out = capsys.readouterr().out
+        absmax[name] = float(out.split("absmax ")[1].split()[0])
+    assert "Fp8Config" in out
+    assert 0.5 < absmax["q"] / absmax["m"] < 2  # (read as plain numbers, its fp8 codes made it 1e9)
+    with pytest.raises(LoadError, match="quantized"):
+        load_model(tmp_path / "q", progress=False)

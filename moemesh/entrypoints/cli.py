@@ -484,7 +484,8 @@ def cmd_standalone(args) -> int:
 
     torch.set_num_threads(threads_per_worker(args.threads, 1))
     try:
-        return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs)
+        return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs, dtype=args.dtype,
+                              quantization=args.quantization, moe_backend=args.moe_backend)
     except FileNotFoundError as e:
         raise CLIError(f"--replay: {e}") from None
 
