@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 from moemesh.config import MOE_BACKENDS as BACKENDS  # the names, with the flag that takes them
+from moemesh.errors import ConfigError
 
 
-class BackendError(ValueError):
-    pass
+class BackendError(ConfigError):
+    """Kernels that cannot run here (a CLI error: it names the flag)."""
 
 
 def resolve_backend(name: str, device) -> str:
@@ -37,6 +38,8 @@ def resolve_backend(name: str, device) -> str:
         from kernels.cpu_gemm import native
 
         if native() is None:
-            raise BackendError("--moe-backend native: the CPU kernels could not be built here "
-                               "(no C compiler?); use --moe-backend torch")
+            from kernels import cpu_gemm
+
+            raise BackendError(f"--moe-backend native: the CPU kernels could not be built here "
+                               f"({cpu_gemm.build_error}); use --moe-backend torch")
     return name

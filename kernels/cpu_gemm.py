@@ -139,6 +139,9 @@ def build(cache: Path | None = None) -> Path:
             r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # (mkstemp made it 0600: a cache shared by users must be readable)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -147,12 +150,18 @@ def build(cache: Path | None = None) -> Path:
     return target
 
 
+build_error: str | None = None  # why native() is None
+
+
 @functools.cache
 def native() -> _Lib | None:
-    """The compiled kernels, or None (logged once) where they cannot be built here."""
+    """The compiled kernels, or None (logged once, the reason in build_error) where they cannot be
+    built here."""
+    global build_error
     try:
         return _Lib(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        build_error = str(e) or type(e).__name__
         log.warning("native CPU kernels unavailable, using torch's matmul: %s", e)
         return None
 

@@ -150,6 +150,9 @@ class ModelConfig:
                 decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             )
+            if not isinstance(moe["top_k"], int) or not 1 <= moe["top_k"] <= num_experts:
+                raise ConfigError(f"num_experts_per_tok={moe['top_k']!r} must be between 1 and the "
+                                  f"{num_experts} experts")
         attention_bias = bool(raw.get("attention_bias", False))
         if eos_token_ids is None:
             eos_token_ids = _as_tuple(raw.get("eos_token_id"))

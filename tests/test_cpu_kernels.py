@@ -5,6 +5,7 @@ backend and transformers is in test_model_parity, which runs native by default o
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -362,3 +363,24 @@ def test_argmax_rows_finds_the_first_maximum_wherever_it_lies(n):
     x[-1] = 0.0  # all equal: the first
     got = cpu_gemm.argmax_rows(x, lib)
     assert torch.equal(got, x.max(dim=-1).indices)
+
+
+def test_native_kernels_that_cannot_be_built_are_a_cli_error_with_the_reason(tmp_path):
+    """--moe-backend native where the build fails: one line naming the flag and why, no traceback; the
+    kernels a build leaves in a cache are readable by every user (not mkstemp's 0600)."""
+    import subprocess
+    import sys
+
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+
+    write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=32, intermediate_size=48,
+                                   num_experts=4, vocab_size=384), tmp_path / "m")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for pp in ("1", "2"):  # (in process; and a mesh, refused before any worker starts)
+        r = subprocess.run([sys.executable, "-m", "moemesh", "generate", "--model", str(tmp_path / "m"), "--pp", pp,
+                            "--moe-backend", "native", "--prompt-ids", "5,6", "--max-tokens", "2"],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "moemesh: error: --moe-backend native" in r.stderr and "no-such-cc" in r.stderr, r.stderr
+    path = cpu_gemm.build(tmp_path / "fresh")
+    assert path.stat().st_mode & 0o044 == 0o044

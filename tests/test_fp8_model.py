@@ -89,3 +89,14 @@ def test_bench_fp8_reports_both_variants(checkpoints, capsys):
     for r in rows:
         assert 0 < r["max_rel_logit_error"] < MAX_REL_LOGIT_ERROR
         assert 0 <= r["position_agreement"] <= 1 and 0 <= r["mean_common_prefix"] <= 4
+
+
+@pytest.mark.parametrize("swap", ["quantized model", "plain fp8 model", "missing fp8 model"])
+def test_bench_fp8_refuses_checkpoints_that_would_compare_nothing(checkpoints, tmp_path, swap):
+    original, quantized = checkpoints
+    model, fp8 = {"quantized model": (quantized, None), "plain fp8 model": (original, original),
+                  "missing fp8 model": (original, tmp_path / "nope")}[swap]
+    argv = ["bench", "fp8", "--model", str(model), "--num-prompts", "1", "--new", "1"]
+    with pytest.raises(SystemExit) as e:
+        main(argv + (["--fp8-model", str(fp8)] if fp8 else []))
+    assert e.value.code == 2

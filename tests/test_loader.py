@@ -120,3 +120,6 @@ def test_config_spellings():
         ModelConfig.from_hf({**base, "num_experts": 4, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ConfigError, match="'num_attention_heads'"):
         ModelConfig.from_hf({k: v for k, v in base.items() if k != "num_attention_heads"})
+    for top_k in (5, 0, None):  # (a crash mid-request on every kernel path otherwise)
+        with pytest.raises(ConfigError, match="num_experts_per_tok"):
+            ModelConfig.from_hf({**base, "num_experts": 4, "num_experts_per_tok": top_k})

@@ -12,7 +12,8 @@ built without a quantization config, as in FP8).
 Activations stay in the model dtype. With the native backend the kernels (kernels/cpu_gemm.c) read
 the int8 weights, a quarter of float32's bytes, widen them in registers and apply the scale once per
 output; that is the point of it, since a decode step is bound by reading weights. With the torch
-backend the weights are dequantized once after loading: the same numbers, no speed-up.
+backend the weights are dequantized once after loading, into the model dtype: the same numbers in
+float32 (under bfloat16 they are rounded once more), no speed-up.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import json
 import torch
 
 from moemesh.config import ModelConfig
-from moemesh.errors import CLIError
+from moemesh.errors import CLIError, ConfigError
 from moemesh.entrypoints.bench.throughput import check_lengths
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.settings import EngineSettings
@@ -22,6 +22,19 @@ def run_fp8_bench(args) -> int:
     if bad or not args.quantization:
         raise CLIError(f"--quantization {','.join(bad)}: each must be fp8 or int8")
     mc = ModelConfig.from_dir(args.model)
+    if mc.quantization is not None:  # (it would be compared with itself)
+        raise CLIError(f"--model {args.model} is already quantized ({mc.quantization}): give its 16/32-bit checkpoint")
+    if args.fp8_model:
+        try:
+            fp8 = ModelConfig.from_dir(args.fp8_model)
+        except ConfigError as e:
+            raise CLIError(f"--fp8-model: {e}") from None
+        if fp8.quantization != "fp8":
+            raise CLIError(f"--fp8-model {args.fp8_model} is not an FP8 checkpoint (`moemesh quantize` writes one)")
+        same = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_experts")
+        if any(getattr(fp8, k) != getattr(mc, k) for k in same):
+            raise CLIError(f"--fp8-model {args.fp8_model} is not --model {args.model} quantized: their configs differ "
+                           f"in {', '.join(k for k in same if getattr(fp8, k) != getattr(mc, k))}")
     check_lengths(mc, args.prompt_len, args.new)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
