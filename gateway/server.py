@@ -35,7 +35,7 @@ from gateway.schemas import (VLLM_UNSUPPORTED, ChatCompletionRequest, Completion
                              SamplingFields, TokenizeRequest, stop_list)
 from moemesh import __version__
 from moemesh.client import CoordinatorClient
-from moemesh.config import ModelConfig
+from moemesh.config import ModelConfig, generation_defaults
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
@@ -124,6 +124,10 @@ class Gateway:
         self.chat_template = ChatTemplate.from_dir(model_dir)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self.max_model_len = self.status.max_model_len
+        # the model's recommended sampling, for requests that do not say (vLLM's --generation-config auto)
+        self.defaults = generation_defaults(model_dir) if self.cfg.generation_config == "auto" else {}
+        if self.defaults:
+            log.info("request defaults from the model's generation_config.json", extra={"fields": self.defaults})
         # no text longer than this can fit the context: every token is at most the longest one
         self.max_prompt_chars = self.max_model_len * max(1, self.tokenizer.longest_token_chars()) + 1024
         self.metrics = Metrics(self.model_name)
@@ -327,6 +331,7 @@ class Gateway:
             raise HTTPError(400, "stream_options is only for a streamed request (stream: true)", "stream_options")
         if max_tokens < 1:
             raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
+        max_tokens = min(max_tokens, self.defaults.get("max_tokens", max_tokens))  # (vLLM caps it there too)
         if prompt_len + max_tokens > self.max_model_len:
             raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
                                  f"prompt has {prompt_len} tokens and max_tokens asks for {max_tokens}, "
@@ -338,9 +343,10 @@ class Gateway:
         stop = stop_list(body.stop)
         if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise HTTPError(400, f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters", "stop")
-        fields = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                "frequency_penalty", "repetition_penalty")
-                  if getattr(body, k) is not None}
+        fields = {k: getattr(body, k) if getattr(body, k) is not None else self.defaults.get(k)
+                  for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                            "repetition_penalty")}
+        fields = {k: v for k, v in fields.items() if v is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -192,6 +192,29 @@ def _as_tuple(x) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, list) else (int(x),)
 
 
+# generation_config.json's sampling settings that become request defaults (as vLLM's --generation-config
+# auto takes them), by their SamplingParams names
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str | Path) -> dict:
+    """The sampling defaults the checkpoint recommends (its generation_config.json), by SamplingParams
+    field; ConfigError naming the file for one that is not a valid setting."""
+    import msgspec
+
+    from moemesh.sampling import SamplingParams
+
+    path = Path(model_dir) / "generation_config.json"
+    raw = read_json_object(path) if path.is_file() else {}
+    found = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    try:
+        msgspec.convert(found, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return found
+
+
 def read_json_object(path: Path) -> dict:
     """A checkpoint's JSON file (config, generation or tokenizer config): ConfigError naming it if it
     cannot be read or is not a JSON object."""

@@ -447,6 +447,11 @@ class GatewaySettings(MeshSecurity):
     ssl_keyfile: str | None = flag(None, "the private key of --ssl-certfile (PEM), if not in that file",
                                    metavar="FILE")
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
+    generation_config: str = flag(
+        "auto", "auto: requests that do not set temperature, top_p, top_k, min_p or repetition_penalty get the "
+                "model's generation_config.json values, and its max_new_tokens caps max_tokens (as in vLLM); "
+                "vllm: the OpenAI defaults",
+        choices=("auto", "vllm"))
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)

@@ -720,3 +720,37 @@ def test_an_echo_keeps_the_prompts_special_tokens_and_offsets_follow_the_text(se
     n = len(lp["tokens"]) - 1  # the prompt's tokens
     assert "".join(lp["tokens"][:n]) == prompt
     assert lp["text_offset"][:n + 1] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 1)]
+
+
+def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
+    """As vLLM's --generation-config auto: temperature (here 0: greedy) and max_new_tokens (a cap) from
+    generation_config.json for requests that do not set them; `vllm` keeps the OpenAI defaults; a bad
+    value is refused at start, naming the file."""
+    import shutil
+
+    from moemesh.config import ConfigError, generation_defaults
+
+    recommended = tmp_path / "tiny-mixtral"
+    shutil.copytree(model, recommended)
+    config = json.loads((recommended / "generation_config.json").read_text())
+    (recommended / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0,
+                                                                     "max_new_tokens": 5}))
+    assert generation_defaults(recommended) == {"temperature": 0.0, "max_tokens": 5}
+    server = Server(recommended)
+    try:
+        url = f"{server.url}/v1/completions"
+        texts = [json.loads(http("POST", url, {"prompt": "Once upon", "max_tokens": 8, "ignore_eos": True,
+                                               **extra})[1])["choices"][0]["text"]
+                 for extra in ({}, {"temperature": 0}, {"seed": 3})]
+        assert texts[0] == texts[1] == texts[2]  # greedy without being told
+        r = json.loads(http("POST", url, {"prompt": "Once upon", "ignore_eos": True, "temperature": 1.0, "seed": 1,
+                                          "n": 4, "max_tokens": 8})[1])
+        assert r["usage"]["completion_tokens"] == 4 * 5 and len({c["text"] for c in r["choices"]}) > 1
+        chat = json.loads(http("POST", f"{server.url}/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})[1])
+        assert chat["usage"]["completion_tokens"] == 5
+    finally:
+        server.stop()
+    (recommended / "generation_config.json").write_text(json.dumps({**config, "temperature": "hot"}))
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        generation_defaults(recommended)
