@@ -132,16 +132,18 @@ class Gateway:
         self.max_prompt_chars = self.max_model_len * max(1, self.tokenizer.longest_token_chars()) + 1024
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
+        self._stopping = False
         self._poller = asyncio.ensure_future(self._poll_status())
 
     async def stop(self, app: web.Application) -> None:
+        self._stopping = True  # (asyncio.wait_for of Python 3.11 can swallow a cancel that meets its result)
         self._poller.cancel()
         await asyncio.gather(self._poller, return_exceptions=True)
         await self.client.close()
 
     async def _poll_status(self) -> None:
         silent = 0
-        while True:
+        while not self._stopping:
             try:
                 status = await self.client.status(timeout=2.0)
                 if status.instance != self.status.instance:  # a new coordinator: ours are gone

@@ -169,7 +169,11 @@ class CoordinatorClient:
             self.status_waiters.remove(fut)
             await asyncio.sleep(min(timeout, 0.5))
             raise asyncio.TimeoutError from None
-        return await asyncio.wait_for(fut, timeout)
+        reply = await asyncio.wait_for(fut, timeout)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # (Python 3.11's wait_for returns a result that meets a cancel
+            raise asyncio.CancelledError            # and drops the cancel: a loop around it would never end)
+        return reply
 
     async def wait_serving(self, timeout: float) -> StatusReply:
         """Polls the coordinator until its pipeline serves; raises TimeoutError otherwise."""

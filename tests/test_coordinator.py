@@ -569,3 +569,46 @@ def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
         first, again = asyncio.run(scenario(lost_reset))
         assert isinstance(again, StepResult), again  # not WorkerFailed
         assert again.step_id == 9 and again.sampled[0].token_id == first.sampled[0].token_id  # same prompt
+
+
+def test_a_cancel_that_meets_a_status_reply_is_not_lost(monkeypatch):
+    """Python 3.11's asyncio.wait_for returns a result that arrives with a cancel and drops the cancel:
+    a loop around client.status (the gateway's poller; its shutdown waits for it) must still end."""
+    from moemesh import client as client_module
+    from moemesh.client import CoordinatorClient
+
+    async def swallowing(fut, timeout):  # what 3.11 does when the reply and the cancel meet
+        asyncio.current_task().cancel()
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            fut.cancel()
+            return "reply"
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx)
+        try:
+            for _ in range(50):  # (until the DEALER has its peer: a send before would be refused)
+                await asyncio.sleep(0.02)
+                if client.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    break
+            monkeypatch.setattr(client_module.asyncio, "wait_for", swallowing)
+
+            async def poll():
+                while True:
+                    await client.status(timeout=1.0)
+                    await asyncio.sleep(0)
+
+            task = asyncio.ensure_future(poll())
+            await asyncio.wait({task}, timeout=3)  # (not wait_for: that is the stand-in now)
+            assert task.done() and task.cancelled()
+        finally:
+            monkeypatch.undo()
+            await client.close()
+            router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
