@@ -43,3 +43,18 @@ def resolve_backend(name: str, device) -> str:
             raise BackendError(f"--moe-backend native: the CPU kernels could not be built here "
                                f"({cpu_gemm.build_error}); use --moe-backend torch")
     return name
+
+
+def check_device(device: str, flag: str = "--device") -> None:
+    """Refuses (BackendError, naming the flag) a CUDA device this host's torch cannot use; the device a
+    process is about to compute on, so that it fails in one line before anything starts."""
+    if not str(device).startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendError(f"{flag} {device}: this torch build or host has no CUDA device "
+                           f"(torch {torch.__version__}, cuda {torch.version.cuda})")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise BackendError(f"{flag} {device}: this host has {torch.cuda.device_count()} CUDA devices")

@@ -28,10 +28,15 @@ def run(coro) -> object:
 
 
 def bind(sock: zmq.Socket, host: str, port: int) -> int:
-    """Binds tcp://host:port (port 0: a free one); returns the port."""
-    if port == 0:
-        return sock.bind_to_random_port(f"tcp://{host}")
-    sock.bind(f"tcp://{host}:{port}")
+    """Binds tcp://host:port (port 0: a free one); returns the port. OSError naming the address when
+    it cannot (taken, or not this host's): the CLI prints it as one line."""
+    try:
+        if port == 0:
+            return sock.bind_to_random_port(f"tcp://{host}")
+        sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        raise OSError(e.errno, f"cannot listen on tcp://{host}:{port or '(any port)'}: {zmq.strerror(e.errno)}") \
+            from None
     return port
 
 

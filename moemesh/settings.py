@@ -2,7 +2,7 @@
 variable all come from one dataclass field.
 
     class WorkerSettings(WorkerResources, MeshSecurity):
-        coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
+        coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT", parse=tcp_address)
         ...
 
 A settings class builds its argparse flags (`add_arguments`, defaults from `MOEMESH_<FLAG>` where
@@ -68,6 +68,17 @@ def device_arg(text: str) -> str:
 
 
 device_arg.__name__ = "device (cpu, cuda or cuda:N)"
+
+
+def tcp_address(text: str) -> str:
+    """tcp://HOST:PORT with a port a peer can listen on (1 to 65535)."""
+    host, sep, port = text.removeprefix("tcp://").rpartition(":") if text.startswith("tcp://") else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(text)
+    return text
+
+
+tcp_address.__name__ = "address (tcp://HOST:PORT)"
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -410,7 +421,7 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, Pipe
 
 @dataclass(frozen=True)
 class WorkerSettings(WorkerResources, MeshSecurity):
-    coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT")
+    coordinator: str | None = flag(None, "the coordinator's worker address, tcp://HOST:PORT", parse=tcp_address)
     pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=non_negative_int)
     tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=non_negative_int)
     host: str = flag("127.0.0.1", "address the activation socket listens on")
@@ -433,7 +444,7 @@ class StageSettings(WorkerSettings):
 
 @dataclass(frozen=True)
 class GatewaySettings(MeshSecurity):
-    coordinator: str | None = flag(None, "the coordinator's client address, tcp://HOST:PORT")
+    coordinator: str | None = flag(None, "the coordinator's client address, tcp://HOST:PORT", parse=tcp_address)
     host: str = flag("127.0.0.1", "HTTP address to listen on")
     port: int = flag(8000, "HTTP port", parse=port_int)
     model: str | None = flag(None, "checkpoint directory for the tokenizer (default: the coordinator's, at the "

@@ -373,3 +373,27 @@ def test_log_level_goes_before_or_after_the_command():
     assert parser.parse_args(["bench", "serve", "--url", "http://x", "--log-level", "error"]).log_level == "error"
     assert parser.parse_args(["generate", "--prompt-ids", "1"]).log_level == os.environ.get("MOEMESH_LOG_LEVEL",
                                                                                             "warning")
+
+
+def test_a_taken_port_a_bad_coordinator_address_and_a_missing_gpu_are_one_line_each(model, capsys):
+    import socket
+
+    import torch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for argv in (["coordinator", "--model", str(model), "--port", port, "--client-port", "0"],
+                     ["stage-worker", "--coordinator", "tcp://127.0.0.1:9", "--pp-rank", "0", "--port", port]):
+            r = subprocess.run([sys.executable, "-m", "moemesh", *argv], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            assert f"cannot listen on tcp://127.0.0.1:{port}: Address already in use" in r.stderr, r.stderr
+    for bad in ("foo", "tcp://127.0.0.1:99999", "tcp://:5"):
+        assert "--coordinator" in user_error(capsys, ["stage-worker", "--coordinator", bad, "--pp-rank", "0"])
+        assert "--coordinator" in user_error(capsys, ["gateway", "--coordinator", bad])
+    if not torch.cuda.is_available():
+        assert "--device cuda" in user_error(capsys, ["generate", "--model", str(model), "--device", "cuda",
+                                                      "--prompt-ids", "1,2"])
+        assert "--device cuda:0" in user_error(capsys, ["generate", "--model", str(model), "--device", "cuda:0",
+                                                        "--pp", "2", "--prompt-ids", "1,2"])

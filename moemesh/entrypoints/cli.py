@@ -428,6 +428,9 @@ def cmd_stage(args) -> int:
                        f"{stage.port + stage.tp - 1}, past 65535")
     # before any worker starts (each would refuse alone, and a restart policy would start them again)
     check_exposure(stage.mesh_keys, stage.insecure_mesh, host=stage.host, coordinator=stage.coordinator)
+    from kernels.backend import check_device
+
+    check_device(stage.device)
     return run_stage(StageSettings.derive(stage, threads=threads_per_worker(stage.threads, stage.tp)))
 
 
@@ -454,6 +457,9 @@ def cmd_stage_worker(args) -> int:
         return cmd_standalone(args)
     if args.coordinator is None or args.pp_rank is None:
         raise CLIError("stage-worker needs --coordinator and --pp-rank (or --standalone)")
+    from kernels.backend import check_device
+
+    check_device(args.device)
     code = run(StageWorker(WorkerSettings.from_args(args, threads=threads_per_worker(args.threads, 1))).run())
     # exit now: the compute thread may still be in a collective with a peer that is gone, and the
     # interpreter would wait for it at exit (told to exit, this worker's launcher starts it again)

@@ -16,6 +16,7 @@ import torch
 
 from coordinator.sequence import Sequence
 from coordinator.step_loop import StepLoop, in_flight_limit, make_core
+from kernels.backend import check_device
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
@@ -38,6 +39,7 @@ class LLMEngine:
     def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str | None = None):
         self.settings = settings
         device = device or settings.device
+        check_device(device)
         self.model_config = mc = ModelConfig.from_dir(settings.model)
         if settings.tp > 1 or settings.expert_parallel:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")

@@ -110,10 +110,6 @@ class LocalMesh:
         if set(changes) - mine:
             raise TypeError(f"neither coordinator nor worker settings have {', '.join(sorted(set(changes) - mine))}")
         pick = lambda c: {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(c)}}  # noqa: E731
-        if engine.moe_backend == "native":  # (its workers run here: one that cannot have it would fail to load)
-            from kernels.backend import resolve_backend
-
-            resolve_backend("native", engine.device)
         coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, **pick(CoordinatorSettings)})
         threads = threads_per_worker(engine.threads, engine.pp * engine.tp)
         worker = WorkerSettings.derive(engine, **{"threads": threads, "max_message_bytes": worker_message_limit(engine),
@@ -141,6 +137,12 @@ class LocalMesh:
         return proc
 
     def start(self) -> None:
+        # the workers run here: what they could not run would fail each of them, in tracebacks
+        from kernels.backend import check_device, resolve_backend
+
+        check_device(self.worker.device)
+        if self.coordinator.moe_backend == "native":
+            resolve_backend("native", self.worker.device)
         coord = self._spawn("coordinator", ["coordinator", *self.coordinator.to_argv()])
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
