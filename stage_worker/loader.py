@@ -83,6 +83,20 @@ class CheckpointReader:
             raise LoadError(f"tensor {name!r} is not in {file} ({e})") from None
 
 
+def check_checkpoint(model_dir: str | Path) -> None:
+    """LoadError naming the file when a checkpoint's weights cannot be opened (missing, truncated, not
+    safetensors): what a launcher checks once before it starts workers that would each fail on it."""
+    reader = CheckpointReader(model_dir)
+    for file in sorted(set(reader.weight_map.values())):
+        path = reader.dir / file
+        if not path.is_file():
+            raise LoadError(f"{file}, which the checkpoint's index names, is missing from {reader.dir}")
+        try:
+            safe_open(str(path), framework="pt")
+        except Exception as e:  # (safetensors raises its own error type for a bad header or a short file)
+            raise LoadError(f"{path} is not a readable safetensors file: {e}") from None
+
+
 def _header_names(path: Path) -> list[str]:
     """Tensor names from a safetensors header (8-byte length + JSON), without mapping the file."""
     try:
@@ -140,4 +154,4 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
     return model.eval(), reader.stats
 
 
-__all__ = ["CheckpointReader", "ConfigError", "LoadError", "LoadStats", "load_model"]
+__all__ = ["CheckpointReader", "ConfigError", "LoadError", "LoadStats", "check_checkpoint", "load_model"]

@@ -397,3 +397,14 @@ def test_a_taken_port_a_bad_coordinator_address_and_a_missing_gpu_are_one_line_e
                                                       "--prompt-ids", "1,2"])
         assert "--device cuda:0" in user_error(capsys, ["generate", "--model", str(model), "--device", "cuda:0",
                                                         "--pp", "2", "--prompt-ids", "1,2"])
+
+
+def test_a_broken_checkpoint_is_named_before_a_mesh_starts_its_workers(model, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:4096])  # (a download cut short)
+    err = user_error(capsys, ["generate", "--model", str(broken), "--pp", "2", "--prompt-ids", "1,2"])
+    assert f"{weights} is not a" in err and "safetensors file" in err and err.count("\n") == 1

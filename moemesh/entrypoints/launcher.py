@@ -140,9 +140,12 @@ class LocalMesh:
         # the workers run here: what they could not run would fail each of them, in tracebacks
         from kernels.backend import check_device, resolve_backend
 
+        from stage_worker.loader import check_checkpoint
+
         check_device(self.worker.device)
         if self.coordinator.moe_backend == "native":
             resolve_backend("native", self.worker.device)
+        check_checkpoint(self.coordinator.model)
         coord = self._spawn("coordinator", ["coordinator", *self.coordinator.to_argv()])
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
