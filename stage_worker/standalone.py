@@ -16,9 +16,11 @@ from pathlib import Path
 
 import msgspec
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.errors import LoadError
 from moemesh.protocol import Schedule, SeqWork, StepResult
 from moemesh.sampling import SamplingParams
 from stage_worker.executor import StageExecutor
@@ -71,8 +73,6 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     run.json), else the defaults; an FP8 checkpoint always runs as one."""
     mc = ModelConfig.from_dir(model)
     run = recorded_run(recording)
-    if run.get("layers") not in (None, [layers.start, layers.stop]):
-        out(f"note: the recording is of layers {run['layers'][0]}:{run['layers'][1]}, not {layers.start}:{layers.stop}")
     block_size = run.get("block_size", block_size)
     compute = resolve_dtype(dtype or run.get("dtype") or "auto", mc)
     quant = resolve_quantization(mc, quantization or run.get("quantization"))
@@ -88,12 +88,18 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
     worst = 0.0
     for sched, stream, expected in steps:
+        started = time.perf_counter()
         got, per_layer = _timed_run(executor, sched, stream)
+        seconds = time.perf_counter() - started
         n_tokens = sum(len(w.token_ids) for w in sched.seqs)
-        out(f"step {sched.step_id}: {len(sched.seqs)} sequences, {n_tokens} tokens, "
-            f"{sum(per_layer.values()) * 1000:.2f} ms in layers")
-        for name, seconds in per_layer.items():
-            out(f"  layer {name}: {seconds * 1000:.3f} ms")
+        if per_layer:
+            out(f"step {sched.step_id}: {len(sched.seqs)} sequences, {n_tokens} tokens, "
+                f"{sum(per_layer.values()) * 1000:.2f} ms in layers ({seconds * 1000:.2f} ms in all)")
+        else:  # (a decode step on the native kernels runs each decoder layer as one call, unwrapped)
+            out(f"step {sched.step_id}: {len(sched.seqs)} sequences, {n_tokens} tokens, {seconds * 1000:.2f} ms "
+                f"(a fused decode step: no time per layer)")
+        for name, layer_seconds in per_layer.items():
+            out(f"  layer {name}: {layer_seconds * 1000:.3f} ms")
         if isinstance(got, StepResult):
             out(f"  sampled: {[s.token_id for s in got.sampled]}")
             if expected is not None:
@@ -141,15 +147,18 @@ def _recorded(directory: str):
     if not schedules:
         raise FileNotFoundError(f"no recorded steps (step-*.schedule) in {directory}")
     for path in schedules:
-        sched = msgspec.msgpack.decode(path.read_bytes(), type=Schedule)
-        stream = None
-        if path.with_suffix(".inputs").exists():
-            stream = _stream(load_file(str(path.with_suffix(".inputs"))))
-        expected = None
-        if path.with_suffix(".result").exists():
-            expected = msgspec.msgpack.decode(path.with_suffix(".result").read_bytes(), type=StepResult)
-        elif path.with_suffix(".outputs").exists():
-            expected = _stream(load_file(str(path.with_suffix(".outputs"))))
+        try:
+            sched = msgspec.msgpack.decode(path.read_bytes(), type=Schedule)
+            stream = None
+            if path.with_suffix(".inputs").exists():
+                stream = _stream(load_file(str(path.with_suffix(".inputs"))))
+            expected = None
+            if path.with_suffix(".result").exists():
+                expected = msgspec.msgpack.decode(path.with_suffix(".result").read_bytes(), type=StepResult)
+            elif path.with_suffix(".outputs").exists():
+                expected = _stream(load_file(str(path.with_suffix(".outputs"))))
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError, SafetensorError) as e:
+            raise LoadError(f"--replay {directory}: step {path.stem} cannot be read ({e})") from None
         yield sched, stream, expected
 
 

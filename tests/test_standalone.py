@@ -90,3 +90,25 @@ def test_an_fp8_checkpoint_runs_as_one_alone_and_never_loads_as_plain_numbers(tm
     assert 0.5 < absmax["q"] / absmax["m"] < 2  # (read as plain numbers, its fp8 codes made it 1e9)
     with pytest.raises(LoadError, match="quantized"):
         load_model(tmp_path / "q", progress=False)
+
+
+def test_a_replay_takes_its_layers_from_the_recording_and_refuses_others(tmp_path, capsys):
+    import pytest
+
+    model = tmp_path / "m"
+    build_hf_model("mixtral", model)
+    rec = tmp_path / "rec"
+    with LocalMesh.of(EngineSettings(model=str(model), pp=2, kv_memory=8 << 20), record=str(rec)) as mesh:
+        run(generate_all(mesh, PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp1-tp0")]) == 0
+    out = capsys.readouterr().out
+    assert "loaded layers 2:4" in out and "matches the recording" in out and "a fused decode step" in out
+    for argv in (["--layers", "0:2", "--replay", str(rec / "pp1-tp0")], ["--replay", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            main(["stage-worker", "--standalone", "--model", str(model), *argv])
+        assert e.value.code == 2
+    assert "recording is of layers 2:4" in capsys.readouterr().err
+    next((rec / "pp0-tp0").glob("*.schedule")).write_bytes(b"\x92")  # (cut short)
+    with pytest.raises(SystemExit):
+        main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp0-tp0")])
+    assert "cannot be read" in capsys.readouterr().err

@@ -473,12 +473,18 @@ def cmd_standalone(args) -> int:
     from moemesh.config import ModelConfig
     from stage_worker.standalone import run_standalone
 
-    if args.model is None or args.layers is None:
-        raise CLIError("--standalone needs --model DIR and --layers A:B")
+    from stage_worker.standalone import recorded_run
+
+    recorded = recorded_run(args.replay).get("layers") if args.replay else None
+    if args.model is None or (args.layers is None and recorded is None):
+        raise CLIError("--standalone needs --model DIR and --layers A:B (a --replay recording says its own)")
     try:
-        a, b = (int(x) for x in args.layers.split(":"))
-    except ValueError:
+        a, b = (int(x) for x in args.layers.split(":")) if args.layers is not None else recorded
+    except (ValueError, TypeError):
         raise CLIError(f"--layers {args.layers!r}: expected A:B, e.g. 0:4") from None
+    if recorded is not None and [a, b] != list(recorded):
+        raise CLIError(f"--layers {a}:{b}: the --replay recording is of layers {recorded[0]}:{recorded[1]} "
+                       f"(leave --layers out to replay those)")
     n = ModelConfig.from_dir(args.model).num_layers
     if not 0 <= a < b <= n:
         raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
