@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from coordinator.block_manager import BlockManager
 from coordinator.sequence import Sequence, Status
+from moemesh.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,13 @@ class SchedulerConfig:
     @classmethod
     def for_model(cls, max_num_batched_tokens: int, max_num_seqs: int, requested_len: int | None,
                   model_len: int) -> "SchedulerConfig":
-        """The context limit is what was asked for, but never more than the model's positions."""
-        return cls(max_num_batched_tokens, max_num_seqs, min(requested_len or model_len, model_len))
+        """The context limit: what was asked for (--max-model-len), else the model's positions; asking
+        for more than its positions is a ConfigError (as vLLM refuses it: rotary positions past
+        max_position_embeddings were never trained)."""
+        if requested_len is not None and requested_len > model_len:
+            raise ConfigError(f"--max-model-len {requested_len} is more than the model's {model_len} positions "
+                              f"(max_position_embeddings)")
+        return cls(max_num_batched_tokens, max_num_seqs, requested_len or model_len)
 
 
 @dataclass

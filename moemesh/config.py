@@ -93,7 +93,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"no config.json in model directory {model_dir}")
+            raise ConfigError(f"--model {model_dir}: no config.json there (not a model directory)")
         raw = read_json_object(path)
         eos = _eos_ids(raw, Path(model_dir) / "generation_config.json")
         return cls.from_hf(raw, eos_token_ids=eos)
@@ -248,6 +248,8 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
+        raise ConfigError(f"rope_theta={theta!r} must be a finite number above 1")  # (nan: every logit nan)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,

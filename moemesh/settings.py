@@ -332,7 +332,7 @@ class MeshSecurity(Settings):
 
 @dataclass(frozen=True)
 class ModelSettings(Settings):
-    model: str | None = flag(None, "checkpoint directory (default: the built-in tiny model)")
+    model: str | None = flag(None, "checkpoint directory (default: the built-in trained demo model)")
     dtype: str = flag("auto", "auto: float32 on CPU, the checkpoint's dtype on GPU", choices=("auto", *DTYPES))
     quantization: str | None = flag(
         None, "fp8: quantize the weights to float8 at load (FP8 checkpoints need no flag); int8: weight-only "

@@ -38,7 +38,10 @@ class Recorder:
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"--record {directory}: {e.strerror}") from None
 
     def describe(self, **run) -> None:
         (self.dir / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")

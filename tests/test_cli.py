@@ -408,3 +408,23 @@ def test_a_broken_checkpoint_is_named_before_a_mesh_starts_its_workers(model, tm
     weights.write_bytes(weights.read_bytes()[:4096])  # (a download cut short)
     err = user_error(capsys, ["generate", "--model", str(broken), "--pp", "2", "--prompt-ids", "1,2"])
     assert f"{weights} is not a" in err and "safetensors file" in err and err.count("\n") == 1
+
+
+def test_more_flags_named_in_their_errors(model, tmp_path, capsys):
+    """--max-model-len beyond the model's positions (vLLM refuses it too), a rope_theta that would make
+    every logit nan, eval-demo's --rows / --pp / --model, a --record path that is a file."""
+    err = user_error(capsys, ["generate", "--model", str(model), "--max-model-len", "99999", "--prompt-ids", "1"])
+    assert "--max-model-len 99999 is more than the model's" in err
+    assert "--rope-theta" in user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path / "r"),
+                                                 "--rope-theta", "nan"])
+    assert "--mlp-only-layers" in user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out",
+                                                      str(tmp_path / "r"), "--mlp-only-layers", "1"])
+    bad_theta = tmp_path / "theta"
+    make_model(bad_theta)
+    config = json.loads((bad_theta / "config.json").read_text())
+    (bad_theta / "config.json").write_text(json.dumps({**config, "rope_theta": -1}))
+    assert "rope_theta=-1" in user_error(capsys, ["generate", "--model", str(bad_theta), "--prompt-ids", "1"])
+    for flags, named in ((["--rows", "float32,bogus"], "--rows"), (["--pp", "a"], "--pp"),
+                         (["--model", str(tmp_path / "none")], "--model")):
+        assert named in user_error(capsys, ["eval-demo", *flags])
+    assert "--model" in user_error(capsys, ["quantize", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "q")])

@@ -68,11 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("make-tiny-model", help="write a random Hugging Face-format checkpoint")
     t.add_argument("--arch", required=True, choices=ARCHS)
     t.add_argument("--out", required=True, type=out_path)
-    t.add_argument("--preset", choices=["default", "bench"], help="start from the built-in or benchmark sizes")
+    t.add_argument("--preset", choices=["default", "bench"],
+                   help="start from these sizes (default: 4 layers, hidden 256, 8 experts, vocabulary 1024, random "
+                        "weights, not the trained demo model `serve` ships; bench: the benchmark model of "
+                        "docs/benchmarks.md); the flags below change them")
     defaults = TinyModelSpec(arch="mixtral")
     for flag, field in SIZE_FLAGS.items():
         t.add_argument(f"--{flag}", dest=field, type=non_negative_int if flag == "seed" else positive_int, default=None,
-                       help=f"(default {getattr(defaults, field)})")
+                       help=f"(default: the preset's, else {getattr(defaults, field)})")
     t.add_argument("--mlp-only-layers", dest="mlp_only_layers", type=int_list, default=None)
     t.add_argument("--tie-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
     t.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false", default=None)
@@ -516,7 +519,7 @@ def cmd_make_tiny_model(args) -> int:
         spec = replace(base, arch=args.arch, **overrides)
     except ValueError as e:
         message = str(e)
-        for flag, field in SIZE_FLAGS.items():
+        for flag, field in [*SIZE_FLAGS.items(), ("mlp-only-layers", "mlp_only_layers"), ("rope-theta", "rope_theta")]:
             message = message.replace(field, f"--{flag}")
         raise CLIError(message) from None
     try:

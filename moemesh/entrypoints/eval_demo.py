@@ -189,16 +189,27 @@ def run_eval_demo(args) -> int:
     from moemesh.entrypoints.default_model import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
+    if not (EVAL_DIR / "heldout.jsonl").is_file():
+        raise CLIError(f"no {EVAL_DIR}/heldout.jsonl: eval-demo runs from a clone of the repository")
+    if not (model / "tokenizer.json").is_file():
+        raise CLIError(f"--model {model}: no tokenizer.json there (not a model directory)")
+    wanted = set(args.rows.split(",")) if args.rows else None
+    known = {"transformers", *(row.key for row in ROWS)}
+    if wanted is not None and wanted - known:
+        raise CLIError(f"--rows {args.rows}: {', '.join(sorted(wanted - known))} is not one of "
+                       f"{', '.join(sorted(known))}")
+    try:
+        pps = [int(x) for x in args.pp.split(",")]
+    except ValueError:
+        pps = []
+    if not pps or min(pps) < 1:
+        raise CLIError(f"--pp {args.pp}: expected stage counts, e.g. 1,2")
     lm_eval = shutil.which(args.lm_eval) or args.lm_eval
     if not Path(lm_eval).is_file():
         raise CLIError(f"--lm-eval {args.lm_eval}: not found (pip install 'moemesh[eval]', or give its path)")
-    if not (EVAL_DIR / "heldout.jsonl").is_file():
-        raise CLIError(f"no {EVAL_DIR}/heldout.jsonl: eval-demo runs from a clone of the repository")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="moemesh-eval-"))
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    wanted = set(args.rows.split(",")) if args.rows else None
-    pps = [int(x) for x in args.pp.split(",")]
     results: list[tuple[str, str, dict]] = []
 
     def emit(name: str, pp: str, r: dict, seconds: float) -> None:
@@ -241,4 +252,7 @@ def run_eval_demo(args) -> int:
     (work / "results.json").write_text(json.dumps([{"row": n, "pp": p, **r} for n, p, r in results], indent=1))
     if args.out:
         Path(args.out).write_text(text)
+    failed = [f"{name} (pp={pp})" for name, pp, r in results if "error" in r]
+    if failed:  # (the table has the rows that ran; the command says that some did not)
+        raise CLIError(f"{len(failed)} of {len(results)} rows failed: {', '.join(failed)}; their logs are in {work}")
     return 0

@@ -97,6 +97,8 @@ class TinyModelSpec:
             raise ValueError("decoder_sparse_step must be >= 1")
         if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ValueError("mlp_only_layers must index existing layers")
+        if not 1 < self.rope_theta < float("inf"):  # (nan: every logit nan)
+            raise ValueError(f"rope_theta must be a finite number above 1, got {self.rope_theta}")
 
     @property
     def is_moe(self) -> bool:

@@ -28,7 +28,7 @@ def run_fp8_bench(args) -> int:
         try:
             fp8 = ModelConfig.from_dir(args.fp8_model)
         except ConfigError as e:
-            raise CLIError(f"--fp8-model: {e}") from None
+            raise CLIError(str(e).replace("--model", "--fp8-model", 1)) from None
         if fp8.quantization != "fp8":
             raise CLIError(f"--fp8-model {args.fp8_model} is not an FP8 checkpoint (`moemesh quantize` writes one)")
         same = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_experts")
