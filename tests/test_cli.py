@@ -427,4 +427,5 @@ def test_more_flags_named_in_their_errors(model, tmp_path, capsys):
     for flags, named in ((["--rows", "float32,bogus"], "--rows"), (["--pp", "a"], "--pp"),
                          (["--model", str(tmp_path / "none")], "--model")):
         assert named in user_error(capsys, ["eval-demo", *flags])
-    assert "--model" in user_error(capsys, ["quantize", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "q")])
+    assert "--model" in user_error(capsys, ["quantize", "--model", str(tmp_path / "none"),
+                                            "--out", str(tmp_path / "q")])
