@@ -140,8 +140,13 @@ class Coordinator:
         cfg = self.cfg
         self.guard.serve(self.workers_sock, "workers")
         self.guard.serve(self.clients_sock, "clients")
-        worker_port = bind(self.workers_sock, cfg.host, cfg.port)
-        client_port = bind(self.clients_sock, cfg.host, cfg.client_port)
+        try:
+            worker_port = bind(self.workers_sock, cfg.host, cfg.port)
+            client_port = bind(self.clients_sock, cfg.host, cfg.client_port)
+        except OSError:  # (its sockets closed: a context left open would block whoever collects it)
+            self.guard.close()
+            self.ctx.destroy(linger=0)
+            raise
         self.addresses = {"workers": f"tcp://{cfg.host}:{worker_port}", "clients": f"tcp://{cfg.host}:{client_port}"}
         if announce is not None:  # one line for a launcher to read
             print("MOEMESH_COORDINATOR " + json.dumps(self.addresses), file=announce, flush=True)

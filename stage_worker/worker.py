@@ -103,7 +103,13 @@ class StageWorker:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or 1)
         self.guard.serve(self.pull, "workers")
-        port = bind(self.pull, cfg.host, cfg.port)
+        try:
+            port = bind(self.pull, cfg.host, cfg.port)
+        except OSError:  # (its sockets closed: a context left open would block whoever collects it)
+            self.compute.shutdown(wait=False)
+            self.guard.close()
+            self.ctx.destroy(linger=0)
+            raise
         host = cfg.advertise_host or cfg.host
         address = f"tcp://{host}:{port}"
         # a stage's ranks share a host: their process group meets on loopback (it has no authentication
