@@ -369,7 +369,7 @@ class Coordinator:
                               f"not loopback, and the mesh has no keys (--mesh-keys, or --insecure-mesh)")
             if reason is not None:
                 log.error("worker refused", extra={"fields": {"reason": reason}})
-                await self._send_worker(identity, Shutdown())
+                await self._send_worker(identity, Shutdown(refused=reason))
                 if reg.phase is Phase.REGISTERING:  # a misconfiguration: say so now, not at a timeout
                     self._fail(reason)
                 return
@@ -379,8 +379,10 @@ class Coordinator:
                 self._lost(old, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} registered again (restarted)")
             try:
                 w = reg.register(identity, msg)
-            except ProtocolError as e:
+            except ProtocolError as e:  # (a rank outside the layout, or one registering late: told why)
                 self.bad_worker(e, repr(identity))
+                await self._send_worker(identity, Shutdown(refused=f"the coordinator at this address refused "
+                                                                   f"it: {e}"))
                 return
             log.info("worker registered", extra={"fields": {"pp_rank": w.pp_rank, "tp_rank": w.tp_rank,
                                                              "address": w.data_address, "pid": msg.pid}})

@@ -194,7 +194,7 @@ class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
-    pass
+    refused: str = ""  # a registration the coordinator refused: why (the worker exits non-zero saying so)
 
 
 class Reset(msgspec.Struct, tag="reset", frozen=True):

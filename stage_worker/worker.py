@@ -83,6 +83,7 @@ class StageWorker:
                                           initializer=torch.set_num_threads, initargs=(cfg.threads or 1,))
         self.executor: StageExecutor | None = None
         self.stopping = asyncio.Event()
+        self.refused = ""  # why the coordinator refused this worker's registration, if it did
         self.recorder = None
         self.sent_bytes = 0
         self.last_step = -1  # the last step computed (heartbeats report it)
@@ -159,7 +160,7 @@ class StageWorker:
         finally:
             notice.cancel()
         if assignment is None:
-            return 0
+            return 2 if self.refused else 0
         # the control link stays read while loading: a Repoint is applied, a Shutdown (a tensor-parallel
         # peer was lost: this stage starts over) stops the load at once
         load = asyncio.ensure_future(self._load(assignment))
@@ -298,6 +299,9 @@ class StageWorker:
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, Shutdown):
+                if msg.refused:  # (its registration: a rank outside the layout, another version, ...)
+                    log.error("refused by the coordinator", extra={"fields": {"reason": msg.refused}})
+                    self.refused = msg.refused
                 return None  # told to stop before serving
             if isinstance(msg, Repoint):  # the next stage was replaced while this one was starting
                 self.next_address = msg.next_address

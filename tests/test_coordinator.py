@@ -612,3 +612,29 @@ def test_a_cancel_that_meets_a_status_reply_is_not_lost(monkeypatch):
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_a_worker_for_a_rank_outside_the_layout_is_told_and_exits_saying_why(tiny):
+    """It used to wait, registered and unassigned, then exit 0 with nothing said (only the
+    coordinator's log knew): now the coordinator's refusal reaches it, and it exits 2 naming it."""
+    import sys
+
+    async def scenario():
+        coord = _coordinator(tiny, pp=2, register_timeout=60)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "moemesh", "stage-worker", "--coordinator", coord.addresses["workers"],
+            "--pp-rank", "5", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            return proc.returncode, err.decode(), await _status(coord.addresses["clients"])
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    code, err, status = asyncio.run(scenario())
+    assert code == 2 and "refused by the coordinator" in err and "outside pp=2 tp=1" in err, err
+    assert status.phase == "registering"  # (the pipeline waits for its real workers)
