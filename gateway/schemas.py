@@ -65,6 +65,8 @@ VLLM_UNSUPPORTED = ("allowed_token_ids", "bad_words", "guided_json", "guided_reg
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
+    # left out: 16 (OpenAI's default); null: the rest of the context (as vLLM)
+    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
     echo: bool = False
     logprobs: int | None = None  # top alternatives per token (0..20)
     suffix: str | None = None  # (not supported: refused unless empty)

@@ -282,8 +282,12 @@ class Gateway:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         prompts = [self._truncated(body, p) for p in self._prompts(body.prompt)]
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = [self._params(body, len(p), max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        def max_tokens(prompt):  # (left out: OpenAI's 16; null: the rest of the context, as vLLM)
+            if body.max_tokens is msgspec.UNSET:
+                return 16
+            return max(1, self.max_model_len - len(prompt)) if body.max_tokens is None else body.max_tokens
+
+        params = [self._params(body, len(p), max_tokens(p), body.logprobs, body.logprobs if body.echo else None)
                   for p in prompts]
         return await self._serve(request, body, "cmpl", prompts, params, chat=False)
 

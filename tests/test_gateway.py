@@ -255,6 +255,10 @@ def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_amo
         assert text == full[:full.index(stop) + len(stop)], stream
     cut = json.loads(http("POST", url, {**base, "stop": [stop]})[1])["choices"][0]["text"]
     assert cut == full[:full.index(stop)]
+    # max_tokens left out: 16 (OpenAI); null: the rest of the context (vLLM)
+    unset = json.loads(http("POST", url, {k: v for k, v in base.items() if k != "max_tokens"})[1])["usage"]
+    null = json.loads(http("POST", url, {**base, "max_tokens": None})[1])["usage"]
+    assert unset["completion_tokens"] == 16 and null["prompt_tokens"] + null["completion_tokens"] == 256
     ids = TextTokenizer(model).encode("The quick brown fox")
     status, body, _ = http("POST", url, {**base, "prompt": ids, "truncate_prompt_tokens": 2, "echo": True,
                                          "max_tokens": 1})
