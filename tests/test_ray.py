@@ -70,3 +70,12 @@ def test_a_mesh_started_here_gives_each_worker_its_gpu_and_keeps_loopback_withou
     assert LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2)).worker_device(1, 0) == "cpu"
     ray_mesh = RayMesh.of(EngineSettings(model=str(tmp_path), pp=2, device="cuda"))
     assert ray_mesh.gpu and ray_mesh.coordinator.host == "127.0.0.1"
+    # the local launcher checks this host can run its workers; Ray's actors run on other nodes
+    ray_mesh._check_workers_can_run()  # (a CPU-only driver of GPU actors: no refusal)
+    import torch
+
+    if not torch.cuda.is_available():
+        from kernels.backend import BackendError
+
+        with pytest.raises(BackendError, match="--device cuda"):
+            mesh._check_workers_can_run()

@@ -137,15 +137,7 @@ class LocalMesh:
         return proc
 
     def start(self) -> None:
-        # the workers run here: what they could not run would fail each of them, in tracebacks
-        from kernels.backend import check_device, resolve_backend
-
-        from stage_worker.loader import check_checkpoint
-
-        check_device(self.worker.device)
-        if self.coordinator.moe_backend == "native":
-            resolve_backend("native", self.worker.device)
-        check_checkpoint(self.coordinator.model)
+        self._check_workers_can_run()
         coord = self._spawn("coordinator", ["coordinator", *self.coordinator.to_argv()])
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
@@ -163,6 +155,17 @@ class LocalMesh:
         if self.worker.device != "cuda":
             return self.worker.device
         return f"cuda:{pp_rank * self.coordinator.tp + tp_rank}"
+
+    def _check_workers_can_run(self) -> None:
+        """The workers run on this host: what they could not run (the device, the native kernels, the
+        checkpoint's weight files) is one error now rather than a traceback in each of them."""
+        from kernels.backend import check_device, resolve_backend
+        from stage_worker.loader import check_checkpoint
+
+        check_device(self.worker.device)
+        if self.coordinator.moe_backend == "native":
+            resolve_backend("native", self.worker.device)
+        check_checkpoint(self.coordinator.model)
 
     def _start_workers(self, coordinator: str) -> None:
         for p in range(self.coordinator.pp):

@@ -72,6 +72,9 @@ class RayMesh(LocalMesh):
         """Whether the mesh may face the network (keys, or --insecure-mesh): else all on loopback."""
         return bool(self.worker.mesh_keys or self.worker.insecure_mesh)
 
+    def _check_workers_can_run(self) -> None:
+        """Nothing to check here: the actors run on other nodes (GPUs, weights) than the driver's."""
+
     def _start_workers(self, coordinator: str) -> None:
         try:
             import ray
