@@ -25,9 +25,20 @@ class IncrementalDetokenizer:
         include_stop_str_in_output); `skip_special_tokens`: special tokens are not text."""
         self.tok = tokenizer
         self.include_stop, self.skip_special = include_stop, skip_special_tokens
-        self.tokens: list[int] = list(context)[-CONTEXT_TOKENS:]
+        prompt = list(context)
+        start = max(0, len(prompt) - CONTEXT_TOKENS)
+        for _ in range(3):  # the window starts at a character, not inside one (whose bytes span <= 4 tokens)
+            if start == 0 or not self._decode(prompt[max(0, start - 8):start]).endswith("\ufffd"):
+                break
+            start -= 1
+        self.tokens: list[int] = prompt[start:]
         self.context = len(self.tokens)  # (not generated: never text of this sequence's own)
         self.prefix_offset, self.read_offset = 0, self.context
+        # a prompt that ends inside a character (a token-id prompt): the character the first generated
+        # bytes complete is this sequence's text, whole; the first window's prefix is the context's
+        # whole characters
+        context_text = self._decode(self.tokens)
+        self._first_prefix = len(context_text.rstrip("\ufffd")) if context_text.endswith("\ufffd") else None
         self.text = ""  # decoded so far (stop string and what follows cut off)
         self.emitted = 0  # characters of self.text already returned
         self.stop = [s for s in stop if s]
@@ -43,23 +54,29 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        prefix = self._prefix_chars()
         full = self._decode(self.tokens[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > prefix and not full.endswith("\ufffd"):
             start = len(self.text)
-            self.text += full[len(prefix):]
+            self.text += full[prefix:]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             self._check_stop(start)
         return self._release()
+
+    def _prefix_chars(self) -> int:
+        """Characters of the window's decode that are shown already (or the prompt's)."""
+        if self._first_prefix is not None and self.read_offset == self.context:
+            return self._first_prefix
+        return len(self._decode(self.tokens[self.prefix_offset:self.read_offset]))
 
     def finish(self) -> str:
         """At the end of the request: whatever is still held back (a partial stop-string match)."""
         if not self.stopped:
             rest = self._decode(self.tokens[self.prefix_offset:])
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            if len(rest) > len(prefix):
+            prefix = self._prefix_chars()
+            if len(rest) > prefix:
                 start = len(self.text)
-                self.text += rest[len(prefix):]
+                self.text += rest[prefix:]
                 self._check_stop(start)
             self.prefix_offset = self.read_offset = len(self.tokens)  # a second finish() adds nothing
         out, self.emitted = self.text[self.emitted:], len(self.text)

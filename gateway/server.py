@@ -333,7 +333,7 @@ class Gateway:
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
             raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
-        if body.stream_options is not None and not body.stream:
+        if body.stream_options is not None and body.stream_options.include_usage and not body.stream:
             raise HTTPError(400, "stream_options is only for a streamed request (stream: true)", "stream_options")
         if max_tokens < 1:
             raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
@@ -415,7 +415,10 @@ class Gateway:
                 choice.token_ids += out.token_ids
                 if out.logprobs:
                     choice.logprobs += out.logprobs
-                text = choice.detok.add(out.token_ids)
+                shown_ids = out.token_ids
+                if out.finish_reason == "stop" and shown_ids and not choice.detok.include_stop:
+                    shown_ids = shown_ids[:-1]  # the EOS or stop token that ended it is no text (as vLLM)
+                text = choice.detok.add(shown_ids)
                 if out.finish_reason is not None:
                     text += choice.detok.finish()
                     choice.finish_reason = out.finish_reason

@@ -139,15 +139,24 @@ def build(cache: Path | None = None) -> Path:
             r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o755 & ~umask)  # (mkstemp made it 0600: a cache shared by users must be readable)
+            os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp made it 0600: a cache shared by users must be readable)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     log.info("built CPU kernels %s", target)
     return target
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 build_error: str | None = None  # why native() is None

@@ -208,6 +208,11 @@ def generation_defaults(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "generation_config.json"
     raw = read_json_object(path) if path.is_file() else {}
     found = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if raw.get(theirs) is not None}
+    top_k = found.get("top_k")
+    if isinstance(top_k, float) and top_k.is_integer():
+        found["top_k"] = int(top_k)  # (20.0: as transformers reads it)
+    if found.get("top_k") == -1:
+        found["top_k"] = 0  # (-1: off, as vLLM spells it)
     try:
         msgspec.convert(found, SamplingParams)
     except msgspec.ValidationError as e:

@@ -366,7 +366,8 @@ class SchedulerSettings(Settings):
     max_waiting: int = flag(4096, "requests waiting to be scheduled (every client's) before new ones are refused "
                                   "with 429", parse=positive_int)
     max_model_len: int | None = flag(None, "the longest context (prompt plus output) a request may have "
-                                           "(default: the model's max_position_embeddings)", parse=positive_int)
+                                           "(default: the model's max_position_embeddings; more is refused; "
+                                           "either is lowered to what the KV cache holds)", parse=positive_int)
 
 
 @dataclass(frozen=True)

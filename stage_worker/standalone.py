@@ -65,8 +65,13 @@ def recorded_run(directory: str | None) -> dict:
     path = Path(directory) / RUN_FILE if directory else None
     if path is None or not path.is_file():
         return {}
-    run = json.loads(path.read_text())
-    return run if isinstance(run, dict) else {}
+    try:
+        run = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise LoadError(f"--replay {directory}: {RUN_FILE} cannot be read ({e})") from None
+    if not isinstance(run, dict):
+        raise LoadError(f"--replay {directory}: {RUN_FILE} is not a JSON object")
+    return run
 
 
 def run_standalone(model: str, layers: range, recording: str | None, tokens: int, seqs: int,

@@ -383,4 +383,6 @@ def test_native_kernels_that_cannot_be_built_are_a_cli_error_with_the_reason(tmp
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "moemesh: error: --moe-backend native" in r.stderr and "no-such-cc" in r.stderr, r.stderr
     path = cpu_gemm.build(tmp_path / "fresh")
-    assert path.stat().st_mode & 0o044 == 0o044
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o755 & ~umask

@@ -224,6 +224,7 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
     # add_generation_prompt may come in chat_template_kwargs (as vLLM takes it)
     for ok in [{"chat_template_kwargs": {"add_generation_prompt": False}}, {"logit_bias": {}}, {"bad_words": []},
+               {"stream_options": {}},
                {"spaces_between_special_tokens": True},
                {"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}]:
         status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
@@ -259,6 +260,16 @@ def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_amo
     unset = json.loads(http("POST", url, {k: v for k, v in base.items() if k != "max_tokens"})[1])["usage"]
     null = json.loads(http("POST", url, {**base, "max_tokens": None})[1])["usage"]
     assert unset["completion_tokens"] == 16 and null["prompt_tokens"] + null["completion_tokens"] == 256
+    # a stop token's text is no part of the answer unless include_stop_str_in_output (as vLLM)
+    tok = TextTokenizer(model)
+    prompt = tok.encode("The quick brown fox")
+    out = engine_greedy(model, prompt, 12)
+    k = next(i for i in range(2, 12) if out[i] not in out[:i])
+    after = lambda n: tok.decode(prompt + out[:n])[len(tok.decode(prompt)):]  # noqa: E731
+    for include, want in ((False, after(k)), (True, after(k + 1))):
+        r = json.loads(http("POST", url, {**base, "prompt": prompt, "stop_token_ids": [out[k]],
+                                          "include_stop_str_in_output": include})[1])
+        assert r["choices"][0]["text"] == want and r["usage"]["completion_tokens"] == k + 1, include
     ids = TextTokenizer(model).encode("The quick brown fox")
     status, body, _ = http("POST", url, {**base, "prompt": ids, "truncate_prompt_tokens": 2, "echo": True,
                                          "max_tokens": 1})
@@ -755,6 +766,10 @@ def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
         assert chat["usage"]["completion_tokens"] == 5
     finally:
         server.stop()
+    (recommended / "generation_config.json").write_text(json.dumps({**config, "top_k": 20.0, "top_p": 0.9}))
+    assert generation_defaults(recommended) == {"top_k": 20, "top_p": 0.9}
+    (recommended / "generation_config.json").write_text(json.dumps({**config, "top_k": -1}))
+    assert generation_defaults(recommended) == {"top_k": 0}
     (recommended / "generation_config.json").write_text(json.dumps({**config, "temperature": "hot"}))
     with pytest.raises(ConfigError, match="generation_config.json"):
         generation_defaults(recommended)
