@@ -351,7 +351,12 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
     (["bench", "fp8", "--prompt-len", "5000"], "--prompt-len 5000"),
     (["bench", "throughput", "--prompt-len", "5000"], "--prompt-len 5000"),
     (["stage-worker", "--standalone", "--layers", "0:1", "--replay", "/nonexistent"], "--replay /nonexistent"),
-], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay"])
+    (["bench", "recovery", "--new", "1"], "--new 1"),
+    (["bench", "throughput", "--pp", "2", "--kv-memory", "1", "--new", "16",
+      "--prompt-len", "8", "--concurrency", "2"], "the in-process baseline"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--vocab", "3"], "--vocab 3"),
+], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay",
+        "recovery-new", "throughput-baseline", "serve-vocab"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
     assert expect in user_error(capsys, [*argv, "--model", str(model)])
 
@@ -429,3 +434,15 @@ def test_more_flags_named_in_their_errors(model, tmp_path, capsys):
         assert named in user_error(capsys, ["eval-demo", *flags])
     assert "--model" in user_error(capsys, ["quantize", "--model", str(tmp_path / "none"),
                                             "--out", str(tmp_path / "q")])
+
+
+def test_bench_model_runs_the_triton_kernels_in_the_interpreter_on_cpu(model):
+    """`bench model` takes a list of backends: triton among them turns the interpreter on, as for
+    `generate` (it ended in a traceback)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "moemesh", "bench", "model", "--model", str(model), "--batch", "1",
+                        "--new", "2", "--no-transformers", "--moe-backend", "triton", "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert any(row.get("backend") == "triton" and row["tok_per_s"] > 0 for row in rows), r.stdout

@@ -295,7 +295,9 @@ out_path.__name__ = "path (not empty)"
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "moe_backend", None) == "triton" and getattr(args, "device", "cpu") == "cpu":
+    backend = getattr(args, "moe_backend", None)  # (`bench model` takes a list)
+    if (backend == "triton" or isinstance(backend, list) and "triton" in backend) \
+            and getattr(args, "device", "cpu") == "cpu":
         # Triton kernels run on CPU tensors only in its interpreter, chosen when they are defined;
         # child processes (the mesh) inherit it
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -61,6 +61,9 @@ async def _measure(mesh: LocalMesh, prompts, params, victim: str) -> dict:
         status = await client.status()
         # a stream that had finished before the kill has no gap (it is not counted)
         gaps = sorted(next(t - killed for t in ts if t > killed) for ts in times if ts and ts[-1] > killed)
+        if not gaps:
+            raise CLIError(f"every stream had finished when the worker was killed: nothing measures the "
+                           f"recovery (give more --new tokens than {params.max_tokens})")
         after_tokens = sum(1 for ts in times for t in ts if t >= serving_again)
         return {"victim": victim, "requests": len(prompts),
                 "requests_lost": sum(g != w for g, w in zip(got, want)),
@@ -91,6 +94,8 @@ def run_recovery_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     resolve_layout(mc, args.pp)  # (a layout the model cannot take, named before anything starts)
     check_lengths(mc, args.prompt_len, args.new)
+    if args.new < 8:  # (the kill comes a quarter of the way: fewer tokens leave nothing to measure after it)
+        raise CLIError(f"--new {args.new}: at least 8 tokens, so that the streams still run when the worker is killed")
     if not 0 <= args.kill_stage < args.pp:
         raise CLIError(f"--kill-stage {args.kill_stage} is not a stage of --pp {args.pp}")
     prompts = make_prompts(mc.vocab_size, args.concurrency, args.prompt_len)

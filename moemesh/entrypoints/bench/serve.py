@@ -145,6 +145,8 @@ def run_serve_bench(args) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
     vocab = args.vocab
+    if vocab <= 4:  # (ids 0-3 are left out: a checkpoint's special tokens sit there)
+        raise CLIError(f"--vocab {vocab}: prompt ids are drawn from 4 up to it; give more than 4")
     rows = []
     if args.shared_prefix < 0:
         raise CLIError("--shared-prefix must be 0 or more tokens")

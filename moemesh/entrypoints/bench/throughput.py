@@ -133,7 +133,10 @@ def run_throughput_bench(args) -> int:
     rows = []
     base = None
     if not args.no_baseline:
-        r = bench_in_process(base_settings, prompts, params)
+        try:
+            r = bench_in_process(base_settings, prompts, params)
+        except ValueError as e:  # (the requests do not fit this engine's context or KV cache)
+            raise CLIError(f"the in-process baseline: {e}") from None
         base = r["tokens"] / r["seconds"]
         rows.append({"impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
                      "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
