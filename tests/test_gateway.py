@@ -529,15 +529,8 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         assert sum(r[0] == 200 for r in results) >= 1
         # a stage worker dies (once the request's first tokens have streamed: it is surely in flight): it is
         # restarted, the pipeline recovers, the request completes
-        body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **auth})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            events = [r.readline()]
-            workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
-            os.kill(workers[0], signal.SIGKILL)
-            events += r.read().splitlines()
-        chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        chunks = _stream_killing(server, url, auth, {"prompt": "x", "max_tokens": 250, "ignore_eos": True,
+                                                    "stream_options": {"include_usage": True}}, b"stage-worker")
         assert all("error" not in c for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 250
         assert http("GET", f"{server.url}/health")[0] == 200
         deadline = time.monotonic() + 20
@@ -553,14 +546,8 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         # same ports, the workers (hearing nothing) exit, are started again and register with it, and the
         # gateway serves new requests without a restart. (A request of which nothing had arrived would be
         # sent again to the new coordinator and complete: the kill waits for tokens so that this is not it.)
-        body = json.dumps({"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}).encode()
-        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **auth})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            events = [r.readline()]
-            coordinator = [p for p in _children(server.proc.pid) if b"\x00coordinator\x00" in _cmdline(p)]
-            os.kill(coordinator[0], signal.SIGKILL)
-            events += r.read().splitlines()
-        chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        chunks = _stream_killing(server, url, auth, {"prompt": "x", "max_tokens": 250, "ignore_eos": True},
+                                 b"\x00coordinator\x00")
         assert chunks[0]["choices"][0]["text"] is not None and "error" not in chunks[0]
         assert chunks[-1]["error"]["code"] == 503, chunks[-1]
         assert sum(len(c.get("choices") or []) for c in chunks) < 250
@@ -572,6 +559,18 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
+
+
+def _stream_killing(server, url, auth, body, marker: bytes) -> list[dict]:
+    """Streams a completion; once its first event is read (the request surely in flight), SIGKILLs the
+    server's child whose command line holds `marker`; the stream's JSON events."""
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **auth})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        events = [r.readline()]
+        os.kill([p for p in _children(server.proc.pid) if marker in _cmdline(p)][0], signal.SIGKILL)
+        events += r.read().splitlines()
+    return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
 
 
 def _children(pid):
