@@ -106,6 +106,11 @@ class FusedDecode:
         self.model, self.descs, self.keep, self.dtype = model, descs, keep, dtype
         self.lib = cpu_gemm.native()
         self.hidden_size = descs[0].hidden
+        # the last stage's final norm (float32) and packed lm_head, for `logits`; None: op by op
+        self.head = None
+        if model.has_head and model.lm_head.packed is not None:
+            self.head = (keep(model.model.norm.weight), model.model.norm.eps, model.lm_head.packed,
+                         model.config.vocab_size)
         # what the descriptions point into, held here as well as by the layers
         self.pinned = [t for m in model.modules() for t in _packed_tensors(m)]
         self.pinned += [m.attn.kv_cache for m in (layer.self_attn for layer in model.model.layers.values())]
@@ -124,6 +129,24 @@ class FusedDecode:
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
         through every layer of the stage. stream: return the residual stream instead, hidden +
         residual added in float32 and rounded to the model's dtype once."""
+        hidden, residual = self._layers(ctx, hidden, residual)
+        if stream:
+            return (hidden + residual).to(self.dtype)
+        return hidden.to(self.dtype), residual.to(self.dtype)
+
+    def logits(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's pure decode step, every row sampled: logits [T, V] float32. The final norm
+        and the lm_head take the layers' float32 output as it is; in float32 this is what the op-by-op
+        head computes (the same kernels on the same values), in bfloat16 it skips two roundings to
+        bfloat16 (of the layers' output and of the logits), as llama.cpp computes its head."""
+        weight, eps, packed, vocab = self.head
+        hidden, residual = self._layers(ctx, hidden, residual)
+        normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
+        logits = cpu_gemm.gemm(normed, packed, self.lib)
+        return logits if packed.n == vocab else logits[:, :vocab]
+
+    def _layers(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(hidden, residual) through every layer, float32 out."""
         group = ctx.groups[0]
         T = ctx.positions.shape[0]
         # the step's indices were checked by the runner (context.check_bounds); the rows are checked here
@@ -136,6 +159,4 @@ class FusedDecode:
             cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
                                    group.kv_len, self.lib)
             first = False
-        if stream:
-            return (hidden + residual).to(self.dtype)
-        return hidden.to(self.dtype), residual.to(self.dtype)
+        return hidden, residual

@@ -84,6 +84,9 @@ class StageRunner:
             if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
                 if not self.model.has_head:
                     return self.fused.forward(ctx, hidden, residual, stream=True)
+                rows = step.sample_rows() if logit_rows is None else logit_rows
+                if self.fused.head is not None and rows == list(range(len(ctx.positions))):  # every row sampled
+                    return self.fused.logits(ctx, hidden, residual)
                 hidden, residual = self.fused.forward(ctx, hidden, residual)
             else:
                 hidden, residual = self.model(hidden, residual)
@@ -93,3 +96,4 @@ class StageRunner:
             logit_rows = step.sample_rows()
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows], residual[rows])
+
