@@ -96,4 +96,3 @@ class StageRunner:
             logit_rows = step.sample_rows()
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows], residual[rows])
-

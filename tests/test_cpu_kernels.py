@@ -245,7 +245,7 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
                                    vocab_size=384, mlp_only_layers=(1,) if arch == "qwen3_moe" else ()), tmp_path)
     fused = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
     plain = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, block_size=4), progress=False)
-    assert fused.stages[0].runner.fused is not None
+    assert fused.stages[0].runner.fused is not None and fused.stages[0].runner.fused.head is not None
     plain.stages[0].runner.fused = None
     prompts = [[5, 17, 33, 2, 9], [7], list(range(30, 52))]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -257,7 +257,12 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
     for runner in (fused.stages[0].runner, plain.stages[0].runner):
         runner.execute(StepInput(prompts, [0, 0, 0], tables, [True] * 3))
         logits.append(runner.execute(StepInput([[11], [12], [13]], [len(p) for p in prompts], tables, [True] * 3)))
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+        # a decode step that samples some rows only: the fused layers, then the op-by-op head
+        logits.append(runner.execute(StepInput([[14], [15], [16]], [len(p) + 1 for p in prompts], tables,
+                                               [True, False, True])))
+    assert logits[0].shape == (3, 384) and logits[1].shape == (2, 384)
+    torch.testing.assert_close(logits[0], logits[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], logits[3], rtol=1e-5, atol=1e-5)
 
 
 def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
