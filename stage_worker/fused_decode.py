@@ -137,8 +137,9 @@ class FusedDecode:
     def logits(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last stage's pure decode step, every row sampled: logits [T, V] float32. The final norm
         and the lm_head take the layers' float32 output as it is; in float32 this is what the op-by-op
-        head computes (the same kernels on the same values), in bfloat16 it skips two roundings to
-        bfloat16 (of the layers' output and of the logits), as llama.cpp computes its head."""
+        head computes (the same kernels on the same values); in bfloat16 nothing is rounded to
+        bfloat16 on the way (the op-by-op head rounds the layers' output, their sum, the normed row
+        and the logits), as llama.cpp computes its head."""
         weight, eps, packed, vocab = self.head
         hidden, residual = self._layers(ctx, hidden, residual)
         normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)

@@ -263,6 +263,19 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
     assert logits[0].shape == (3, 384) and logits[1].shape == (2, 384)
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits[1], logits[3], rtol=1e-5, atol=1e-5)
+    # the fused head (taken when every row samples) against the op-by-op head after the same fused
+    # layers: the same float32 values, bit for bit (the step above again, every row sampled: its K/V
+    # writes repeat the same values)
+    runner, calls = fused.stages[0].runner, []
+    head_logits = runner.fused.logits
+    runner.fused.logits = lambda *a: calls.append(1) or head_logits(*a)
+    step = StepInput([[14], [15], [16]], [len(p) + 1 for p in prompts], tables, [True] * 3)
+    with_head = runner.execute(step)
+    runner.fused.head, head = None, runner.fused.head
+    try:
+        assert torch.equal(runner.execute(step), with_head) and calls == [1]
+    finally:
+        runner.fused.head = head
 
 
 def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):

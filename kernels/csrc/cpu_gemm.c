@@ -173,9 +173,18 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
     vf acc[MR][2], acc2[MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = acc2[i][0] = acc2[i][1] = (vf){0};
     int64_t k = 0;
+#if !PF_DIST
+    (void)once;
+#endif
     if (mr <= 3) {
         /* few rows: two independent accumulator sets (even and odd k) hide the FMA latency */
         for (; k + 1 < kc; k += 2) {
+#if PF_DIST
+            if (once) {
+                prefetch_nta(w, k, wt);
+                prefetch_nta(w, k + 1, wt);
+            }
+#endif
             vf b0 = load_w(w, k * NR, wt), b1 = load_w(w, k * NR + VW, wt);
             vf d0 = load_w(w, (k + 1) * NR, wt), d1 = load_w(w, (k + 1) * NR + VW, wt);
             for (int i = 0; i < mr; i++) {
