@@ -84,8 +84,8 @@ class StageRunner:
             if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
                 if not self.model.has_head:
                     return self.fused.forward(ctx, hidden, residual, stream=True)
-                rows = step.sample_rows() if logit_rows is None else logit_rows
-                if self.fused.head is not None and rows == list(range(len(ctx.positions))):  # every row sampled
+                logit_rows = step.sample_rows() if logit_rows is None else logit_rows
+                if self.fused.head is not None and logit_rows == list(range(len(ctx.positions))):  # all sampled
                     return self.fused.logits(ctx, hidden, residual)
                 hidden, residual = self.fused.forward(ctx, hidden, residual)
             else:

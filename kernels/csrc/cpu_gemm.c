@@ -120,13 +120,15 @@ INLINE float load_w1(const void *w, int64_t i, const int wt) {
     return f;
 }
 
+static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
+
 /* Weights read once (a product with no more rows than one register tile): row k's panel bytes
  * PF_DIST ahead, prefetched non-temporally. On the machines measured (docs/benchmarks.md) this reads
  * faster than the hardware prefetchers alone, and a decode step's weights, which no later call
  * reads again before they are evicted, no longer push its activations and the interpreter's
  * working set out of L2 and L3. Not for panels that several row tiles reuse. */
 INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
-    const int es = wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1;
+    const int es = elem_size(wt);
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch((const char *)w + k * NR * es + PF_DIST + l, 0, 0);
 }
 
@@ -278,8 +280,6 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #endif
     BY_WEIGHT_TYPE(TILE_SWITCH)
 }
-
-static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations and output (at the panel). */
