@@ -99,8 +99,9 @@ class _Lib:
         lib.mm_rotary.restype = None
         lib.mm_topk_softmax.argtypes = [i64, i64, ptr, i64, i64, i32, ptr, ptr]
         lib.mm_topk_softmax.restype = None
-        lib.mm_decoder_layer.argtypes = [ctypes.POINTER(LayerDesc), i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr, i32]
-        lib.mm_decoder_layer.restype = i32
+        lib.mm_decoder_layers.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, ptr, ptr, i32, ptr, ptr, ptr, i64, ptr,
+                                           i32]
+        lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
@@ -303,7 +304,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     step's keys already written); block_table [S, max_blocks] int64; kv_len [S] int64 -> [S, h, D]
     float32: softmax(q k^T * scale) v per head, heads h // (h / kvh) sharing kv head h / G.
     checked: the caller has already bounded the block table and lengths (`check_paged`), once for
-    every layer of a step (stage_worker.context.check_bounds)."""
+    every layer of a step (stage_worker.context.build_context's limits)."""
     S, h, D = q.shape
     nb, bs, kvh, Dk = k_cache.shape
     assert Dk == D and h % kvh == 0 and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() \
@@ -367,18 +368,19 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib)
     return weights, ids
 
 
-def decoder_layer(desc: LayerDesc, hidden: torch.Tensor, residual: torch.Tensor, first: bool,
-                  positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, kv_len: torch.Tensor,
-                  lib: _Lib) -> None:
-    """One decoder layer of a decode step, in place: hidden [T, H] float32 (the layer's input, then
-    its output), residual [T, H] float32 (written when `first`, else updated); positions, slots,
-    kv_len [T] int64; block_table [T, max_blocks] int64. The tensors `desc` points into must stay
-    alive (the caller keeps them)."""
+def decoder_layers(descs: ctypes.Array, hidden: torch.Tensor, residual: torch.Tensor, first: bool,
+                   positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, kv_len: torch.Tensor,
+                   lib: _Lib) -> None:
+    """A stage's decoder layers for a decode step, one after the other, in place: descs, an array of
+    LayerDesc; hidden [T, H] float32 (the first layer's input, then the last one's output), residual
+    [T, H] float32 (written when `first`: the first layer starts the stream, else updated);
+    positions, slots, kv_len [T] int64; block_table [T, max_blocks] int64. The tensors the
+    descriptions point into must stay alive (the caller keeps them)."""
     T = hidden.shape[0]
     assert hidden.is_contiguous() and residual.is_contiguous() and hidden.dtype == residual.dtype == torch.float32
-    rc = lib.lib.mm_decoder_layer(ctypes.byref(desc), T, hidden.data_ptr(), residual.data_ptr(), int(first),
-                                  positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.shape[1],
-                                  kv_len.data_ptr(), torch.get_num_threads())
+    rc = lib.lib.mm_decoder_layers(descs, len(descs), T, hidden.data_ptr(), residual.data_ptr(), int(first),
+                                   positions.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+                                   kv_len.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError("CPU decoder layer: out of memory")
 

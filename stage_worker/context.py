@@ -70,33 +70,63 @@ def forward_context(ctx: ForwardContext):
 
 
 def build_context(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                  block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
+                  block_size: int, device: torch.device | str = "cpu",
+                  limits: tuple[int, int] | None = None) -> ForwardContext:
     """Metadata for one step.
 
     query_lens[i]: new tokens of sequence i in this step; context_lens[i]: tokens already in its
     cache (the new ones start at that position); block_tables[i]: its KV block ids, covering
-    context_lens[i] + query_lens[i] tokens.
+    context_lens[i] + query_lens[i] tokens. limits: (KV blocks, rotary positions) of the stage:
+    refuse a step whose KV slots, decode block tables or positions reach outside them (ValueError).
+    The native kernels trust these indices (torch's indexing checks its own), so a stage that runs
+    them passes its limits and each step is checked once, here, rather than in every layer.
     """
-    positions, slots = [], []
-    starts = []
-    t = 0
-    for q, c, blocks in zip(query_lens, context_lens, block_tables):
-        starts.append(t)
-        t += q
-        pos = range(c, c + q)
-        positions.extend(pos)
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
-    decode = [i for i, q in enumerate(query_lens) if q == 1]
-    prefill = [i for i, q in enumerate(query_lens) if q > 1]
-    groups = [
-        _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode=d)
-        for idx, d in ((decode, True), (prefill, False)) if idx
-    ]
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    ctx = ForwardContext(as_long(positions), as_long(slots), groups)
+    if query_lens and query_lens.count(1) == len(query_lens):
+        ctx = _decode_context(context_lens, block_tables, block_size, limits)
+    else:
+        positions, slots = [], []
+        starts = []
+        t = 0
+        for q, c, blocks in zip(query_lens, context_lens, block_tables):
+            starts.append(t)
+            t += q
+            pos = range(c, c + q)
+            positions.extend(pos)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        prefill = [i for i, q in enumerate(query_lens) if q > 1]
+        groups = [
+            _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode=d)
+            for idx, d in ((decode, True), (prefill, False)) if idx
+        ]
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        ctx = ForwardContext(as_long(positions), as_long(slots), groups)
+        if limits is not None:
+            _check(positions, slots, [g.block_table.view(-1).tolist() for g in groups if g.is_decode], limits,
+                   block_size)
     if str(device) != "cpu":
         ctx = _to_device(ctx, device)
     return ctx
+
+
+def _decode_context(context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                    limits: tuple[int, int] | None) -> ForwardContext:
+    """`build_context` for a pure decode step (one new token per sequence), the step a running batch
+    repeats: the same metadata from one tensor built at once (the general path builds six)."""
+    B = len(context_lens)
+    n = (max(context_lens) + block_size) // block_size  # blocks covering the longest context + 1
+    slots = [blocks[c // block_size] * block_size + c % block_size for c, blocks in zip(context_lens, block_tables)]
+    flat = [*context_lens, *slots, *(c + 1 for c in context_lens), *range(B)]
+    table_start = len(flat)
+    for blocks in block_tables:  # each table cut or padded (block 0) to n blocks
+        flat += blocks[:n] if len(blocks) >= n else blocks + [0] * (n - len(blocks))
+    if limits is not None:
+        _check(context_lens, slots, [flat[table_start:]], limits, block_size)
+    buf = torch.tensor(flat, dtype=torch.long)
+    positions = buf[:B]
+    group = AttentionGroup(buf[3 * B:table_start].view(B, 1), torch.ones(B, 1, dtype=torch.bool),
+                           buf[table_start:].view(B, n), True, buf[2 * B:3 * B], positions, n * block_size)
+    return ForwardContext(positions, buf[B:2 * B], [group])
 
 
 def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_decode):
@@ -123,19 +153,18 @@ def _group(idx, starts, query_lens, context_lens, block_tables, block_size, is_d
     return AttentionGroup(token_index, valid, table, is_decode, total, cs, n_blocks * block_size)
 
 
-def check_bounds(ctx: ForwardContext, num_blocks: int, block_size: int, max_positions: int) -> None:
-    """Refuses a step whose KV slots, decode block tables or positions reach outside the cache or
-    the rotary table. The native kernels trust these indices (torch's indexing checks its own), so
-    a stage that runs them checks each step once, here, rather than in every layer."""
-    from kernels.cpu_gemm import check_paged
-
-    T = ctx.positions.shape[0]
-    if T and (int(ctx.slot_mapping.min()) < 0 or int(ctx.slot_mapping.max()) >= num_blocks * block_size
-              or int(ctx.positions.min()) < 0 or int(ctx.positions.max()) >= max_positions):
+def _check(positions: list[int], slots: list[int], decode_tables: list[list[int]], limits: tuple[int, int],
+           block_size: int) -> None:
+    """build_context's limits, on the step's own lists (a decode group's context lengths are its
+    positions, and its tables are as wide as its longest context needs, so the positions and the
+    block ids bound its lengths too)."""
+    num_blocks, max_positions = limits
+    if positions and (min(positions) < 0 or max(positions) >= max_positions
+                      or min(slots) < 0 or max(slots) >= num_blocks * block_size):
         raise ValueError("a KV slot or position of this step is outside the cache or the rotary table")
-    for g in ctx.groups:
-        if g.is_decode:
-            check_paged(g.block_table, g.kv_len, g.block_table.shape[0], num_blocks, block_size)
+    for ids in decode_tables:
+        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+            raise ValueError("a block table of this step reaches outside the KV cache")
 
 
 def _to_device(ctx: ForwardContext, device) -> ForwardContext:

@@ -1,12 +1,12 @@
-"""Decode steps in one native call per decoder layer (kernels/cpu_gemm.c `mm_decoder_layer`).
+"""Decode steps in one native call for a stage's decoder layers (kernels/cpu_gemm.c `mm_decoder_layers`).
 
 The model files say what a layer computes, op by op, and run every step that is not a pure decode
 (prefill chunks, tensor parallelism, other backends). A decode step of a small batch is dominated by
 what sits around the kernels, not by them: ~40 torch ops and ~30 Python calls per layer (docs/
 benchmarks.md). So when a stage runs on the native backend with one tensor rank, float32
 activations and packed weights everywhere, each decoder layer is described once to the C library
-(pointers into the layer's own packed weights, norms and KV cache) and a decode step calls it once
-per layer. It computes with the same kernels in the same order as the op-by-op path.
+(pointers into the layer's own packed weights, norms and KV cache) and a decode step runs them all
+in one call. It computes with the same kernels in the same order as the op-by-op path.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class FusedDecode:
     as llama.cpp computes with BF16 weights; its hidden state leaves the stage in bfloat16."""
 
     def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc], keep: _Float32, dtype: torch.dtype):
-        self.model, self.descs, self.keep, self.dtype = model, descs, keep, dtype
+        self.model, self.keep, self.dtype = model, keep, dtype
+        self.descs = (cpu_gemm.LayerDesc * len(descs))(*descs)  # (copies of the structs: the same pointers)
         self.lib = cpu_gemm.native()
         self.hidden_size = descs[0].hidden
         # the last stage's final norm (float32) and packed lm_head, for `logits`; None: op by op
@@ -125,39 +126,41 @@ class FusedDecode:
             return None
         return cls(model, descs, keep, dtype)
 
-    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, stream: bool = False):
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, stream: bool = False,
+                owned: bool = False):
         """A pure decode step (ctx has one decode group, one token per sequence): (hidden, residual)
         through every layer of the stage. stream: return the residual stream instead, hidden +
-        residual added in float32 and rounded to the model's dtype once."""
-        hidden, residual = self._layers(ctx, hidden, residual)
+        residual added in float32 and rounded to the model's dtype once. owned: hidden is the
+        caller's to overwrite (the embedding's fresh output)."""
+        hidden, residual = self._layers(ctx, hidden, residual, owned)
         if stream:
             return (hidden + residual).to(self.dtype)
         return hidden.to(self.dtype), residual.to(self.dtype)
 
-    def logits(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None,
+               owned: bool = False) -> torch.Tensor:
         """The last stage's pure decode step, every row sampled: logits [T, V] float32. The final norm
         and the lm_head take the layers' float32 output as it is; in float32 this is what the op-by-op
         head computes (the same kernels on the same values); in bfloat16 nothing is rounded to
         bfloat16 on the way (the op-by-op head rounds the layers' output, their sum, the normed row
         and the logits), as llama.cpp computes its head."""
         weight, eps, packed, vocab = self.head
-        hidden, residual = self._layers(ctx, hidden, residual)
+        hidden, residual = self._layers(ctx, hidden, residual, owned)
         normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
         logits = cpu_gemm.gemm(normed, packed, self.lib)
         return logits if packed.n == vocab else logits[:, :vocab]
 
-    def _layers(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None):
+    def _layers(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, owned: bool):
         """(hidden, residual) through every layer, float32 out."""
         group = ctx.groups[0]
         T = ctx.positions.shape[0]
-        # the step's indices were checked by the runner (context.check_bounds); the rows are checked here
+        # the step's indices were checked by build_context (the runner's limits); the rows are checked here
         if hidden.shape != (T, self.hidden_size) or (residual is not None and residual.shape != hidden.shape):
             raise ValueError(f"activations {tuple(hidden.shape)} for a step of {T} tokens")
-        hidden = hidden.float().contiguous().clone()  # the layers work in place
+        x = hidden.float().contiguous()  # the layers work in place: on a copy unless hidden is ours
+        hidden = x if owned or x is not hidden else x.clone()
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.float().contiguous().clone()
-        for desc in self.descs:
-            cpu_gemm.decoder_layer(desc, hidden, residual, first, ctx.positions, ctx.slot_mapping, group.block_table,
-                                   group.kv_len, self.lib)
-            first = False
+        cpu_gemm.decoder_layers(self.descs, hidden, residual, first, ctx.positions, ctx.slot_mapping,
+                                group.block_table, group.kv_len, self.lib)
         return hidden, residual

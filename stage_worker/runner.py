@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moemesh.config import ModelConfig
-from stage_worker.context import build_context, check_bounds, forward_context
+from stage_worker.context import build_context, forward_context
 from stage_worker.fused_decode import FusedDecode
 from stage_worker.layers.attention import PagedAttention
 from stage_worker.layers.parallel import TPGroup
@@ -74,20 +74,21 @@ class StageRunner:
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
         rows: each sampling sequence's last token)."""
         hidden, residual = stream, None
-        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device)
-        if self.model.backend == "native":
-            check_bounds(ctx, self.kv_cache.shape[2], self.block_size, self.config.max_position_embeddings)
+        native = self.model.backend == "native"
+        limits = (self.kv_cache.shape[2], self.config.max_position_embeddings) if native else None
+        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device, limits)
         with forward_context(ctx):
-            if self.model.has_embedding:
+            owned = self.model.has_embedding  # (the embedding's output is this step's own to overwrite)
+            if owned:
                 flat = [t for ids in step.token_ids for t in ids]
                 hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
             if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
                 if not self.model.has_head:
-                    return self.fused.forward(ctx, hidden, residual, stream=True)
+                    return self.fused.forward(ctx, hidden, residual, stream=True, owned=owned)
                 logit_rows = step.sample_rows() if logit_rows is None else logit_rows
                 if self.fused.head is not None and logit_rows == list(range(len(ctx.positions))):  # all sampled
-                    return self.fused.logits(ctx, hidden, residual)
-                hidden, residual = self.fused.forward(ctx, hidden, residual)
+                    return self.fused.logits(ctx, hidden, residual, owned)
+                hidden, residual = self.fused.forward(ctx, hidden, residual, owned=owned)
             else:
                 hidden, residual = self.model(hidden, residual)
         if not self.model.has_head:

@@ -232,7 +232,7 @@ def test_topk_softmax_matches_torch(renormalize):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "llama"])
 def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
-    """Decode steps through mm_decoder_layer (one call per layer) against the model files' op-by-op
+    """Decode steps through mm_decoder_layers (one call per step) against the model files' op-by-op
     path on the same native kernels: the same tokens, logits within float noise."""
     from moemesh.entrypoints.engine import LLMEngine
     from moemesh.settings import EngineSettings
@@ -327,6 +327,41 @@ def test_fused_decode_refuses_a_step_outside_the_cache(tmp_path):
     runner.execute(StepInput([[5, 6, 7]], [0], [[0]], [True]))
     with pytest.raises(ValueError, match="outside"):
         runner.execute(StepInput([[8]], [3], [[9]], [True]))  # block 9 of a 4-block cache
+    bad = [  # (query tokens, context lengths, block tables) of decode and mixed steps
+        ([[8]], [3], [[-1]]),  # a negative block
+        ([[8], [9]], [3, 4], [[0], [7, 1]]),  # a block attention reads (the slot is in the next)
+        ([[8]], [-1], [[0]]),  # a negative position
+        ([[8]], [2048], [[0] * 513]),  # past the rotary table (and the cache)
+        ([[8], [9, 10]], [4, 0], [[5, 0], [1]]),  # a mixed step's decode table
+        ([[8], [9, 10]], [3, 0], [[0], [6]]),  # a mixed step's prompt slot
+    ]
+    for tokens, context, tables in bad:
+        with pytest.raises(ValueError, match="outside"):
+            runner.execute(StepInput(tokens, context, tables, [True] * len(tokens)))
+
+
+def test_decode_context_equals_the_general_path():
+    """The pure decode step's one-tensor metadata holds what the general path builds for the same
+    sequences (its decode group, when a prompt is added to the step)."""
+    from stage_worker.context import build_context
+
+    rng = random.Random(0)
+    for _ in range(50):
+        B, bs = rng.randint(1, 9), rng.choice([1, 4, 16])
+        context = [rng.randint(0, 70) for _ in range(B)]
+        # tables cover each context and its new token, some with blocks beyond it
+        tables = [rng.sample(range(200), -(-(c + 1) // bs) + rng.randint(0, 2)) for c in context]
+        fast = build_context([1] * B, context, tables, bs, limits=(200, 100))
+        general = build_context([1] * B + [3], context + [0], tables + [[197, 198, 199]], bs)
+        assert len(fast.groups) == 1 and general.groups[0].is_decode
+        f, g = fast.groups[0], general.groups[0]
+        assert torch.equal(fast.positions, general.positions[:B])
+        assert torch.equal(fast.slot_mapping, general.slot_mapping[:B])
+        for name in ("token_index", "valid", "block_table", "kv_len", "context_len"):
+            assert torch.equal(getattr(f, name), getattr(g, name)), name
+            assert getattr(f, name).dtype == getattr(g, name).dtype, name
+        assert f.is_decode and f.num_keys == g.num_keys
+        assert torch.equal(f.mask, g.mask)
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(tmp_path, monkeypatch):

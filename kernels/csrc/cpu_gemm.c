@@ -846,9 +846,9 @@ static int mlp_rows(const mm_weight *gate_up, const mm_weight *down, int64_t T, 
  * stream, updated (first: the layer is the stage's first and there is no residual yet).
  * positions, slots [T]: each token's position and KV slot (block * block_size + offset);
  * block_tables [T, max_blocks], kv_len [T] as for mm_decode_attention. */
-int mm_decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residual, int first,
-                     const int64_t *positions, const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
-                     const int64_t *kv_len, int nthreads) {
+static int decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *residual, int first,
+                         const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                         int64_t max_blocks, const int64_t *kv_len, int nthreads) {
     const int64_t H = L->hidden, h = L->heads, kvh = L->kv_heads, D = L->head_dim, nq = (h + 2 * kvh) * D;
     const int64_t I = L->moe ? (L->gate_up.w ? L->gate_up.n / 2 : 0) : L->gate_up.n / 2;
     const int64_t wide = nq > 2 * I ? nq : 2 * I;
@@ -917,6 +917,18 @@ done:
     free(topw);
     free(topi);
     return rc;
+}
+
+/* The n layers L[0..n) of a stage in turn (first: the first of them starts the residual stream):
+ * one call per decode step instead of one per layer. */
+int mm_decoder_layers(const mm_layer *L, int64_t n, int64_t T, float *hidden, float *residual, int first,
+                      const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                      int64_t max_blocks, const int64_t *kv_len, int nthreads) {
+    for (int64_t i = 0; i < n; i++)
+        if (decoder_layer(L + i, T, hidden, residual, first && i == 0, positions, slots, block_tables, max_blocks,
+                          kv_len, nthreads))
+            return -1;
+    return 0;
 }
 
 /* Greedy sampling: the first index of each row's maximum (a NaN counts as the maximum, as in
