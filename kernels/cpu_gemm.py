@@ -12,7 +12,11 @@ compiler is present `native()` is None and the layers keep torch's path.
 
 Weights are packed once after loading (`pack`): [N, K] -> [ceil(N / NR), K, NR], each panel the
 K x NR block the kernel's register tile streams through, in float32, bfloat16 or int8 (with a
-float32 scale per output feature). Activations are float32 in and out.
+float32 scale per output feature). Activations are float32 in and out. Where the CPU has
+AVX512-BF16, a bfloat16 panel's columns are stored in the order that lets the kernels interleave two
+rows into (k, k + 1) pairs, and products with more than three rows multiply them with vdpbf16ps by
+the activations rounded to bfloat16, as llama.cpp and torch's bfloat16 matmul do: twice the
+multiply-adds per instruction of the float32 FMA.
 """
 
 from __future__ import annotations
@@ -79,7 +83,15 @@ def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> W
         return WeightDesc()
     if bias is not None:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == w.n
+    _check_layout(w, native())
     return WeightDesc(w.data.data_ptr(), _ptr(w.scale), _ptr(bias), w.n, w.k, w.weight_type)
+
+
+def _check_layout(w: "PackedWeight", lib: "_Lib") -> None:
+    """The kernels read bfloat16 in pairs of k exactly where they were built with AVX512-BF16."""
+    if w.pairs != (w.data.dtype == torch.bfloat16 and lib.bf16_pairs):
+        raise ValueError(f"a weight packed {'in' if w.pairs else 'without'} bfloat16 pairs for kernels that "
+                         f"read them {'in pairs' if lib.bf16_pairs else 'one k at a time'}")
 
 
 class _Lib:
@@ -106,11 +118,14 @@ class _Lib:
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
+        lib.mm_bf16_pairs.restype = i32
         self.lib = lib
         self.path = path
         self.simd_width = lib.mm_simd_width()
         self.panel_width = lib.mm_panel_width()
         self.tile_rows = lib.mm_tile_rows()
+        self.bf16_pairs = bool(lib.mm_bf16_pairs())  # bfloat16 panels paired for vdpbf16ps (AVX512-BF16)
+        self.few_rows = lib.mm_few_rows()  # products with up to this many rows read weights as streams
 
 
 def build(cache: Path | None = None) -> Path:
@@ -182,12 +197,14 @@ def native() -> _Lib | None:
 @dataclass
 class PackedWeight:
     """A weight [..., N, K] packed for the kernels: data [..., ceil(N / NR), K, NR] (weight type
-    float32, bfloat16 or int8), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
+    float32, bfloat16 or int8; for bfloat16 on a CPU with AVX512-BF16, `pairs`: the NR columns of
+    each panel in `pair_columns` order), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
     n: int
     k: int
+    pairs: bool = False
 
     @property
     def weight_type(self) -> int:
@@ -196,7 +213,8 @@ class PackedWeight:
     def unpack(self) -> torch.Tensor:
         """The weight [..., N, K] in float32 (int8 times its scales): for tests and fallbacks."""
         lead = self.data.shape[:-3]
-        w = self.data.float().transpose(-1, -2).reshape(*lead, -1, self.k)
+        data = self.data[..., torch.argsort(pair_columns(self.data.shape[-1]))] if self.pairs else self.data
+        w = data.float().transpose(-1, -2).reshape(*lead, -1, self.k)
         if self.scale is not None:
             w = w * self.scale.unsqueeze(-1)
         return w[..., :self.n, :]
@@ -210,9 +228,16 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = None) -> PackedWeight:
-    """[..., N, K] -> PackedWeight in `weight_type` (default: w's dtype; torch.int8 quantizes)."""
+def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = None,
+         pairs: bool | None = None) -> PackedWeight:
+    """[..., N, K] -> PackedWeight in `weight_type` (default: w's dtype; torch.int8 quantizes).
+    pairs: bfloat16 panels with their columns in `pair_columns` order (default: as the native kernels
+    built here read bfloat16)."""
     weight_type = weight_type or w.dtype
+    if pairs is None:
+        lib = native() if weight_type == torch.bfloat16 else None
+        pairs = lib is not None and lib.bf16_pairs
+    pairs = pairs and weight_type == torch.bfloat16
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"no CPU kernel for {weight_type} weights (float32, bfloat16, int8)")
     *lead, n, k = w.shape
@@ -227,8 +252,19 @@ def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = No
         if scale is not None:
             scale = torch.cat([scale, scale.new_ones(*lead, pad)], dim=-1)
     panels = (n + pad) // panel_width
-    data = w.reshape(*lead, panels, panel_width, k).transpose(-1, -2).contiguous()
-    return PackedWeight(data, None if scale is None else scale.contiguous(), n, k)
+    w = w.reshape(*lead, panels, panel_width, k)
+    if pairs:
+        w = w[..., pair_columns(panel_width), :]
+    data = w.transpose(-1, -2).contiguous()
+    return PackedWeight(data, None if scale is None else scale.contiguous(), n, k, pairs=pairs)
+
+
+def pair_columns(panel_width: int) -> torch.Tensor:
+    """The column at each position of a row of a paired bfloat16 panel (cpu_gemm.c `PAIR_COL`): what
+    interleaving rows k and k + 1 16 bits at a time within 128-bit lanes turns into (k, k + 1) pairs
+    of columns 0 .. NR / 2 - 1, then NR / 2 .. NR - 1."""
+    q = torch.arange(panel_width)
+    return torch.where(q % 8 < 4, 0, panel_width // 2) + q // 8 * 4 + q % 4
 
 
 # -- calls ----------------------------------------------------------------------------------------
@@ -243,6 +279,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, lib: _Lib) -> torch.Tensor:
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
     if x.stride(1) != 1:
         x = x.contiguous()
+    _check_layout(w, lib)
     M = x.shape[0]
     y = torch.empty(M, w.n, dtype=torch.float32)
     if M:
@@ -275,6 +312,8 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     x = x.contiguous()
     T, H = x.shape
     E = w13.data.shape[0]
+    _check_layout(w13, lib)
+    _check_layout(w2, lib)
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(T, H, dtype=torch.float32)

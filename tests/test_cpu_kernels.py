@@ -25,10 +25,13 @@ WEIGHT_TYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 def test_pack_round_trips():
     w = torch.randn(37, 29)
-    for wt in (torch.float32, torch.bfloat16):
-        p = cpu_gemm.pack(w, lib.panel_width, wt)
-        assert p.data.shape == (-(-37 // lib.panel_width), 29, lib.panel_width)
+    panels = -(-37 // lib.panel_width)
+    for wt, pairs in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        p = cpu_gemm.pack(w, lib.panel_width, wt, pairs=pairs)
+        assert p.pairs == pairs
+        assert p.data.shape == (panels, 29, lib.panel_width)  # (pairs: the same rows, columns reordered)
         torch.testing.assert_close(p.unpack(), w.to(wt).float(), rtol=0, atol=0)
+    assert cpu_gemm.pack(w, lib.panel_width, torch.bfloat16).pairs == lib.bf16_pairs  # as the kernels read them
     q = cpu_gemm.pack(w, lib.panel_width, torch.int8)
     assert q.data.dtype == torch.int8 and q.scale.shape == (q.data.shape[0] * lib.panel_width,)
     # per-row symmetric int8: each element within half a step of its row's scale
@@ -48,9 +51,17 @@ def test_gemm_matches_torch(wt, seed):
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     p = cpu_gemm.pack(w, lib.panel_width, wt)
     got = cpu_gemm.gemm(x, p, lib)
-    want = x.double() @ p.unpack().double().T
+    # paired bfloat16 multiplies the activations rounded to bfloat16 (vdpbf16ps), exactly
+    want = _seen(x, p).double() @ p.unpack().double().T
     assert got.shape == (M, N)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+def _seen(x: torch.Tensor, p: cpu_gemm.PackedWeight, rows: int | None = None) -> torch.Tensor:
+    """The activations a product of `rows` rows (default: x's) with `p` multiplies: paired bfloat16
+    rounds them to bfloat16 (vdpbf16ps), unless the product has a few rows."""
+    rows = x.shape[0] if rows is None else rows
+    return x.bfloat16().float() if p.pairs and rows > lib.few_rows else x
 
 
 def test_gemm_reads_strided_rows_and_any_input_dtype():
@@ -101,8 +112,10 @@ def test_fused_moe_matches_reference(wt, seed):
     p13, p2 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, wt), cpu_gemm.pack(w2, lib.panel_width, wt)
     got = cpu_gemm.fused_moe(x, p13, p2, weights, ids, 0, lib)
     w13q, w2q = p13.unpack(), p2.unpack()  # the weights the kernel multiplies by (bf16 / int8 rounded)
+    rows = torch.bincount(ids.flatten(), minlength=E)  # (an expert's rows decide how its products multiply)
+    seen = lambda v, e: _seen(v.float().unsqueeze(0), p13, int(rows[e]))[0].double()  # noqa: E731
     want = reference_moe(x.double(), gate.double(), w13q[:, :I].double(), w13q[:, I:].double(), w2q.double(), K,
-                         renormalize=False)
+                         renormalize=False, expert_input=seen)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 

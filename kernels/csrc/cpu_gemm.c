@@ -57,6 +57,30 @@
 #define KC 512 /* k chunk when a panel is reused by several row tiles: NR x KC weights stay in L1/L2 */
 #define INFINITY_F __builtin_inff()
 
+/* On a CPU with AVX512-BF16, a product with more rows than FEW_ROWS multiplies bfloat16 weights by
+ * its activations rounded to bfloat16, two k at a time with vdpbf16ps: one instruction does 32
+ * multiply-adds where an FMA does 16, and the weights need no widening. (Products of two bfloat16
+ * are exact in float32; sums are float32, denormals flushed to zero as the instruction does.) This
+ * is how llama.cpp multiplies BF16 weights, and what torch's bfloat16 matmul rounds to. Its panels
+ * hold the same rows of k as above, with the NR columns of a row in the order that interleaving two
+ * rows 16 bits at a time (vpunpcklwd / vpunpckhwd, within 128-bit lanes) brings back to columns
+ * 0-15 and 16-31 as (k, k + 1) pairs:
+ *
+ *     packed[p][k][q] = W[p * NR + PAIR_COL(q)][k]
+ *
+ * A product with few rows, bound by reading its weights, reads these rows like any other panel (one
+ * row of k at a time, widened the same way) with its activations in float32. Without AVX512-BF16,
+ * bfloat16 panels keep the columns in order and are widened to float32. */
+#if defined(__AVX512BF16__) && VW == 16
+#define BF16_PAIRS 1
+#else
+#define BF16_PAIRS 0
+#endif
+#define PAIRED(wt) (BF16_PAIRS && (wt) == W_BF16)
+/* the column at position q of a paired panel's row: 128-bit lane q / 8 holds columns 4 (q / 8) ..
+ * + 3 in its low half, 16 + the same in its high half */
+#define PAIR_COL(q) (((q) % 8 < 4 ? 0 : 16) + (q) / 8 * 4 + (q) % 4)
+
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
@@ -121,6 +145,37 @@ INLINE float load_w1(const void *w, int64_t i, const int wt) {
 }
 
 static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
+
+int mm_bf16_pairs(void) { return BF16_PAIRS; }
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if BF16_PAIRS
+/* One row of K activations as ceil(K / 2) bfloat16 pairs (k even in the low half; an odd K's last
+ * pair has zero in the high half), rounded to nearest even. */
+static void pair_row(const float *x, int64_t K, uint32_t *out) {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) /* cvtne2ps: the second operand's 16 to the low half */
+        _mm512_storeu_si512(out + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k)));
+    for (; k < K; k += 2)
+        out[k / 2] = to_bf16(x[k]) | (k + 1 < K ? (uint32_t)to_bf16(x[k + 1]) << 16 : 0u);
+}
+
+/* rows[m] (K activations each) -> a fresh [M][ceil(K / 2)] array of pairs; NULL when memory runs out. */
+static uint32_t *pair_rows(int64_t M, int64_t K, const float *const *rows) {
+    const int64_t kp = (K + 1) / 2;
+    uint32_t *out = malloc(sizeof(uint32_t) * (M * kp > 0 ? M * kp : 1));
+    if (out)
+        for (int64_t m = 0; m < M; m++) pair_row(rows[m], K, out + m * kp);
+    return out;
+}
+#endif
 
 /* Weights read once (a product with no more rows than one register tile): row k's panel bytes
  * PF_DIST ahead, prefetched non-temporally. On the machines measured (docs/benchmarks.md) this reads
@@ -249,6 +304,95 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
     }
 }
 
+#if BF16_PAIRS
+/* `tile` for bfloat16 pairs: a[i] row i's activation pairs from this chunk's first pair; w the
+ * panel there (kc rows of k, NR columns in PAIR_COL order); no scales (bfloat16 has none). */
+INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
+                       int ncols, const float *rowscale, int mode, int once) {
+    __m512 acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k += 2) {
+#if PF_DIST
+        if (once) { /* rows k and k + 1: 128 bytes */
+            __builtin_prefetch((const char *)(w + k * NR) + PF_DIST, 0, 0);
+            __builtin_prefetch((const char *)(w + k * NR) + PF_DIST + 64, 0, 0);
+        }
+#else
+        (void)once;
+#endif
+        const __m512i r0 = _mm512_loadu_si512(w + k * NR),
+                      r1 = k + 1 < kc ? _mm512_loadu_si512(w + (k + 1) * NR) : _mm512_setzero_si512();
+        /* (k, k + 1) pairs of columns 0-15 and 16-31 */
+        const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(r0, r1), b1 = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[i][k / 2]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, b1);
+        }
+    }
+    const vf one = splat(1.0f);
+    for (int i = 0; i < mr; i++)
+        put((vf)acc[i][0], (vf)acc[i][1], one, one, rowscale ? rowscale[i] : 1.0f, c[i], ncols, mode);
+}
+
+/* `tile_np` over paired bfloat16 panels for a few rows of float32 activations: each row of k read
+ * once and widened as an unpaired panel's is (the loop that reads fastest, docs/benchmarks.md), the
+ * sums kept in the panel's column order and put back in order once at the end. */
+INLINE void tile_np_widen(const int mr, const int np, int64_t K, const float *const *a, const char *const *w,
+                          float *const *c, const int64_t *coff, const int *ncols, const float *rowscale, int mode) {
+    vf acc[3][4][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j][0] = acc[i][j][1] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vf x[3];
+        for (int i = 0; i < mr; i++) x[i] = splat(a[i][k]);
+        for (int j = 0; j < np; j++) {
+#if PF_DIST
+            prefetch_nta(w[j], k, W_BF16);
+#endif
+            const vf b0 = load_w(w[j], k * NR, W_BF16), b1 = load_w(w[j], k * NR + VW, W_BF16);
+            for (int i = 0; i < mr; i++) {
+                acc[i][j][0] += x[i] * b0;
+                acc[i][j][1] += x[i] * b1;
+            }
+        }
+    }
+    /* position of column c in a paired row (the inverse of PAIR_COL); bit 4 picks the second vector */
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                  hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf one = splat(1.0f);
+    for (int j = 0; j < np; j++)
+        for (int i = 0; i < mr; i++) {
+            const __m512 s0 = (__m512)acc[i][j][0], s1 = (__m512)acc[i][j][1];
+            put((vf)_mm512_permutex2var_ps(s0, lo, s1), (vf)_mm512_permutex2var_ps(s0, hi, s1), one, one,
+                rowscale ? rowscale[i] : 1.0f, c[i] + coff[j], ncols[j], mode);
+        }
+}
+
+static void tile_np_widen_dispatch(int mr, int np, int64_t K, const float *const *a, const char *const *w,
+                                   float *const *c, const int64_t *coff, const int *ncols, const float *rowscale,
+                                   int mode) {
+#define NP_WIDEN_CASE(MRV, NPV)                                              \
+    if (mr == MRV && np == NPV) {                                            \
+        tile_np_widen(MRV, NPV, K, a, w, c, coff, ncols, rowscale, mode);    \
+        return;                                                              \
+    }
+    NP_WIDEN_CASE(1, 1) NP_WIDEN_CASE(1, 2) NP_WIDEN_CASE(1, 3) NP_WIDEN_CASE(1, 4) NP_WIDEN_CASE(2, 1)
+    NP_WIDEN_CASE(2, 2) NP_WIDEN_CASE(3, 1) NP_WIDEN_CASE(3, 2)
+}
+
+static void tile_pairs_dispatch(int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
+                                int ncols, const float *rowscale, int mode, int once) {
+#define PAIRS_CASE(MRV) \
+    case MRV: tile_pairs(MRV, kc, a, w, c, ncols, rowscale, mode, once); break;
+    switch (mr) {
+        PAIRS_CASE(1) PAIRS_CASE(2) PAIRS_CASE(3) PAIRS_CASE(4) PAIRS_CASE(5) PAIRS_CASE(6) PAIRS_CASE(7)
+        PAIRS_CASE(8) PAIRS_CASE(9) PAIRS_CASE(10) PAIRS_CASE(11) PAIRS_CASE(12)
+    }
+}
+
+#endif
+
 /* CASES(WT) with the weight type as a compile-time constant. */
 #define BY_WEIGHT_TYPE(CASES) \
     if (wt == W_F32) {        \
@@ -282,10 +426,11 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 }
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
- * several tiles reuse the panel. a[r], c[r]: row r's activations and output (at the panel). */
-static void panel_rows(int64_t rows, int64_t K, const float *const *a, const char *panel, int wt,
+ * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
+ * the weights are PAIRED) and output (at the panel). */
+static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode) {
-    const int64_t kstep = rows > MR ? KC : K;
+    const int64_t kstep = rows > MR ? KC : K; /* (KC is even: a chunk starts on a pair) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
@@ -294,15 +439,26 @@ static void panel_rows(int64_t rows, int64_t K, const float *const *a, const cha
         const int m = k0 == 0 ? mode : (mode == OUT_STORE ? OUT_ADD : mode);
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
+            const float *rs = rowscale ? rowscale + r0 : NULL;
+#if BF16_PAIRS
+            if (PAIRED(wt)) {
+                const uint32_t *ap[MR];
+                for (int i = 0; i < mr; i++) ap[i] = (const uint32_t *)a[r0 + i] + k0 / 2;
+                tile_pairs_dispatch(mr, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c + r0, ncols, rs, m,
+                                    rows <= MR);
+                continue;
+            }
+#endif
             const float *ap[MR];
-            for (int i = 0; i < mr; i++) ap[i] = a[r0 + i] + k0;
-            tile_dispatch(mr, wt, kc, ap, panel + k0 * NR * es, c + r0, ncols, scale,
-                          rowscale ? rowscale + r0 : NULL, m, rows <= MR);
+            for (int i = 0; i < mr; i++) ap[i] = (const float *)a[r0 + i] + k0;
+            tile_dispatch(mr, wt, kc, ap, panel + k0 * NR * es, c + r0, ncols, scale, rs, m, rows <= MR);
         }
     }
 }
 
 #define FEW_ROWS 3 /* up to this many rows, panels are read several at a time (tile_np) */
+
+int mm_few_rows(void) { return FEW_ROWS; }
 
 static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *const *a, const char *const *w,
                              float *const *c, const int64_t *coff, const int *ncols, const float *const *scale,
@@ -320,8 +476,9 @@ static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *co
 
 /* rows <= FEW_ROWS rows against the panels p0 .. p1 - 1 of one packed weight (K x NR panels at w):
  * the range is cut into np runs read side by side (4 streams for one row, 2 for two or three).
- * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. */
-static void few_rows(int rows, int64_t K, const float *const *a, const char *w, int wt, int64_t p0, int64_t p1,
+ * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. a[i]: row i's
+ * activations (float32, or bfloat16 pairs where the weights are PAIRED). */
+static void few_rows(int rows, int64_t K, const void *const *a, const char *w, int wt, int64_t p0, int64_t p1,
                      int64_t N, float *const *c, const float *scale, const float *rowscale, int mode) {
     const int np = rows == 1 ? 4 : 2;
     const int64_t n = p1 - p0, run = (n + np - 1) / np, stride = K * NR * elem_size(wt);
@@ -339,7 +496,13 @@ static void few_rows(int rows, int64_t K, const float *const *a, const char *w, 
             nc[cnt] = N - p * NR < NR ? (int)(N - p * NR) : NR;
             cnt++;
         }
-        tile_np_dispatch(rows, cnt, wt, K, a, wp, c, coff, nc, sp, rowscale, mode);
+#if BF16_PAIRS
+        if (PAIRED(wt)) {
+            tile_np_widen_dispatch(rows, cnt, K, (const float *const *)a, wp, c, coff, nc, rowscale, mode);
+            continue;
+        }
+#endif
+        tile_np_dispatch(rows, cnt, wt, K, (const float *const *)a, wp, c, coff, nc, sp, rowscale, mode);
     }
 }
 
@@ -363,21 +526,31 @@ int mm_tile_rows(void) { return MR; }
  * w: packed [ceil(N / NR)][K][NR] of weight type wt; scale: [ceil(N / NR) * NR] or NULL. */
 int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const void *w, int wt,
             const float *scale, float *y, int64_t ldy, int nthreads) {
-    const int64_t panels = (N + NR - 1) / NR;
-    const int es = elem_size(wt);
+    const int64_t panels = (N + NR - 1) / NR, pstride = K * NR * elem_size(wt);
     /* row blocks keep the activations of one pass (MC rows x K) in L2 */
     const int64_t MC = 96;
-    const float **ap = malloc(sizeof(float *) * (M > 0 ? M : 1));
+    const void **ap = malloc(sizeof(void *) * (M > 0 ? M : 1));
     float **cp = malloc(sizeof(float *) * (M > 0 ? M : 1));
+    void *pairs = NULL; /* the rows as bfloat16 pairs, for PAIRED weights */
+    int rc = 0;
     if (!ap || !cp) {
-        free(ap);
-        free(cp);
-        return -1;
+        rc = -1;
+        goto done;
     }
     for (int64_t m = 0; m < M; m++) {
         ap[m] = x + m * ldx;
         cp[m] = y + m * ldy;
     }
+#if BF16_PAIRS
+    if (PAIRED(wt) && M > FEW_ROWS) { /* (a few rows read the pairs widened: few_rows) */
+        const int64_t kp = (K + 1) / 2;
+        if (!(pairs = pair_rows(M, K, (const float *const *)ap))) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t m = 0; m < M; m++) ap[m] = (const uint32_t *)pairs + m * kp;
+    }
+#endif
     if (M <= FEW_ROWS) { /* bound by reading the weights: each thread a contiguous share of panels */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1)
         {
@@ -385,9 +558,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             my_range(panels, &lo, &hi);
             few_rows((int)M, K, ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL, OUT_STORE);
         }
-        free(ap);
-        free(cp);
-        return 0;
+        goto done;
     }
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
@@ -396,13 +567,15 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             float *cpp[MC];
             for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
-            panel_rows(mc, K, ap + m0, (const char *)w + p * K * NR * es, wt, cpp, ncols,
-                       scale ? scale + p * NR : NULL, NULL, OUT_STORE);
+            panel_rows(mc, K, ap + m0, (const char *)w + p * pstride, wt, cpp, ncols, scale ? scale + p * NR : NULL,
+                       NULL, OUT_STORE);
         }
     }
+done:
     free(ap);
     free(cp);
-    return 0;
+    free(pairs);
+    return rc;
 }
 
 /* mask ? a : b, lane by lane */
@@ -464,6 +637,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     const int es = elem_size(wt);
     const int64_t p13 = (2 * I + NR - 1) / NR, p2 = (H + NR - 1) / NR;
     const int64_t w13_stride = p13 * H * NR, w2_stride = p2 * I * NR; /* elements per expert */
+    const int64_t hp = (H + 1) / 2, ip = (I + 1) / 2; /* bfloat16 pairs of a row of x, of act */
     const int64_t rows_max = T * Ktop;
 
     int64_t *count = calloc(E + 1, sizeof(int64_t)); /* count[e + 1]: rows of expert e; then offsets */
@@ -471,9 +645,14 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     float *gate_w = malloc(sizeof(float) * (rows_max ? rows_max : 1));
     float *h = malloc(sizeof(float) * (rows_max ? rows_max : 1) * 2 * I);
     float *act = malloc(sizeof(float) * (rows_max ? rows_max : 1) * I);
-    const float **ax = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    /* each row's x and act: float32, and for experts with more than FEW_ROWS rows of PAIRED weights
+     * also as bfloat16 pairs (ax2, actp2; few rows read the pairs widened, few_rows) */
+    const void **ax = malloc(sizeof(void *) * 2 * (rows_max ? rows_max : 1));
+    const void **ax2 = ax ? ax + (rows_max ? rows_max : 1) : NULL;
     float **hrow = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
-    const float **actp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    const void **actp = malloc(sizeof(void *) * 2 * (rows_max ? rows_max : 1));
+    const void **actp2 = actp ? actp + (rows_max ? rows_max : 1) : NULL;
+    uint32_t *xpairs = NULL, *actpairs = NULL;
     float **outp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
     int64_t *items = malloc(sizeof(int64_t) * (E * p13 > 0 ? E * p13 : 1)); /* >= experts x chunks */
     int rc = 0;
@@ -482,6 +661,17 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         goto done;
     }
     memset(out, 0, sizeof(float) * T * H);
+#if BF16_PAIRS
+    if (PAIRED(wt)) {
+        xpairs = malloc(sizeof(uint32_t) * (T * hp > 0 ? T * hp : 1));
+        actpairs = malloc(sizeof(uint32_t) * (rows_max * ip > 0 ? rows_max * ip : 1));
+        if (!xpairs || !actpairs) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t t = 0; t < T; t++) pair_row(x + t * H, H, xpairs + t * hp);
+    }
+#endif
 
     /* group rows by expert, in token order within an expert (a counting sort) */
     for (int64_t r = 0; r < rows_max; r++) {
@@ -508,8 +698,10 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     const int64_t rows = count[E];
     for (int64_t s = 0; s < rows; s++) {
         ax[s] = x + tok[s] * H;
+        ax2[s] = xpairs ? (const void *)(xpairs + tok[s] * hp) : ax[s];
         hrow[s] = h + s * 2 * I;
         actp[s] = act + s * I;
+        actp2[s] = actpairs ? (const void *)(actpairs + s * ip) : actp[s];
         outp[s] = out + tok[s] * H;
     }
     /* phase 1 items: (expert, run of CHUNK panels); a few-row expert reads its run's panels as
@@ -540,14 +732,19 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
-                    panel_rows(nb, H, ax + r0 + b, we + p * H * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
+                    panel_rows(nb, H, ax2 + r0 + b, we + p * H * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
                                NULL, OUT_STORE);
                 }
             }
         }
         /* act = silu(gate) * up */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+        for (int64_t r = 0; r < rows; r++) {
+            silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+#if BF16_PAIRS
+            if (actpairs) pair_row(act + r * I, I, actpairs + r * ip);
+#endif
+        }
         /* phase 2: out[t] += w * act W2^T; each thread a contiguous run of out's column panels, over
          * every expert (no two threads write the same element) */
         int64_t lo, hi;
@@ -566,7 +763,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
-                    panel_rows(nb, I, actp + r0 + b, we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
+                    panel_rows(nb, I, actp2 + r0 + b, we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
                                gate_w + r0 + b, OUT_ADD_SCALED);
                 }
             }
@@ -583,6 +780,8 @@ done:
     free(actp);
     free(outp);
     free(items);
+    free(xpairs);
+    free(actpairs);
     return rc;
 }
 
@@ -814,14 +1013,6 @@ static int linear_rows(const mm_weight *m, int64_t T, const float *x, int64_t ld
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < m->n; j++) y[t * m->n + j] += m->bias[j];
     return 0;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static void kv_store(void *cache, int64_t kv_type, int64_t slot, const float *src, int64_t n) {
