@@ -100,7 +100,9 @@ class FusedDecode:
 
     Activations are float32 inside, whatever the model dtype: a bfloat16 model keeps its weights
     and KV cache in bfloat16 (the bytes a decode step reads) and computes in float32 between them,
-    as llama.cpp computes with BF16 weights; its hidden state leaves the stage in bfloat16."""
+    as llama.cpp computes with BF16 weights; its hidden state leaves the stage in bfloat16. (On a
+    CPU with AVX512-BF16 a product of more than three rows rounds its input to bfloat16, as
+    llama.cpp's does: kernels/README.md.)"""
 
     def __init__(self, model: CausalLM, descs: list[cpu_gemm.LayerDesc], keep: _Float32, dtype: torch.dtype):
         self.model, self.keep, self.dtype = model, keep, dtype
@@ -142,8 +144,9 @@ class FusedDecode:
         """The last stage's pure decode step, every row sampled: logits [T, V] float32. The final norm
         and the lm_head take the layers' float32 output as it is; in float32 this is what the op-by-op
         head computes (the same kernels on the same values); in bfloat16 nothing is rounded to
-        bfloat16 on the way (the op-by-op head rounds the layers' output, their sum, the normed row
-        and the logits), as llama.cpp computes its head."""
+        bfloat16 on the way but what the lm_head's product itself rounds (see the class; the op-by-op
+        head rounds the layers' output, their sum, the normed row and the logits), as llama.cpp
+        computes its head."""
         weight, eps, packed, vocab = self.head
         hidden, residual = self._layers(ctx, hidden, residual, owned)
         normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)

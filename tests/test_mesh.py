@@ -368,7 +368,9 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
 
     run(scenario())
 
-LONG_PROMPT = list(range(5, 205))  # 200 tokens: prefilled in chunks of the 16-token budget
+# 440 tokens (+ 40 new: within the model's 512 positions): prefilled in chunks of the 16-token budget
+# over ~50 steps, so the kill below lands in its prefill however late this process sees the first tokens
+LONG_PROMPT = [5 + i % 290 for i in range(440)]
 
 
 @pytest.mark.parametrize("scenario", ["first-stage-during-chunked-prefill", "two-kills-in-a-row"])
