@@ -83,15 +83,16 @@ def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> W
         return WeightDesc()
     if bias is not None:
         assert bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == w.n
-    _check_layout(w, native())
+    check_layout(w, native())
     return WeightDesc(w.data.data_ptr(), _ptr(w.scale), _ptr(bias), w.n, w.k, w.weight_type)
 
 
-def _check_layout(w: "PackedWeight", lib: "_Lib") -> None:
-    """The kernels read bfloat16 in pairs of k exactly where they were built with AVX512-BF16."""
+def check_layout(w: "PackedWeight", lib: "_Lib") -> None:
+    """Refuses a bfloat16 weight packed for the other kernels: its columns are in the paired order
+    (`pair_columns`) exactly where the kernels were built with AVX512-BF16."""
     if w.pairs != (w.data.dtype == torch.bfloat16 and lib.bf16_pairs):
-        raise ValueError(f"a weight packed {'in' if w.pairs else 'without'} bfloat16 pairs for kernels that "
-                         f"read them {'in pairs' if lib.bf16_pairs else 'one k at a time'}")
+        raise ValueError(f"a bfloat16 weight packed with its columns {'paired' if w.pairs else 'in order'} for "
+                         f"kernels that read them {'paired' if lib.bf16_pairs else 'in order'}")
 
 
 class _Lib:
@@ -279,7 +280,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, lib: _Lib) -> torch.Tensor:
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == w.k, (x.dtype, x.shape, w.k)
     if x.stride(1) != 1:
         x = x.contiguous()
-    _check_layout(w, lib)
+    check_layout(w, lib)
     M = x.shape[0]
     y = torch.empty(M, w.n, dtype=torch.float32)
     if M:
@@ -312,8 +313,8 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     x = x.contiguous()
     T, H = x.shape
     E = w13.data.shape[0]
-    _check_layout(w13, lib)
-    _check_layout(w2, lib)
+    check_layout(w13, lib)
+    check_layout(w2, lib)
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(T, H, dtype=torch.float32)

@@ -77,7 +77,9 @@ def build_context(query_lens: list[int], context_lens: list[int], block_tables: 
     query_lens[i]: new tokens of sequence i in this step; context_lens[i]: tokens already in its
     cache (the new ones start at that position); block_tables[i]: its KV block ids, covering
     context_lens[i] + query_lens[i] tokens. limits: (KV blocks, rotary positions) of the stage:
-    refuse a step whose KV slots, decode block tables or positions reach outside them (ValueError).
+    refuse a step whose KV slots, decode block tables or positions reach outside them (ValueError;
+    a block table too short for its own context fails earlier, with IndexError, in either case
+    before any kernel runs).
     The native kernels trust these indices (torch's indexing checks its own), so a stage that runs
     them passes its limits and each step is checked once, here, rather than in every layer.
     """
@@ -112,7 +114,7 @@ def build_context(query_lens: list[int], context_lens: list[int], block_tables: 
 def _decode_context(context_lens: list[int], block_tables: list[list[int]], block_size: int,
                     limits: tuple[int, int] | None) -> ForwardContext:
     """`build_context` for a pure decode step (one new token per sequence), the step a running batch
-    repeats: the same metadata from one tensor built at once (the general path builds six)."""
+    repeats: the same metadata as views of one tensor built at once (the general path builds eight)."""
     B = len(context_lens)
     n = (max(context_lens) + block_size) // block_size  # blocks covering the longest context + 1
     slots = [blocks[c // block_size] * block_size + c % block_size for c, blocks in zip(context_lens, block_tables)]

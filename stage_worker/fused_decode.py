@@ -73,6 +73,8 @@ def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
     d.moe = 1
     d.router = cpu_gemm.weight_desc(mlp.gate.packed, _bias(mlp.gate))
     w13, w2 = experts.packed
+    for w in (w13, w2):
+        cpu_gemm.check_layout(w, cpu_gemm.native())
     d.experts, d.top_k, d.expert_offset = experts.num_local_experts, experts.top_k, experts.expert_offset
     d.moe_intermediate, d.renormalize, d.moe_wt = w2.k, int(experts.renormalize), w13.weight_type
     d.w13, d.w2 = w13.data.data_ptr(), w2.data.data_ptr()

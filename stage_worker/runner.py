@@ -59,7 +59,7 @@ class StageRunner:
         self.kv_cache = torch.zeros(len(attn), 2, num_blocks, block_size, kvh, D, dtype=dtype, device=device)
         for i, layer in enumerate(attn):
             layer.kv_cache = self.kv_cache[i]
-        # decode steps in one native call per layer, where every layer can take that path
+        # decode steps in one native call for all the stage's layers, where every layer can take that path
         self.fused = FusedDecode.build(self.model, tp.size, dtype)
 
     @staticmethod

@@ -57,6 +57,30 @@ def test_gemm_matches_torch(wt, seed):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 
+@pytest.mark.parametrize("M,K", [(4, 600), (13, 600), (13, 1031), (97, 77), (130, 1025)])
+def test_bfloat16_gemm_across_chunks_and_row_blocks(M, K):
+    """bfloat16 products with more rows than a register tile and K past the 512-k chunk (odd K too),
+    and past the 96-row block: where the paired kernels step through their activation pairs."""
+    g = torch.Generator().manual_seed(M * K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    p = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
+    want = _seen(x, p).double() @ p.unpack().double().T
+    torch.testing.assert_close(cpu_gemm.gemm(x, p, lib).double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+def test_a_bfloat16_weight_packed_for_the_other_kernels_is_refused():
+    w = torch.randn(40, 24)
+    other = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16, pairs=not lib.bf16_pairs)
+    with pytest.raises(ValueError, match="bfloat16 weight packed"):
+        cpu_gemm.gemm(torch.randn(5, 24), other, lib)
+    with pytest.raises(ValueError, match="bfloat16 weight packed"):
+        cpu_gemm.weight_desc(other)
+    w13 = cpu_gemm.pack(torch.randn(2, 16, 24), lib.panel_width, torch.bfloat16, pairs=not lib.bf16_pairs)
+    w2 = cpu_gemm.pack(torch.randn(2, 24, 8), lib.panel_width, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 weight packed"):
+        cpu_gemm.fused_moe(torch.randn(3, 24), w13, w2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long), 0, lib)
+
+
 def _seen(x: torch.Tensor, p: cpu_gemm.PackedWeight, rows: int | None = None) -> torch.Tensor:
     """The activations a product of `rows` rows (default: x's) with `p` multiplies: paired bfloat16
     rounds them to bfloat16 (vdpbf16ps), unless the product has a few rows."""
@@ -117,6 +141,22 @@ def test_fused_moe_matches_reference(wt, seed):
     want = reference_moe(x.double(), gate.double(), w13q[:, :I].double(), w13q[:, I:].double(), w2q.double(), K,
                          renormalize=False, expert_input=seen)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,E,H,I", [(40, 2, 515, 33), (24, 3, 70, 601), (9, 1, 1031, 17)])
+def test_bfloat16_fused_moe_odd_and_long_rows(T, E, H, I):
+    """Experts of more and fewer rows than a few, odd H and I, H and I past the 512-k chunk."""
+    x, w1, w3, w2, gate = moe_case(T + E, T, E, 1, H, I)
+    weights, ids = torch.topk(torch.softmax(x @ gate.T, dim=-1), 1, dim=-1)
+    p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.bfloat16)
+    p2 = cpu_gemm.pack(w2, lib.panel_width, torch.bfloat16)
+    got = cpu_gemm.fused_moe(x, p13, p2, weights, ids, 0, lib)
+    w13q, w2q = p13.unpack(), p2.unpack()
+    rows = torch.bincount(ids.flatten(), minlength=E)
+    seen = lambda v, e: _seen(v.float().unsqueeze(0), p13, int(rows[e]))[0].double()  # noqa: E731
+    want = reference_moe(x.double(), gate.double(), w13q[:, :I].double(), w13q[:, I:].double(), w2q.double(), 1,
+                         renormalize=False, expert_input=seen)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_moe_expert_parallel_halves_add_up():
@@ -292,7 +332,8 @@ def test_fused_decode_layers_equal_the_op_by_op_path(tmp_path, arch):
 
 
 def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
-    """bfloat16 weights and KV cache, float32 arithmetic between them: decode logits near float32's."""
+    """bfloat16 weights and KV cache, float32 arithmetic between them: decode logits near float32's, for
+    one sequence and for six."""
     from moemesh.entrypoints.engine import LLMEngine
     from moemesh.settings import EngineSettings
     from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
@@ -300,15 +341,22 @@ def test_fused_decode_in_bfloat16_stays_close_to_float32(tmp_path):
 
     write_tiny_model(TinyModelSpec(arch="qwen2_moe", num_layers=2, hidden_size=64, moe_intermediate_size=48,
                                    shared_expert_intermediate_size=64, num_experts=4, vocab_size=384), tmp_path)
+    prompts = [[5, 17, 33, 2, 9], [7, 3], [40, 41, 42], [8] * 6, [100, 200, 300, 13], [1, 2, 3, 4, 5, 6, 7]]
     logits = []
     for dtype in ("float32", "bfloat16"):
         runner = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=16, dtype=dtype), progress=False) \
             .stages[0].runner
         assert runner.fused is not None
-        runner.execute(StepInput([[5, 17, 33, 2, 9]], [0], [[0]], [True]))
-        logits.append(runner.execute(StepInput([[11]], [5], [[0]], [True])))
-    err = ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()).item()
-    assert 0 < err < 0.05
+        runner.execute(StepInput(prompts, [0] * 6, [[b] for b in range(6)], [True] * 6))
+        one = runner.execute(StepInput([[11]], [5], [[0]], [True]))  # one row
+        # six rows: more than a few, so on a CPU with AVX512-BF16 the paired products (vdpbf16ps) run
+        six = runner.execute(StepInput([[11]] * 6, [len(p) + (i == 0) for i, p in enumerate(prompts)],
+                                       [[b] for b in range(6)], [True] * 6))
+        logits.append((one, six))
+    for (one32, six32), (one16, six16) in [logits]:
+        for a, b in ((one32, one16), (six32, six16)):
+            err = ((b - a).abs().max() / a.abs().max()).item()
+            assert 0 < err < 0.05
 
 
 def test_decode_attention_keeps_a_nan_and_refuses_blocks_outside_the_cache():

@@ -66,8 +66,10 @@
  * rows 16 bits at a time (vpunpcklwd / vpunpckhwd, within 128-bit lanes) brings back to columns
  * 0-15 and 16-31 as (k, k + 1) pairs:
  *
- *     packed[p][k][q] = W[p * NR + PAIR_COL(q)][k]
+ *     packed[p][k][q] = W[p * NR + col(q)][k],   col(q) = (q % 8 < 4 ? 0 : 16) + q / 8 * 4 + q % 4
  *
+ * (128-bit lane L of a row holds columns 4L .. 4L + 3, then 16 + the same: kernels/cpu_gemm.py
+ * `pair_columns`).
  * A product with few rows, bound by reading its weights, reads these rows like any other panel (one
  * row of k at a time, widened the same way) with its activations in float32. Without AVX512-BF16,
  * bfloat16 panels keep the columns in order and are widened to float32. */
@@ -77,9 +79,6 @@
 #define BF16_PAIRS 0
 #endif
 #define PAIRED(wt) (BF16_PAIRS && (wt) == W_BF16)
-/* the column at position q of a paired panel's row: 128-bit lane q / 8 holds columns 4 (q / 8) ..
- * + 3 in its low half, 16 + the same in its high half */
-#define PAIR_COL(q) (((q) % 8 < 4 ? 0 : 16) + (q) / 8 * 4 + (q) % 4)
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -278,7 +277,7 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
  * and int8 scales (or NULL). */
 INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const float *const *a,
                     const char *const *w, float *const *c, const int64_t *coff, const int *ncols,
-                    const float *const *scale, const float *rowscale, int mode) {
+                    const float *const *scale, const float *rowscale, int mode, const int paired) {
     vf acc[3][4][2];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j][0] = acc[i][j][1] = (vf){0};
@@ -296,6 +295,21 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
             }
         }
     }
+#if BF16_PAIRS
+    if (paired) { /* the sums are in a paired panel's column order: back to columns 0-15 and 16-31 */
+        /* the position of column c in a paired row (bit 4: the second vector) */
+        const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                      hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < np; j++) {
+                const __m512 s0 = (__m512)acc[i][j][0], s1 = (__m512)acc[i][j][1];
+                acc[i][j][0] = (vf)_mm512_permutex2var_ps(s0, lo, s1);
+                acc[i][j][1] = (vf)_mm512_permutex2var_ps(s0, hi, s1);
+            }
+    }
+#else
+    (void)paired;
+#endif
     for (int j = 0; j < np; j++) {
         vf s0, s1;
         col_scales(scale[j], &s0, &s1);
@@ -306,7 +320,7 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
 
 #if BF16_PAIRS
 /* `tile` for bfloat16 pairs: a[i] row i's activation pairs from this chunk's first pair; w the
- * panel there (kc rows of k, NR columns in PAIR_COL order); no scales (bfloat16 has none). */
+ * panel there (kc rows of k, NR columns in the paired order above); no scales (bfloat16 has none). */
 INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
                        int ncols, const float *rowscale, int mode, int once) {
     __m512 acc[MR][2];
@@ -333,52 +347,6 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
     const vf one = splat(1.0f);
     for (int i = 0; i < mr; i++)
         put((vf)acc[i][0], (vf)acc[i][1], one, one, rowscale ? rowscale[i] : 1.0f, c[i], ncols, mode);
-}
-
-/* `tile_np` over paired bfloat16 panels for a few rows of float32 activations: each row of k read
- * once and widened as an unpaired panel's is (the loop that reads fastest, docs/benchmarks.md), the
- * sums kept in the panel's column order and put back in order once at the end. */
-INLINE void tile_np_widen(const int mr, const int np, int64_t K, const float *const *a, const char *const *w,
-                          float *const *c, const int64_t *coff, const int *ncols, const float *rowscale, int mode) {
-    vf acc[3][4][2];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < np; j++) acc[i][j][0] = acc[i][j][1] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        vf x[3];
-        for (int i = 0; i < mr; i++) x[i] = splat(a[i][k]);
-        for (int j = 0; j < np; j++) {
-#if PF_DIST
-            prefetch_nta(w[j], k, W_BF16);
-#endif
-            const vf b0 = load_w(w[j], k * NR, W_BF16), b1 = load_w(w[j], k * NR + VW, W_BF16);
-            for (int i = 0; i < mr; i++) {
-                acc[i][j][0] += x[i] * b0;
-                acc[i][j][1] += x[i] * b1;
-            }
-        }
-    }
-    /* position of column c in a paired row (the inverse of PAIR_COL); bit 4 picks the second vector */
-    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                  hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const vf one = splat(1.0f);
-    for (int j = 0; j < np; j++)
-        for (int i = 0; i < mr; i++) {
-            const __m512 s0 = (__m512)acc[i][j][0], s1 = (__m512)acc[i][j][1];
-            put((vf)_mm512_permutex2var_ps(s0, lo, s1), (vf)_mm512_permutex2var_ps(s0, hi, s1), one, one,
-                rowscale ? rowscale[i] : 1.0f, c[i] + coff[j], ncols[j], mode);
-        }
-}
-
-static void tile_np_widen_dispatch(int mr, int np, int64_t K, const float *const *a, const char *const *w,
-                                   float *const *c, const int64_t *coff, const int *ncols, const float *rowscale,
-                                   int mode) {
-#define NP_WIDEN_CASE(MRV, NPV)                                              \
-    if (mr == MRV && np == NPV) {                                            \
-        tile_np_widen(MRV, NPV, K, a, w, c, coff, ncols, rowscale, mode);    \
-        return;                                                              \
-    }
-    NP_WIDEN_CASE(1, 1) NP_WIDEN_CASE(1, 2) NP_WIDEN_CASE(1, 3) NP_WIDEN_CASE(1, 4) NP_WIDEN_CASE(2, 1)
-    NP_WIDEN_CASE(2, 2) NP_WIDEN_CASE(3, 1) NP_WIDEN_CASE(3, 2)
 }
 
 static void tile_pairs_dispatch(int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
@@ -465,7 +433,7 @@ static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *co
                              const float *rowscale, int mode) {
 #define NP_CASE(MRV, NPV, WT)                                                               \
     if (mr == MRV && np == NPV) {                                                           \
-        tile_np(MRV, NPV, WT, kc, a, w, c, coff, ncols, scale, rowscale, mode);            \
+        tile_np(MRV, NPV, WT, kc, a, w, c, coff, ncols, scale, rowscale, mode, PAIRED(WT)); \
         return;                                                                             \
     }
 #define NP_CASES(WT)                                                                                     \
@@ -476,9 +444,9 @@ static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *co
 
 /* rows <= FEW_ROWS rows against the panels p0 .. p1 - 1 of one packed weight (K x NR panels at w):
  * the range is cut into np runs read side by side (4 streams for one row, 2 for two or three).
- * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. a[i]: row i's
- * activations (float32, or bfloat16 pairs where the weights are PAIRED). */
-static void few_rows(int rows, int64_t K, const void *const *a, const char *w, int wt, int64_t p0, int64_t p1,
+ * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. Activations are
+ * float32 whatever the weights (a PAIRED panel's rows are widened like any other's, tile_np). */
+static void few_rows(int rows, int64_t K, const float *const *a, const char *w, int wt, int64_t p0, int64_t p1,
                      int64_t N, float *const *c, const float *scale, const float *rowscale, int mode) {
     const int np = rows == 1 ? 4 : 2;
     const int64_t n = p1 - p0, run = (n + np - 1) / np, stride = K * NR * elem_size(wt);
@@ -496,13 +464,7 @@ static void few_rows(int rows, int64_t K, const void *const *a, const char *w, i
             nc[cnt] = N - p * NR < NR ? (int)(N - p * NR) : NR;
             cnt++;
         }
-#if BF16_PAIRS
-        if (PAIRED(wt)) {
-            tile_np_widen_dispatch(rows, cnt, K, (const float *const *)a, wp, c, coff, nc, rowscale, mode);
-            continue;
-        }
-#endif
-        tile_np_dispatch(rows, cnt, wt, K, (const float *const *)a, wp, c, coff, nc, sp, rowscale, mode);
+        tile_np_dispatch(rows, cnt, wt, K, a, wp, c, coff, nc, sp, rowscale, mode);
     }
 }
 
@@ -529,7 +491,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     const int64_t panels = (N + NR - 1) / NR, pstride = K * NR * elem_size(wt);
     /* row blocks keep the activations of one pass (MC rows x K) in L2 */
     const int64_t MC = 96;
-    const void **ap = malloc(sizeof(void *) * (M > 0 ? M : 1));
+    const void **ap = malloc(sizeof(void *) * (M > 0 ? M : 1)); /* float32 rows, or bfloat16 pairs */
     float **cp = malloc(sizeof(float *) * (M > 0 ? M : 1));
     void *pairs = NULL; /* the rows as bfloat16 pairs, for PAIRED weights */
     int rc = 0;
@@ -556,7 +518,8 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
         {
             int64_t lo, hi;
             my_range(panels, &lo, &hi);
-            few_rows((int)M, K, ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL, OUT_STORE);
+            few_rows((int)M, K, (const float *const *)ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL,
+                     OUT_STORE);
         }
         goto done;
     }
@@ -645,33 +608,22 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     float *gate_w = malloc(sizeof(float) * (rows_max ? rows_max : 1));
     float *h = malloc(sizeof(float) * (rows_max ? rows_max : 1) * 2 * I);
     float *act = malloc(sizeof(float) * (rows_max ? rows_max : 1) * I);
-    /* each row's x and act: float32, and for experts with more than FEW_ROWS rows of PAIRED weights
-     * also as bfloat16 pairs (ax2, actp2; few rows read the pairs widened, few_rows) */
-    const void **ax = malloc(sizeof(void *) * 2 * (rows_max ? rows_max : 1));
-    const void **ax2 = ax ? ax + (rows_max ? rows_max : 1) : NULL;
+    /* each row's x and act in float32 (ax, actp), and where an expert's product multiplies bfloat16
+     * pairs (more than FEW_ROWS rows of PAIRED weights) as pairs too (ax2, actp2) */
+    const float **ax = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    const void **ax2 = malloc(sizeof(void *) * (rows_max ? rows_max : 1));
     float **hrow = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
-    const void **actp = malloc(sizeof(void *) * 2 * (rows_max ? rows_max : 1));
-    const void **actp2 = actp ? actp + (rows_max ? rows_max : 1) : NULL;
+    const float **actp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
+    const void **actp2 = malloc(sizeof(void *) * (rows_max ? rows_max : 1));
     uint32_t *xpairs = NULL, *actpairs = NULL;
     float **outp = malloc(sizeof(float *) * (rows_max ? rows_max : 1));
     int64_t *items = malloc(sizeof(int64_t) * (E * p13 > 0 ? E * p13 : 1)); /* >= experts x chunks */
     int rc = 0;
-    if (!count || !tok || !gate_w || !h || !act || !ax || !hrow || !actp || !outp || !items) {
+    if (!count || !tok || !gate_w || !h || !act || !ax || !ax2 || !hrow || !actp || !actp2 || !outp || !items) {
         rc = -1;
         goto done;
     }
     memset(out, 0, sizeof(float) * T * H);
-#if BF16_PAIRS
-    if (PAIRED(wt)) {
-        xpairs = malloc(sizeof(uint32_t) * (T * hp > 0 ? T * hp : 1));
-        actpairs = malloc(sizeof(uint32_t) * (rows_max * ip > 0 ? rows_max * ip : 1));
-        if (!xpairs || !actpairs) {
-            rc = -1;
-            goto done;
-        }
-        for (int64_t t = 0; t < T; t++) pair_row(x + t * H, H, xpairs + t * hp);
-    }
-#endif
 
     /* group rows by expert, in token order within an expert (a counting sort) */
     for (int64_t r = 0; r < rows_max; r++) {
@@ -696,6 +648,19 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         free(fill);
     }
     const int64_t rows = count[E];
+#if BF16_PAIRS
+    int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
+    for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
+    if (PAIRED(wt) && many) {
+        xpairs = malloc(sizeof(uint32_t) * (T * hp > 0 ? T * hp : 1));
+        actpairs = malloc(sizeof(uint32_t) * (rows * ip > 0 ? rows * ip : 1));
+        if (!xpairs || !actpairs) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t t = 0; t < T; t++) pair_row(x + t * H, H, xpairs + t * hp);
+    }
+#endif
     for (int64_t s = 0; s < rows; s++) {
         ax[s] = x + tok[s] * H;
         ax2[s] = xpairs ? (const void *)(xpairs + tok[s] * hp) : ax[s];
@@ -776,8 +741,10 @@ done:
     free(h);
     free(act);
     free(ax);
+    free(ax2);
     free(hrow);
     free(actp);
+    free(actp2);
     free(outp);
     free(items);
     free(xpairs);
