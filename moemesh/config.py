@@ -271,7 +271,9 @@ DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes, by name (stage_wo
 
 
 def resolve_dtype(flag: str, model: ModelConfig, device: str = "cpu") -> str:
-    """`--dtype auto`: float32 on CPU (bf16 matmul is half speed there), the checkpoint's dtype on GPU."""
+    """`--dtype auto`: float32 on CPU (the dtype whose greedy output equals transformers' token for token;
+    `--dtype bfloat16` reads half the bytes a step, and multiplies faster on a CPU with AVX512-BF16:
+    docs/benchmarks.md), the checkpoint's dtype on GPU."""
     if flag == "auto":
         on_gpu = device.startswith("cuda")
         return model.checkpoint_dtype if on_gpu and model.checkpoint_dtype in DTYPES else "float32"
