@@ -778,6 +778,22 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
     return total;
 }
 
+/* The sum of a vector's lanes. */
+INLINE float hsum(vf v) {
+#if VW == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#elif VW == 8 && defined(__AVX2__)
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+#else
+    float t = 0.0f;
+    for (int j = 0; j < VW; j++) t += v[j];
+    return t;
+#endif
+}
+
 /* Decode attention over the paged KV cache: one query token per sequence.
  *
  * Legend: S = sequences, h = query heads, kvh = kv heads, G = h / kvh (heads sharing a kv head),
@@ -789,24 +805,25 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
  * at slot i % block_size. kv_len [S]: L_s.
  *
- * For each (sequence, kv head) pair (the parallel work items): scores[g][i] = q_g . k_i * scale for
- * the G heads at once (each key is loaded once), softmax over i (max-subtracted, vectorised exp),
- * then out_g = sum_i p[g][i] v_i. Scores live in a per-thread buffer of G x max L floats.
- * Returns 0, or -1 when memory runs out. */
+ * For each (sequence, kv head) pair (the parallel work items), walking the keys block by block:
+ * scores[g][i] = q_g . k_i * scale for the G heads at once (each key loaded once, one lane sum per
+ * score), softmax over i (max-subtracted, vectorised exp), then out_g = sum_i p[g][i] v_i for the G
+ * heads at once (each value loaded once; the G x D sums stay in L1). Scores and sums live in a
+ * per-thread buffer of G x (max L + D) floats. Returns 0, or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
                         int nthreads) {
-    const int64_t G = h / kvh;
+    const int64_t G = h / kvh, DV = D / VW * VW; /* DV: the part of a head a whole number of vectors covers */
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
     const int es = kv_type == W_F32 ? 4 : 2;
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * kvh > 1)
     {
-        /* scores, padded to whole vectors; then the D-wide accumulators of one head */
+        /* scores, padded to whole vectors; then the G x D sums of the values */
         const int64_t stride = (max_len + VW - 1) / VW * VW;
-        float *sc = malloc(sizeof(float) * (G * stride + D));
+        float *sc = malloc(sizeof(float) * G * (stride + D));
         if (!sc) {
 #pragma omp atomic write
             rc = -1;
@@ -817,20 +834,23 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
             const int64_t s = item / kvh, kh = item % kvh, L = kv_len[s];
             const int64_t *bt = block_tables + s * max_blocks;
             const float *qs = q + s * ldq + kh * G * D; /* the G query heads of this kv head */
-            for (int64_t i = 0; i < L; i++) {
-                const int64_t slot = (bt[i / block_size] * block_size + i % block_size) * kvh + kh;
-                const char *kp = (const char *)k_cache + slot * D * es;
-                for (int64_t g = 0; g < G; g++) {
-                    vf acc = {0};
-                    int64_t d = 0;
-                    for (; d + VW <= D; d += VW) acc += load_f(qs + g * D + d) * load_w(kp, d, kv_type);
-                    float dot = 0.0f;
-                    for (int j = 0; j < VW; j++) dot += acc[j];
-                    for (; d < D; d++) dot += qs[g * D + d] * load_w1(kp, d, kv_type);
-                    sc[g * stride + i] = dot * scale;
+            float *acc = sc + G * stride;
+            /* scores: key i against the G heads */
+            for (int64_t b0 = 0; b0 < L; b0 += block_size) {
+                const char *kb = (const char *)k_cache + (bt[b0 / block_size] * block_size * kvh + kh) * D * es;
+                const int64_t n = L - b0 < block_size ? L - b0 : block_size;
+                for (int64_t o = 0; o < n; o++) {
+                    const char *kp = kb + o * kvh * D * es;
+                    for (int64_t g = 0; g < G; g++) {
+                        vf part = {0};
+                        for (int64_t d = 0; d < DV; d += VW) part += load_f(qs + g * D + d) * load_w(kp, d, kv_type);
+                        float dot = hsum(part);
+                        for (int64_t d = DV; d < D; d++) dot += qs[g * D + d] * load_w1(kp, d, kv_type);
+                        sc[g * stride + b0 + o] = dot * scale;
+                    }
                 }
             }
-            float *acc = sc + G * stride;
+            /* softmax of each head's scores, the 1 / sum folded into them */
             for (int64_t g = 0; g < G; g++) {
                 float *p = sc + g * stride;
                 float m = p[0];
@@ -843,20 +863,28 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                     store_f(p + i, e);
                     total += e;
                 }
-                float sum = 0.0f;
-                for (int j = 0; j < VW; j++) sum += total[j];
-                const float inv = 1.0f / sum;
-                memset(acc, 0, sizeof(float) * D);
-                for (int64_t i = 0; i < L; i++) {
-                    const int64_t slot = (bt[i / block_size] * block_size + i % block_size) * kvh + kh;
-                    const char *vp = (const char *)v_cache + slot * D * es;
-                    const vf w = splat(p[i] * inv);
-                    int64_t d = 0;
-                    for (; d + VW <= D; d += VW) store_f(acc + d, load_f(acc + d) + w * load_w(vp, d, kv_type));
-                    for (; d < D; d++) acc[d] += p[i] * inv * load_w1(vp, d, kv_type);
-                }
-                memcpy(out + s * ldo + (kh * G + g) * D, acc, sizeof(float) * D);
+                const float inv = 1.0f / hsum(total);
+                for (int64_t i = 0; i < L; i++) p[i] *= inv;
             }
+            /* out_g = sum_i p[g][i] v_i */
+            memset(acc, 0, sizeof(float) * G * D);
+            for (int64_t b0 = 0; b0 < L; b0 += block_size) {
+                const char *vb = (const char *)v_cache + (bt[b0 / block_size] * block_size * kvh + kh) * D * es;
+                const int64_t n = L - b0 < block_size ? L - b0 : block_size;
+                for (int64_t o = 0; o < n; o++) {
+                    const char *vp = vb + o * kvh * D * es;
+                    for (int64_t d = 0; d < DV; d += VW) {
+                        const vf val = load_w(vp, d, kv_type);
+                        for (int64_t g = 0; g < G; g++)
+                            store_f(acc + g * D + d, load_f(acc + g * D + d) + splat(sc[g * stride + b0 + o]) * val);
+                    }
+                    for (int64_t d = DV; d < D; d++) {
+                        const float val = load_w1(vp, d, kv_type);
+                        for (int64_t g = 0; g < G; g++) acc[g * D + d] += sc[g * stride + b0 + o] * val;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) memcpy(out + s * ldo + (kh * G + g) * D, acc + g * D, sizeof(float) * D);
         }
         free(sc);
     }
