@@ -212,7 +212,7 @@ def test_backend_resolution():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (4, 4, 24), (6, 1, 20)])
+@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (4, 4, 24), (6, 1, 20), (3, 3, 19)])
 def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
     g = torch.Generator().manual_seed(h * 100 + D)
     block_size, num_blocks = 4, 48
@@ -363,6 +363,7 @@ def test_decode_attention_keeps_a_nan_and_refuses_blocks_outside_the_cache():
     k = torch.randn(4, 4, 1, 16)
     v = torch.randn(4, 4, 1, 16)
     k[1, 2, 0, 3] = float("nan")  # key 6 of the sequence below
+    v[1, 2, 0, 3] = float("nan")  # its value: read only by a kernel that runs past the context
     q = torch.randn(1, 2, 16)
     out = cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 1]]), torch.tensor([7]), 0.25, lib)
     assert torch.isnan(out).all()  # as SDPA: a NaN score poisons the softmax, it is not masked away

@@ -808,8 +808,9 @@ INLINE float hsum(vf v) {
  * For each (sequence, kv head) pair (the parallel work items), walking the keys block by block:
  * scores[g][i] = q_g . k_i * scale for the G heads at once (each key loaded once, one lane sum per
  * score), softmax over i (max-subtracted, vectorised exp), then out_g = sum_i p[g][i] v_i for the G
- * heads at once (each value loaded once; the G x D sums stay in L1). Scores and sums live in a
- * per-thread buffer of G x (max L + D) floats. Returns 0, or -1 when memory runs out. */
+ * heads at once (each value loaded once; the G x D sums stay in L1). Scores (each head's max L
+ * rounded up to whole vectors) and sums live in a per-thread buffer. Returns 0, or -1 when memory
+ * runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
@@ -823,7 +824,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     {
         /* scores, padded to whole vectors; then the G x D sums of the values */
         const int64_t stride = (max_len + VW - 1) / VW * VW;
-        float *sc = malloc(sizeof(float) * G * (stride + D));
+        float *sc = calloc(G * (stride + D), sizeof(float)); /* (zeros: the vector tails past L are read) */
         if (!sc) {
 #pragma omp atomic write
             rc = -1;
