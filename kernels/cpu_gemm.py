@@ -261,7 +261,7 @@ def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = No
 
 
 def pair_columns(panel_width: int) -> torch.Tensor:
-    """The column at each position of a row of a paired bfloat16 panel (cpu_gemm.c `PAIR_COL`): what
+    """The column at each position of a row of a paired bfloat16 panel (`col(q)` in cpu_gemm.c): what
     interleaving rows k and k + 1 16 bits at a time within 128-bit lanes turns into (k, k + 1) pairs
     of columns 0 .. NR / 2 - 1, then NR / 2 .. NR - 1."""
     q = torch.arange(panel_width)
