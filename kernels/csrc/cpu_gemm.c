@@ -327,9 +327,9 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; k += 2) {
 #if PF_DIST
-        if (once) { /* rows k and k + 1: 128 bytes */
-            __builtin_prefetch((const char *)(w + k * NR) + PF_DIST, 0, 0);
-            __builtin_prefetch((const char *)(w + k * NR) + PF_DIST + 64, 0, 0);
+        if (once) { /* rows k and k + 1 */
+            prefetch_nta(w, k, W_BF16);
+            prefetch_nta(w, k + 1, W_BF16);
         }
 #else
         (void)once;
@@ -752,6 +752,22 @@ done:
     return rc;
 }
 
+/* The sum of a vector's lanes. */
+INLINE float hsum(vf v) {
+#if VW == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#elif VW == 8 && defined(__AVX2__)
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+#else
+    float t = 0.0f;
+    for (int j = 0; j < VW; j++) t += v[j];
+    return t;
+#endif
+}
+
 /* Sum of n floats, read as the kernels read weights (vector loads, four concurrent sequential
  * streams per thread, several accumulators each): `bench model` times it to measure the machine's
  * read bandwidth for its roofline. */
@@ -770,28 +786,11 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
                 a[j][1] += load_f(p + lo + j * run + i + VW);
             }
         vf v = a[0][0] + a[0][1] + a[1][0] + a[1][1] + a[2][0] + a[2][1] + a[3][0] + a[3][1];
-        float part = 0.0f;
-        for (int j = 0; j < VW; j++) part += v[j];
+        float part = hsum(v);
         for (int64_t i = lo + 4 * run; i < hi; i++) part += p[i];
         total += part;
     }
     return total;
-}
-
-/* The sum of a vector's lanes. */
-INLINE float hsum(vf v) {
-#if VW == 16
-    return _mm512_reduce_add_ps((__m512)v);
-#elif VW == 8 && defined(__AVX2__)
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-#else
-    float t = 0.0f;
-    for (int j = 0; j < VW; j++) t += v[j];
-    return t;
-#endif
 }
 
 /* Decode attention over the paged KV cache: one query token per sequence.
