@@ -117,7 +117,7 @@ class EngineCore:
                 prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
                 cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None))
         forget, self._forget = self._forget, []
-        return Schedule(step_id, seqs, forget)
+        return Schedule(step_id, seqs, forget, num_steps=step.num_steps)
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
         step = self.in_flight.get(result.step_id)
@@ -127,6 +127,8 @@ class EngineCore:
         missing = [item.seq.seq_id for item in step.items if item.sample and item.seq.seq_id not in by_seq]
         if missing:  # refuse before touching any state
             raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
+        if step.num_steps > 1:
+            return self._process_steps(step, result)
         del self.in_flight[result.step_id]
         sampled = [by_seq[item.seq.seq_id] for item in step.items if item.sample]
         for item, s in zip((i for i in step.items if i.sample), sampled):
@@ -143,6 +145,23 @@ class EngineCore:
             if seq.request_id not in self.requests or (not item.sample and seq not in finished):
                 continue
             outputs.append(self._output(seq))
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+            self._forget.append(seq.seq_id)
+            self._keep_ended(seq)
+        return outputs
+
+    def _process_steps(self, step: Step, result: StepResult) -> list[RequestOutput]:
+        """A result of several decode steps: num_steps x len(items) tokens, step by step."""
+        n = len(step.items)
+        if len(result.sampled) != step.num_steps * n or any(
+                s.seq_id != step.items[i % n].seq.seq_id for i, s in enumerate(result.sampled)):
+            raise ValueError(f"result for step {result.step_id} does not hold {step.num_steps} tokens of each of its "
+                             f"{n} sequences in order")
+        del self.in_flight[result.step_id]
+        finished = self.scheduler.update_steps(step, [[(s.token_id, s.logprobs) for s in result.sampled[j * n:(j + 1) * n]]
+                                                      for j in range(step.num_steps)])
+        outputs = [self._output(item.seq) for item in step.items if item.seq.request_id in self.requests]
         for seq in finished:
             self.requests.pop(seq.request_id, None)
             self._forget.append(seq.seq_id)

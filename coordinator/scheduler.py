@@ -14,6 +14,12 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   has nothing to schedule until that step returns; but a long prompt's next chunk can go out right
   behind the previous one (every stage runs steps in order, so the earlier chunk's K/V is in place
   by the time the next one reads it). Sequences with a step in flight are never preempted.
+- Several decode steps in one schedule (`num_steps` > 1, vLLM's multi-step scheduling; a pipeline
+  of one stage): when nothing waits, nothing else is in flight and every running sequence decodes,
+  the step runs min(num_steps, the fewest tokens any of them may still produce) decode steps, the
+  stage feeding each sampled token back itself. Blocks for all of them are taken up front (else it
+  is one step); the result is applied step by step, so a sequence that stops early (EOS, a stop
+  token) ends where one step at a time would have ended it, its tokens past the stop dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 256
     max_model_len: int = 4096
+    num_steps: int = 1  # decode steps one schedule may run (multi-step; a pipeline of one stage)
 
     @classmethod
     def for_model(cls, max_num_batched_tokens: int, max_num_seqs: int, requested_len: int | None,
@@ -60,6 +67,7 @@ class ScheduledSeq:
 @dataclass
 class Step:
     items: list[ScheduledSeq]
+    num_steps: int = 1  # > 1: decodes only, each sequence's sampled tokens fed back (see the module)
 
     @property
     def num_tokens(self) -> int:
@@ -141,8 +149,25 @@ class Scheduler:
             items.append(self._take(seq, n, admitted=True))
             scheduled.add(seq.seq_id)
             budget -= n
+        num_steps = 1
+        if self.config.num_steps > 1 and not preempted and not self.waiting and not self.in_flight:
+            num_steps = self._num_steps(items)
         self.in_flight.update(scheduled)
-        return Step(items)
+        return Step(items, num_steps)
+
+    def _num_steps(self, items: list[ScheduledSeq]) -> int:
+        """How many decode steps this step can run at once: 1 unless it holds every running sequence,
+        each decoding; then up to num_steps, no more than any of them may still produce, with the
+        blocks for them all taken now."""
+        if not items or len(items) != len(self.running) or any(i.num_new != 1 or not i.sample or i.admitted for i in items):
+            return 1
+        k = min(self.config.num_steps, *(min(i.seq.params.max_tokens - len(i.seq.output_ids),
+                                             self.config.max_model_len - i.seq.num_tokens) for i in items))
+        if k > 1 and sum(self.blocks.extra_blocks(i.seq, k - 1) for i in items) <= self.blocks.num_free:
+            for i in items:
+                self.blocks.grow(i.seq, k - 1)
+            return k
+        return 1
 
     def _take(self, seq: Sequence, n: int, admitted: bool = False) -> ScheduledSeq:
         if seq.num_computed + n > len(seq.block_ids) * self.blocks.block_size:
@@ -195,6 +220,31 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
                 finished.append(seq)
+        return finished
+
+    def update_steps(self, step: Step, sampled: list[list[tuple[int, object]]]) -> list[Sequence]:
+        """`update` for a step of several decode steps: sampled[j][i], the (token, logprobs or None) of
+        step.items[i] in decode step j. Applied step by step: a sequence that stops takes no more."""
+        finished = []
+        for item in step.items:
+            self.in_flight[item.seq.seq_id] -= 1
+            if self.in_flight[item.seq.seq_id] <= 0:
+                del self.in_flight[item.seq.seq_id]
+        for j, tokens in enumerate(sampled):
+            for item, (token, logprobs) in zip(step.items, tokens):
+                seq = item.seq
+                if seq.finished:  # stopped at an earlier step, or aborted while in flight
+                    continue
+                if j:  # decode step j computed the token step j - 1 sampled
+                    seq.num_computed += 1
+                self.blocks.cache_computed(seq, seq.num_computed)
+                seq.output_ids.append(token)
+                if logprobs is not None:
+                    seq.logprobs.append(logprobs)
+                reason = self._stop_reason(seq)
+                if reason:
+                    self.finish(seq, reason)
+                    finished.append(seq)
         return finished
 
     def _stop_reason(self, seq: Sequence) -> str | None:

@@ -37,7 +37,7 @@ from coordinator.core import EngineCore
 from coordinator.registry import Phase, WorkerRegistry
 from coordinator.router import ClientRouter
 from coordinator.scheduler import SchedulerConfig
-from coordinator.step_loop import StepLoop, in_flight_limit, make_core
+from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
@@ -82,6 +82,7 @@ class Coordinator:
         # refuse before any worker loads
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
                                      cfg.quantization)
+        check_num_steps(cfg, cfg.pp, cfg.tp)
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
@@ -102,7 +103,8 @@ class Coordinator:
         # a peer that sends more than the largest legitimate message is cut off by libzmq
         max_len = SchedulerConfig.for_model(cfg.max_batched_tokens, cfg.max_seqs, cfg.max_model_len,
                                             self.model_config.max_position_embeddings).max_model_len
-        self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs))
+        self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs,
+                                                                        cfg.num_scheduler_steps))
         self.worker_message_bytes = worker_message_bytes(self.model_config.hidden_size, cfg.max_batched_tokens,
                                                          cfg.max_seqs, max_len, cfg.block_size)
         self.clients_sock.setsockopt(zmq.MAXMSGSIZE, max_client_message_bytes(max_len))
@@ -192,7 +194,7 @@ class Coordinator:
             return self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {reg.not_ready()} to load "
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
         num_blocks = reg.num_blocks()
-        self.core = make_core(cfg, self.model_config, num_blocks)
+        self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp)
         self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
         await self._broadcast(Start(num_blocks))
         if self.failure:  # a worker failed while Start went out

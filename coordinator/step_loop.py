@@ -21,6 +21,7 @@ from typing import Iterator
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.protocol import RequestOutput, Schedule, StepResult
 from moemesh.settings import SchedulerSettings
@@ -31,11 +32,21 @@ def in_flight_limit(settings: SchedulerSettings, pp: int) -> int:
     return settings.max_in_flight or pp
 
 
-def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int) -> EngineCore:
-    """The EngineCore of a pipeline whose smallest stage pool holds `num_blocks` (block ids are shared
-    across stages)."""
+def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
+    """Several decode steps per schedule need a stage that embeds the tokens it samples and is the
+    only rank to sample them: a pipeline of one stage of one rank."""
+    if settings.num_scheduler_steps > 1 and (pp > 1 or tp > 1):
+        raise ConfigError(f"--num-scheduler-steps {settings.num_scheduler_steps} needs a pipeline of one stage of one "
+                          f"rank (--pp 1 --tp 1), not --pp {pp} --tp {tp}")
+
+
+def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, pp: int = 1, tp: int = 1) -> EngineCore:
+    """The EngineCore of a pipeline of pp stages of tp ranks whose smallest stage pool holds
+    `num_blocks` (block ids are shared across stages)."""
     config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
                                        model.max_position_embeddings)
+    check_num_steps(settings, pp, tp)
+    config = dataclasses.replace(config, num_steps=settings.num_scheduler_steps)
     # a context the KV cache cannot hold could never be served: every request that asks for it would be
     # refused (a chat without max_tokens asks for all of it), so the limit is what the cache holds
     capacity = num_blocks * settings.block_size + 1  # (a sequence's last token is never cached)

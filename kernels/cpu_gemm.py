@@ -116,6 +116,9 @@ class _Lib:
                                            i32]
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
+        lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
+                                         i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+        lib.mm_greedy_decode.restype = i32
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
@@ -434,6 +437,34 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         lib.lib.mm_argmax_rows(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr())
+    return out
+
+
+def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, eps: float, head: PackedWeight,
+                  vocab: int, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                  block_size: int, steps: int, lib: _Lib) -> torch.Tensor:
+    """`steps` greedy decode steps of a whole model (descs: every decoder layer's LayerDesc), each
+    feeding back what the one before sampled: tokens, positions [S] int64 (each sequence's next
+    input token and its position); block_table [S, max_blocks] int64, covering every position up to
+    positions + steps - 1; embed [rows, H] float32 or bfloat16; norm [H] float32, the final norm's
+    weight; head, the packed lm_head (its first `vocab` columns are the logits). -> [steps, S] int64,
+    the tokens sampled. The caller checks the indices (the kernels trust them)."""
+    S = tokens.shape[0]
+    H = embed.shape[1]
+    assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous() and head.k == H
+    assert norm.dtype == torch.float32 and norm.is_contiguous() and norm.numel() == H and 0 < vocab <= head.n
+    for t in (tokens, positions, block_table):
+        assert t.dtype == torch.int64 and t.is_contiguous()
+    assert positions.shape == (S,) and block_table.dim() == 2 and block_table.shape[0] == S
+    check_layout(head, lib)
+    out = torch.empty(steps, S, dtype=torch.int64)
+    if S and steps:
+        rc = lib.lib.mm_greedy_decode(descs, len(descs), S, H, embed.data_ptr(), WEIGHT_TYPES[embed.dtype],
+                                      norm.data_ptr(), eps, head.data.data_ptr(), head.weight_type, _ptr(head.scale),
+                                      head.n, vocab, tokens.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
+                                      block_table.shape[1], block_size, steps, out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("CPU greedy decode: out of memory")
     return out
 
 

@@ -34,7 +34,7 @@ class ProtocolError(ValueError):
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -247,6 +247,9 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     # perhaps the schedules that admitted its sequences afresh) resets before running it, so that
     # no block-table delta is ever applied to a table of an earlier epoch
     first_step: int = 0  # that epoch's first step id: with it a worker tells a lost schedule (a gap)
+    num_steps: int = 1  # > 1: decodes only, on a stage that holds the whole model (--num-scheduler-steps):
+    # each sequence decodes its token, then feeds back what it sampled, num_steps decode steps in all;
+    # the result carries num_steps x len(seqs) tokens, step by step, each step's in the schedule's order
 
 
 class BlockTables:
@@ -384,11 +387,12 @@ def max_client_message_bytes(max_model_len: int) -> int:
     return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS
 
 
-def max_result_bytes(max_batched_tokens: int, max_seqs: int) -> int:
-    """A step result: a token per sequence, and logprobs with MAX_LOGPROBS alternatives for every token
-    of the step at worst (prompt logprobs); each (id, logprob) pair is at most 18 bytes."""
+def max_result_bytes(max_batched_tokens: int, max_seqs: int, num_steps: int = 1) -> int:
+    """A step result: a token per sequence (num_steps of them in a schedule of several decode steps),
+    and logprobs with MAX_LOGPROBS alternatives for every token of the step at worst (prompt
+    logprobs); each (id, logprob) pair is at most 18 bytes."""
     per_token = 32 + (MAX_LOGPROBS + 1) * 18
-    return HEADER_SLACK + (max_batched_tokens + max_seqs) * per_token
+    return HEADER_SLACK + (max_batched_tokens + max_seqs * num_steps) * per_token
 
 
 def max_activation_bytes(hidden_size: int, max_batched_tokens: int) -> int:

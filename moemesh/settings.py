@@ -15,7 +15,7 @@ The classes, one per process role, share groups of fields by inheritance:
 
     ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
     LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
-    SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight
+    SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight, num_scheduler_steps
     WorkerResources    kv_memory, threads, device, ...               what each stage worker may use
     PipelineTimeouts   worker, register, ready, step, recovery       the coordinator's deadlines
     MeshSecurity       mesh_keys, insecure_mesh                      CurveZMQ on the mesh (every mesh process)
@@ -368,6 +368,10 @@ class SchedulerSettings(Settings):
     max_model_len: int | None = flag(None, "the longest context (prompt plus output) a request may have "
                                            "(default: the model's max_position_embeddings; more is refused; "
                                            "either is lowered to what the KV cache holds)", parse=positive_int)
+    num_scheduler_steps: int = flag(1, "decode steps one schedule runs when every running sequence decodes and "
+                                       "none waits (vLLM's multi-step scheduling; --pp 1, --tp 1): the worker "
+                                       "feeds each sampled token back itself, and tokens stream in bursts of up "
+                                       "to this many", parse=positive_int)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.protocol import BlockTables, PromptLogprobs, SampledToken, Schedule, StepResult
+from moemesh.protocol import BlockTables, PromptLogprobs, SampledToken, Schedule, SeqWork, StepResult
 from moemesh.sampling import SamplingParams
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.sampler import SampleRow, sample, token_logprobs
@@ -59,6 +59,8 @@ class StageExecutor:
                              self._apply(sched), [w.sample for w in sched.seqs])
             if not self.is_last:
                 return self.runner.execute(step, stream)
+            if sched.num_steps > 1:
+                return self._steps(sched, step)
             return self._sample(sched, step, stream)
         finally:
             self.busy_seconds += time.perf_counter() - start
@@ -73,17 +75,7 @@ class StageExecutor:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:
-            if w.params is not None:  # admitted: the tokens before this chunk came from the prefix cache
-                self.seqs[w.seq_id] = SeqState(w.params, w.prompt_len, list(w.cached_ids or []), w.prompt_ids)
-            st = self.seqs.get(w.seq_id)
-            if st is None:
-                raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no sampling state "
-                                 f"(its first chunk did not carry params)")
-            if len(st.tokens) < w.context_len:
-                raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} starts at {w.context_len} but only "
-                                 f"{len(st.tokens)} of its tokens are known here")
-            del st.tokens[w.context_len:]
-            st.tokens.extend(w.token_ids)
+            st = self._fed(sched, w)
             if st.prompt_ids is not None:  # row at position q predicts prompt token q + 1
                 for q in range(w.context_len, min(w.context_len + len(w.token_ids), st.prompt_len - 1)):
                     prompt_rows.append((row + q - w.context_len, w.seq_id, q + 1))
@@ -97,6 +89,56 @@ class StageExecutor:
         sampled = [SampledToken(seq_id, t, lp) for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
         return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[len(sample_rows):], prompt_rows),
                           busy_seconds=self.busy_seconds)
+
+    def _fed(self, sched: Schedule, w: SeqWork) -> SeqState:
+        """The sequence's sampling state with this step's tokens fed (created on admission)."""
+        if w.params is not None:  # admitted: the tokens before this chunk came from the prefix cache
+            self.seqs[w.seq_id] = SeqState(w.params, w.prompt_len, list(w.cached_ids or []), w.prompt_ids)
+        st = self.seqs.get(w.seq_id)
+        if st is None:
+            raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no sampling state "
+                             f"(its first chunk did not carry params)")
+        if len(st.tokens) < w.context_len:
+            raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} starts at {w.context_len} but only "
+                             f"{len(st.tokens)} of its tokens are known here")
+        del st.tokens[w.context_len:]
+        st.tokens.extend(w.token_ids)
+        return st
+
+    def _steps(self, sched: Schedule, step: StepInput) -> StepResult:
+        """A schedule of several decode steps (`Schedule.num_steps`, on a stage that holds the whole
+        model): each sequence decodes its token, then the token it sampled, num_steps steps in all.
+        When every sequence samples greedily with nothing to edit or report (no penalties, min_tokens
+        met, no logprobs) and the stage runs the fused decode, the steps are one native call;
+        otherwise they run one by one through `_sample`, as separate schedules would."""
+        k, n = sched.num_steps, len(sched.seqs)
+        if not self.runner.model.has_embedding:
+            raise ValueError(f"step {sched.step_id}: {k} decode steps in one schedule need a stage that holds "
+                             f"the whole model")
+        if any(len(w.token_ids) != 1 or not w.sample for w in sched.seqs):
+            raise ValueError(f"step {sched.step_id}: a schedule of {k} steps holds decodes only")
+        fused = self.runner.fused
+        if fused is not None and fused.can_greedy and all(w.params is None for w in sched.seqs):
+            states = [self._fed(sched, w) for w in sched.seqs]
+            if all(st.params.greedy and not st.params.has_penalties and st.params.logprobs is None
+                   and len(st.tokens) - st.prompt_len >= st.params.min_tokens for st in states):
+                limits = (self.runner.kv_cache.shape[2], self.runner.config.max_position_embeddings)
+                out = fused.greedy([w.token_ids[0] for w in sched.seqs], [w.context_len for w in sched.seqs],
+                                   step.block_tables, k, self.runner.block_size, limits)
+                for row in out[:-1]:  # fed back in: the sequences' tokens up to the last step's input
+                    for st, t in zip(states, row):
+                        st.tokens.append(t)
+                return StepResult(sched.step_id, [SampledToken(w.seq_id, t) for row in out
+                                                  for w, t in zip(sched.seqs, row)], busy_seconds=self.busy_seconds)
+        result = self._sample(sched, step, None)
+        sampled = list(result.sampled)
+        for j in range(1, k):
+            sub = [SeqWork(w.seq_id, [s.token_id], w.context_len + j, [], True) for w, s in zip(sched.seqs, result.sampled)]
+            result = self._sample(Schedule(sched.step_id, sub),
+                                  StepInput([w.token_ids for w in sub], [w.context_len for w in sub], step.block_tables,
+                                            [True] * n), None)
+            sampled += result.sampled
+        return StepResult(sched.step_id, sampled, busy_seconds=self.busy_seconds)
 
     def _row(self, seq_id: int) -> SampleRow:
         st = self.seqs[seq_id]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_gemm
-from stage_worker.context import ForwardContext
+from stage_worker.context import ForwardContext, build_context
 from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.models.base import CausalLM
 from stage_worker.models.llama import LlamaMLP
@@ -116,6 +116,8 @@ class FusedDecode:
         if model.has_head and model.lm_head.packed is not None:
             self.head = (keep(model.model.norm.weight), model.model.norm.eps, model.lm_head.packed,
                          model.config.vocab_size)
+        # the embedding, for `greedy` on a stage that holds the whole model
+        self.embed = model.model.embed_tokens.weight if model.has_embedding else None
         # what the descriptions point into, held here as well as by the layers
         self.pinned = [t for m in model.modules() for t in _packed_tensors(m)]
         self.pinned += [m.attn.kv_cache for m in (layer.self_attn for layer in model.model.layers.values())]
@@ -154,6 +156,33 @@ class FusedDecode:
         normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
         logits = cpu_gemm.gemm(normed, packed, self.lib)
         return logits if packed.n == vocab else logits[:, :vocab]
+
+    @property
+    def can_greedy(self) -> bool:
+        """Whether `greedy` can run here: the stage holds the whole model, its head packed."""
+        return self.head is not None and self.embed is not None and self.embed.dtype in (torch.float32, torch.bfloat16)
+
+    def greedy(self, tokens: list[int], context_lens: list[int], block_tables: list[list[int]], steps: int,
+               block_size: int, limits: tuple[int, int]) -> list[list[int]]:
+        """`steps` greedy decode steps of the whole model in one native call, each feeding back the
+        tokens the one before sampled (kernels/cpu_gemm.c `mm_greedy_decode`): what `steps` runs of
+        the runner's decode step and the sampler's argmax compute, in the same order. tokens[i]: the
+        next input of sequence i, at position context_lens[i]; its block table covers the positions
+        up to context_lens[i] + steps - 1. -> [steps][S] tokens sampled. Every index is checked
+        first (ValueError, or IndexError for a table too short), against limits (KV blocks, rotary
+        positions) as build_context checks a step's."""
+        weight, eps, packed, vocab = self.head
+        if steps < 1 or len(tokens) != len(context_lens):
+            raise ValueError(f"{steps} steps of {len(tokens)} tokens at {len(context_lens)} positions")
+        if any(not 0 <= t < self.embed.shape[0] for t in tokens):
+            raise ValueError(f"a token outside the embedding's {self.embed.shape[0]} rows")
+        # the last step's context checks them all: its positions are the highest, its tables the longest
+        last = build_context([1] * len(tokens), [c + steps - 1 for c in context_lens], block_tables, block_size,
+                             "cpu", limits)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        out = cpu_gemm.greedy_decode(self.descs, self.embed, weight, eps, packed, vocab, as_long(tokens),
+                                     as_long(context_lens), last.groups[0].block_table, block_size, steps, self.lib)
+        return out.tolist()
 
     def _layers(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, owned: bool):
         """(hidden, residual) through every layer, float32 out."""

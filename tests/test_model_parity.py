@@ -73,12 +73,13 @@ def test_prefill_logits_match(reference):
         assert rel_err(all_logits(engine, prompt), hf_logits(reference.hf, prompt)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks"])
+@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step"])
 def test_greedy_matches_transformers(reference, layout):
     cfg = {
         "default": dict(block_size=16, num_kv_blocks=64),
         "chunked": dict(block_size=16, num_kv_blocks=64, max_batched_tokens=7),  # prompts in chunks
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
+        "multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),  # decodes in bursts of 5
     }[layout]
     engine = LLMEngine(EngineSettings(model=str(reference.path), **cfg), progress=False)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))

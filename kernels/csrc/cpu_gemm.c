@@ -1178,3 +1178,61 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
         out[r] = best < 0 ? 0 : best;
     }
 }
+
+/* Several greedy decode steps of a whole model in one call (a stage that is both the first and the
+ * last, one tensor rank), each feeding back the tokens the one before sampled: what the runner's
+ * decode step (embedding, mm_decoder_layers, the final norm, the lm_head, mm_argmax_rows) computes,
+ * `steps` times, with no return to Python in between.
+ * S sequences: tokens[S], each one's next input token, at positions[S] (the tokens before it are in
+ * its cache); block_tables [S, max_blocks] cover every position up to positions[i] + steps - 1. The
+ * caller has checked those, and the tokens against the embedding's rows (vocab <= its rows).
+ * embed: [rows, H] of type et (float32 or bfloat16); norm: the final RMSNorm's weight (float32);
+ * head: the packed lm_head, head_n >= vocab columns of type ht with its scale (or NULL).
+ * out [steps, S]: the tokens sampled, each the first maximum of its row's first vocab logits.
+ * Returns -1 when out of memory. */
+int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const void *embed, int et,
+                     const float *norm, float eps, const void *head, int ht, const float *head_scale,
+                     int64_t head_n, int64_t vocab, const int64_t *tokens, const int64_t *positions,
+                     const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t steps,
+                     int64_t *out, int nthreads) {
+    int rc = 0;
+    float *hidden = malloc(sizeof(float) * S * H), *residual = malloc(sizeof(float) * S * H);
+    float *summed = malloc(sizeof(float) * S * H), *normed = malloc(sizeof(float) * S * H);
+    float *logits = malloc(sizeof(float) * S * head_n);
+    int64_t *meta = malloc(sizeof(int64_t) * 3 * S); /* positions, slots, kv lengths of one step */
+    if (!hidden || !residual || !summed || !normed || !logits || !meta) {
+        rc = -1;
+        goto done;
+    }
+    int64_t *pos = meta, *slots = meta + S, *kv_len = meta + 2 * S;
+    for (int64_t s = 0; s < steps; s++) {
+        const int64_t *in = s ? out + (s - 1) * S : tokens;
+        for (int64_t i = 0; i < S; i++) {
+            const int64_t p = positions[i] + s;
+            pos[i] = p;
+            kv_len[i] = p + 1;
+            slots[i] = block_tables[i * max_blocks + p / block_size] * block_size + p % block_size;
+            const int64_t row = in[i] * H;
+            for (int64_t j = 0; j < H; j++) hidden[i * H + j] = load_w1(embed, row + j, et);
+        }
+        if (mm_decoder_layers(L, n, S, hidden, residual, 1, pos, slots, block_tables, max_blocks, kv_len,
+                              nthreads)) {
+            rc = -1;
+            goto done;
+        }
+        mm_rmsnorm(S, H, hidden, H, residual, H, summed, norm, eps, normed, nthreads);
+        if (mm_gemm(S, head_n, H, normed, H, head, ht, head_scale, logits, head_n, nthreads)) {
+            rc = -1;
+            goto done;
+        }
+        mm_argmax_rows(S, vocab, logits, head_n, out + s * S);
+    }
+done:
+    free(hidden);
+    free(residual);
+    free(summed);
+    free(normed);
+    free(logits);
+    free(meta);
+    return rc;
+}

@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--moe-backend", type=backend_list, default=["auto"],
                    help="kernels to measure, one engine each in this run, e.g. native,torch (the first is "
                         "compared with the others)")
+    m.add_argument("--num-scheduler-steps", type=positive_int, default=1,
+                   help="decode steps per schedule (as serve's flag; 1: a schedule per step)")
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.sequence import Sequence
-from coordinator.step_loop import StepLoop, in_flight_limit, make_core
+from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
 from kernels.backend import check_device
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
@@ -46,11 +46,12 @@ class LLMEngine:
         partition = settings.layer_partition
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
         self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization)
+        check_num_steps(settings, self.layout.pp, 1)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
                                           self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
-        self.core = make_core(settings, mc, num_blocks)
+        self.core = make_core(settings, mc, num_blocks, self.layout.pp)
         self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()
 

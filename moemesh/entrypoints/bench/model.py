@@ -102,15 +102,19 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
             decoding = all(s.num_computed == s.num_tokens - 1 for s in engine.scheduler.running) \
                 and not engine.scheduler.waiting
             ctx = [s.num_computed for s in engine.scheduler.running]
+            before = sum(len(s.output_ids) for s in seqs)
             t = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t
-            bar.update(len(ctx) if decoding else sum(1 for s in seqs if s.output_ids) - bar.n)
+            made = sum(len(s.output_ids) for s in seqs) - before
+            bar.update(made if decoding else sum(1 for s in seqs if s.output_ids) - bar.n)
             if decoding:
                 decode_time += dt
-                tokens += len(ctx)
-                nbytes, flops = step_cost(mc, len(ctx), ctx, bytes_per, engine.dtype.itemsize)
-                roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
+                tokens += made
+                # (a schedule of several decode steps, --num-scheduler-steps: each a step of the roofline)
+                for j in range(made // len(ctx)):
+                    nbytes, flops = step_cost(mc, len(ctx), [c + j for c in ctx], bytes_per, engine.dtype.itemsize)
+                    roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
     assert all(len(s.output_ids) == new for s in seqs)
     return {"tok_per_s": tokens / decode_time, "roofline_tok_per_s": tokens / roof_time}
 
@@ -156,14 +160,17 @@ def run_model_bench(args) -> int:
             engine = LLMEngine(EngineSettings(model=args.model, dtype=str(dtype).removeprefix("torch."),
                                               num_kv_blocks=-(-tokens_needed // 16) + biggest, max_seqs=biggest,
                                               max_batched_tokens=max(512, biggest * args.prompt_len),
-                                              quantization=args.quantization, moe_backend=backend), progress=None)
+                                              quantization=args.quantization, moe_backend=backend,
+                                              num_scheduler_steps=args.num_scheduler_steps), progress=None)
         except ValueError as e:
             raise CLIError(str(e)) from None
         for batch in args.batch:
             r = bench_engine(engine, all_prompts[:batch], args.new, machine)
             rows.append({"impl": "moemesh", "backend": engine.stages[0].runner.model.backend,
                          "quantization": args.quantization or "none", "dtype": str(dtype).removeprefix("torch."),
-                         "threads": args.threads, "batch": batch, "tok_per_s": round(r["tok_per_s"], 1),
+                         "threads": args.threads, "batch": batch,
+                         **({"num_scheduler_steps": args.num_scheduler_steps} if args.num_scheduler_steps > 1 else {}),
+                         "tok_per_s": round(r["tok_per_s"], 1),
                          "roofline_tok_per_s": round(r["roofline_tok_per_s"], 1),
                          "fraction_of_roofline": round(r["tok_per_s"] / r["roofline_tok_per_s"], 3)})
             _emit(rows[-1], args.json)
