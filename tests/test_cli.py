@@ -179,6 +179,8 @@ def test_python_dash_m_moemesh_runs_as_a_program(model, tmp_path, capsys):
     (["--min-p", "1.5"], "--min-p"),
     (["--block-size", "0"], "--block-size"),
     (["--layer-partition", "1,x"], "--layer-partition"),
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps"),
+    (["--num-scheduler-steps", "4", "--pp", "2"], "--num-scheduler-steps"),  # (refused before any process starts)
 ])
 def test_bad_sampling_and_engine_flags_are_named(model, capsys, flags, flag):
     err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompt-ids", "1,2", *flags])

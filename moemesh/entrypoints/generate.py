@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.step_loop import check_num_steps
 from moemesh.config import ModelConfig
 from moemesh.entrypoints.engine import LLMEngine, Output
 from moemesh.entrypoints.launcher import threads_per_worker
@@ -45,6 +46,7 @@ def engine_settings_from_args(args) -> EngineSettings:
     try:
         layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
                                 settings.quantization)
+        check_num_steps(settings, pp, settings.tp)
     except ConfigError as e:
         raise CLIError(str(e)) from None
     return EngineSettings.derive(settings, pp=pp, layer_partition=layout.stage_layers if settings.layer_partition
