@@ -34,10 +34,15 @@ def in_flight_limit(settings: SchedulerSettings, pp: int) -> int:
 
 def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
     """Several decode steps per schedule need a stage that embeds the tokens it samples and is the
-    only rank to sample them: a pipeline of one stage of one rank."""
-    if settings.num_scheduler_steps > 1 and (pp > 1 or tp > 1):
-        raise ConfigError(f"--num-scheduler-steps {settings.num_scheduler_steps} needs a pipeline of one stage of one "
-                          f"rank (--pp 1 --tp 1), not --pp {pp} --tp {tp}")
+    only rank to sample them (a pipeline of one stage of one rank), and a step that holds every
+    running sequence (one microbatch in flight)."""
+    n = settings.num_scheduler_steps
+    if n > 1 and (pp > 1 or tp > 1):
+        raise ConfigError(f"--num-scheduler-steps {n} needs a pipeline of one stage of one rank (--pp 1 --tp 1), "
+                          f"not --pp {pp} --tp {tp}")
+    if n > 1 and in_flight_limit(settings, pp) > 1:
+        raise ConfigError(f"--num-scheduler-steps {n} runs one microbatch of every sequence: it cannot take "
+                          f"--max-in-flight {settings.max_in_flight}")
 
 
 def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, pp: int = 1, tp: int = 1) -> EngineCore:

@@ -369,9 +369,9 @@ class SchedulerSettings(Settings):
                                            "(default: the model's max_position_embeddings; more is refused; "
                                            "either is lowered to what the KV cache holds)", parse=positive_int)
     num_scheduler_steps: int = flag(1, "decode steps one schedule runs when every running sequence decodes and "
-                                       "none waits (vLLM's multi-step scheduling; --pp 1, --tp 1): the worker "
-                                       "feeds each sampled token back itself, and tokens stream in bursts of up "
-                                       "to this many", parse=positive_int)
+                                       "none waits (vLLM's multi-step scheduling; --pp, --tp and --max-in-flight "
+                                       "1): the worker feeds each sampled token back itself, and tokens stream in "
+                                       "bursts of up to this many", parse=positive_int)
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,9 @@ class StageExecutor:
         if st is None:
             raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} has no sampling state "
                              f"(its first chunk did not carry params)")
-        if len(st.tokens) < w.context_len:
-            raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} starts at {w.context_len} but only "
-                             f"{len(st.tokens)} of its tokens are known here")
+        if not 0 <= w.context_len <= len(st.tokens):
+            raise ValueError(f"step {sched.step_id}: sequence {w.seq_id} starts at {w.context_len}, outside the "
+                             f"{len(st.tokens)} of its tokens known here")
         del st.tokens[w.context_len:]
         st.tokens.extend(w.token_ids)
         return st

@@ -160,7 +160,8 @@ class FusedDecode:
     @property
     def can_greedy(self) -> bool:
         """Whether `greedy` can run here: the stage holds the whole model, its head packed."""
-        return self.head is not None and self.embed is not None and self.embed.dtype in (torch.float32, torch.bfloat16)
+        return (self.head is not None and self.embed is not None and self.embed.dtype in (torch.float32, torch.bfloat16)
+                and self.head[3] <= self.embed.shape[0])  # (every token sampled is a row of the embedding)
 
     def greedy(self, tokens: list[int], context_lens: list[int], block_tables: list[list[int]], steps: int,
                block_size: int, limits: tuple[int, int]) -> list[list[int]]:
@@ -176,7 +177,10 @@ class FusedDecode:
             raise ValueError(f"{steps} steps of {len(tokens)} tokens at {len(context_lens)} positions")
         if any(not 0 <= t < self.embed.shape[0] for t in tokens):
             raise ValueError(f"a token outside the embedding's {self.embed.shape[0]} rows")
-        # the last step's context checks them all: its positions are the highest, its tables the longest
+        if min(context_lens, default=0) < 0:
+            raise ValueError("a KV slot or position of this step is outside the cache or the rotary table")
+        # with the first positions at least 0, the last step's context checks them all: its positions
+        # are the highest, its tables the longest
         last = build_context([1] * len(tokens), [c + steps - 1 for c in context_lens], block_tables, block_size,
                              "cpu", limits)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731

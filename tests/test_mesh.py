@@ -117,6 +117,7 @@ def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, refe
     assert [tokens for tokens, _ in results] == reference
     assert all(last.finish_reason == "length" for _, last in results)
     assert status.num_free_blocks == status.num_blocks and status.num_running == 0
+    assert status.recoveries == 0 and status.step_resets == 0  # (a recomputation would hide a stage's error)
 
 
 def test_seeded_sampling_is_the_same_in_any_layout_and_batch(model):

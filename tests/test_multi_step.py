@@ -143,6 +143,30 @@ def test_eos_before_min_tokens_does_not_stop_and_logprobs_stay_aligned():
     assert [lp.token_id for lp in a.logprobs] == a.output_ids
 
 
+def test_a_request_that_waits_for_room_means_single_steps_until_it_is_admitted():
+    core, stage = make_core(num_steps=4, max_seqs=1), FakeStage()
+    core.add("a", [10], SamplingParams(max_tokens=6))
+    core.add("b", [11], SamplingParams(max_tokens=6))  # no room for a second sequence: it waits for 'a'
+    steps = []
+    while (sched := core.next_schedule()) is not None:
+        steps.append((sched.num_steps, [w.seq_id for w in sched.seqs]))
+        core.process_result(stage(sched))
+    assert steps[:6] == [(1, [0])] * 6  # 'a' decodes one step at a time while 'b' waits
+    assert steps[6:] == [(1, [1]), (4, [1]), (1, [1])]
+
+
+def test_blocks_a_burst_fills_are_shared_as_single_steps_share_them(model_dir):
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    hits = []
+    for n in (1, 5):
+        eng = engine(model_dir, n)
+        (first,) = eng.generate([PROMPTS[5]], params)
+        # a request that goes on from the first's output: every full block of it is in the cache
+        (second,) = eng.generate([PROMPTS[5] + first.token_ids[:12]], params)
+        hits.append((first.token_ids, second.token_ids, eng.blocks.hits))
+    assert hits[0] == hits[1] and hits[0][2] == (len(PROMPTS[5]) + 12) // 4 * 4
+
+
 def test_too_few_free_blocks_for_the_burst_means_one_step():
     core, stage = make_core(num_steps=8, num_blocks=3, block_size=4), FakeStage()
     core.add("a", [10], SamplingParams(max_tokens=7))
@@ -261,9 +285,33 @@ def test_every_sampling_feature_in_bursts_equals_single_steps(model_dir):
     eng = engine(model_dir, 4)
     calls = count_native_bursts(eng)
     assert generate(eng, params) == one
-    assert calls == []  # not every row is plain greedy: the steps ran one by one, in the stage
+    assert calls == []  # not every row is plain greedy: the steps ran one by one, in the stage (gating: below)
     assert one[3][1] == "stop" and len(one[3][0]) == greedy[3][0].index(stop) + 1
     assert len(one[1][0]) == 15 and one[2][2] and len(one[2][2]) == 15
+
+
+FEATURES = {  # a row the native burst cannot run: the rest of its batch greedy
+    "temperature": dict(temperature=0.8, seed=3),
+    "logprobs": dict(temperature=0, logprobs=1),
+    "penalties": dict(temperature=0, repetition_penalty=1.5),
+    "min_tokens": dict(temperature=0, min_tokens=12),  # (with a stop token, greedy's fourth: banned to the end)
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_one_row_the_native_burst_cannot_run_sends_its_batch_step_by_step(model_dir, feature):
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    greedy = generate(engine(model_dir, 1), [plain] * len(PROMPTS))
+    row = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[greedy[0][0][3]], **FEATURES[feature]) \
+        if feature == "min_tokens" else SamplingParams(max_tokens=12, ignore_eos=True, **FEATURES[feature])
+    params = [row] + [plain] * (len(PROMPTS) - 1)
+    one = generate(engine(model_dir, 1), params)
+    eng = engine(model_dir, 4)
+    calls = count_native_bursts(eng)
+    assert generate(eng, params) == one
+    assert calls == []
+    assert one[0][0] != greedy[0][0] or feature == "logprobs"  # (the feature changes what greedy would give)
+    assert all(len(lps) == 12 for lps in [one[0][2]] if feature == "logprobs")
 
 
 def test_the_op_by_op_path_runs_bursts_too(model_dir):
@@ -300,12 +348,21 @@ def test_the_native_burst_checks_its_indices_first(model_dir):
         fused.greedy([5], [2], [[1]], 3, 4, limits)
     with pytest.raises(ValueError, match="outside the"):
         fused.greedy([5], [0], [[8]], 2, 4, limits)
+    with pytest.raises(ValueError, match="outside the cache or the rotary"):  # the last step's position is 1
+        fused.greedy([5], [-6], [[3, 4]], 8, 4, limits)
     assert fused.greedy([5], [0], [[1]], 4, 4, limits)[3]  # the table's last slot is fine
+    # a schedule from the wire that starts a sequence before position 0 never reaches the kernels
+    last = eng.stages[0]
+    last.run(Schedule(0, [SeqWork(0, [9] * 7, 0, [0, 1], True, SamplingParams(max_tokens=9, temperature=0), 1)]))
+    with pytest.raises(ValueError, match="starts at -6, outside the 7"):
+        last.run(Schedule(1, [SeqWork(0, [9], -6, [], True)], num_steps=8))
 
 
 def test_bursts_need_one_stage_of_one_rank(model_dir):
     with pytest.raises(ConfigError, match=r"--num-scheduler-steps 4 needs .*\(--pp 1 --tp 1\), not --pp 2"):
         engine(model_dir, 4, layer_partition=(2, 2))
+    with pytest.raises(ConfigError, match="--num-scheduler-steps 4 runs one microbatch .* --max-in-flight 2"):
+        engine(model_dir, 4, max_in_flight=2)
     split = engine(model_dir, 1, layer_partition=(2, 2))
     last = split.stages[-1]
     sched = Schedule(0, [SeqWork(0, [5], 0, [0], True, SamplingParams(max_tokens=4), 1)], num_steps=2)
