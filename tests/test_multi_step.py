@@ -269,6 +269,19 @@ def test_greedy_bursts_in_one_native_call_equal_single_steps(model_dir, dtype):
     assert calls == [5, 5, 5]  # 16 tokens after the prefill's first: three bursts and a single step; six rows
 
 
+def test_a_stop_token_mid_burst_on_the_native_path_ends_the_row_there(model_dir):
+    plain = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    greedy = generate(engine(model_dir, 1), [plain] * len(PROMPTS))
+    stop = greedy[2][0][6]  # sampled by the second burst of 4 (tokens 5-8)
+    params = [plain] * 2 + [SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[stop], ignore_eos=True)] \
+        + [plain] * 3
+    one = generate(engine(model_dir, 1), params)
+    eng = engine(model_dir, 4)
+    calls = count_native_bursts(eng)
+    assert generate(eng, params) == one
+    assert calls and one[2][1] == "stop" and len(one[2][0]) == greedy[2][0].index(stop) + 1
+
+
 def test_every_sampling_feature_in_bursts_equals_single_steps(model_dir):
     base = [SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)] * len(PROMPTS)
     greedy = generate(engine(model_dir, 1), base)
