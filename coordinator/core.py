@@ -145,10 +145,7 @@ class EngineCore:
             if seq.request_id not in self.requests or (not item.sample and seq not in finished):
                 continue
             outputs.append(self._output(seq))
-        for seq in finished:
-            self.requests.pop(seq.request_id, None)
-            self._forget.append(seq.seq_id)
-            self._keep_ended(seq)
+        self._ended(finished)
         return outputs
 
     def _process_steps(self, step: Step, result: StepResult) -> list[RequestOutput]:
@@ -162,11 +159,16 @@ class EngineCore:
         finished = self.scheduler.update_steps(step, [[(s.token_id, s.logprobs) for s in result.sampled[j * n:(j + 1) * n]]
                                                       for j in range(step.num_steps)])
         outputs = [self._output(item.seq) for item in step.items if item.seq.request_id in self.requests]
+        self._ended(finished)
+        return outputs
+
+    def _ended(self, finished: list[Sequence]) -> None:
+        """Sequences a result finished: no longer requests, forgotten by the stages in the next
+        schedule, their outputs kept for a resend."""
         for seq in finished:
             self.requests.pop(seq.request_id, None)
             self._forget.append(seq.seq_id)
             self._keep_ended(seq)
-        return outputs
 
     def _keep_ended(self, seq: Sequence) -> None:
         """Keeps what a resend of an ended request needs (its outputs, not its prompt), for the last

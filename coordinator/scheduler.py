@@ -205,9 +205,7 @@ class Scheduler:
         tokens = iter(sampled)
         for item in step.items:
             seq = item.seq
-            self.in_flight[seq.seq_id] -= 1
-            if self.in_flight[seq.seq_id] <= 0:
-                del self.in_flight[seq.seq_id]
+            self._returned(seq)
             if not seq.finished:  # its blocks now hold what this step wrote: shareable
                 self.blocks.cache_computed(seq, item.context_len + item.num_new)
             if not item.sample:
@@ -215,11 +213,7 @@ class Scheduler:
             token = next(tokens)
             if seq.finished:  # aborted while its step was in flight
                 continue
-            seq.output_ids.append(token)
-            reason = self._stop_reason(seq)
-            if reason:
-                self.finish(seq, reason)
-                finished.append(seq)
+            self._append(seq, token, finished)
         return finished
 
     def update_steps(self, step: Step, sampled: list[list[tuple[int, object]]]) -> list[Sequence]:
@@ -227,9 +221,7 @@ class Scheduler:
         step.items[i] in decode step j. Applied step by step: a sequence that stops takes no more."""
         finished = []
         for item in step.items:
-            self.in_flight[item.seq.seq_id] -= 1
-            if self.in_flight[item.seq.seq_id] <= 0:
-                del self.in_flight[item.seq.seq_id]
+            self._returned(item.seq)
         for j, tokens in enumerate(sampled):
             for item, (token, logprobs) in zip(step.items, tokens):
                 seq = item.seq
@@ -238,14 +230,24 @@ class Scheduler:
                 if j:  # decode step j computed the token step j - 1 sampled
                     seq.num_computed += 1
                 self.blocks.cache_computed(seq, seq.num_computed)
-                seq.output_ids.append(token)
                 if logprobs is not None:
                     seq.logprobs.append(logprobs)
-                reason = self._stop_reason(seq)
-                if reason:
-                    self.finish(seq, reason)
-                    finished.append(seq)
+                self._append(seq, token, finished)
         return finished
+
+    def _returned(self, seq: Sequence) -> None:
+        """One of the sequence's steps in flight came back."""
+        self.in_flight[seq.seq_id] -= 1
+        if self.in_flight[seq.seq_id] <= 0:
+            del self.in_flight[seq.seq_id]
+
+    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
+        """A token sampled for the sequence; it ends (into `finished`) if the token stops it."""
+        seq.output_ids.append(token)
+        reason = self._stop_reason(seq)
+        if reason:
+            self.finish(seq, reason)
+            finished.append(seq)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         p, token, n = seq.params, seq.output_ids[-1], len(seq.output_ids)

@@ -20,6 +20,7 @@ from moemesh.errors import ConfigError
 from moemesh.protocol import SampledToken, Schedule, SeqWork, StepResult, TokenLogprobs, max_result_bytes
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
+from test_core import run
 
 EOS = 0
 VOCAB = 1000
@@ -54,19 +55,6 @@ class FakeStage:
         return StepResult(sched.step_id, sampled)
 
 
-def drive(core: EngineCore, stage: FakeStage, max_steps=200):
-    schedules, outputs = [], {}
-    for _ in range(max_steps):
-        sched = core.next_schedule()
-        if sched is None:
-            break
-        schedules.append(sched)
-        for out in core.process_result(stage(sched)):
-            outputs.setdefault(out.request_id, []).append(out)
-    assert not core.has_work()
-    return schedules, outputs
-
-
 def tokens(outputs, rid):
     return [t for out in outputs[rid] for t in out.token_ids]
 
@@ -75,7 +63,7 @@ def test_a_decoding_batch_runs_several_steps_per_schedule_up_to_its_tokens_left(
     core, stage = make_core(num_steps=4), FakeStage()
     core.add("a", [10, 11, 12], SamplingParams(max_tokens=10))
     core.add("b", [20, 21], SamplingParams(max_tokens=10))
-    schedules, outputs = drive(core, stage)
+    schedules, outputs = run(core, stage)
     # the prefill samples the first token; then 9 more in bursts of 4, 4 and 1
     assert [s.num_steps for s in schedules] == [1, 4, 4, 1]
     assert all(len(out.token_ids) <= 4 for rid in "ab" for out in outputs[rid])
@@ -90,7 +78,7 @@ def test_the_burst_is_no_longer_than_any_sequence_may_still_produce():
     core, stage = make_core(num_steps=8), FakeStage()
     core.add("short", [10], SamplingParams(max_tokens=3))
     core.add("long", [10], SamplingParams(max_tokens=11))
-    schedules, outputs = drive(core, stage)
+    schedules, outputs = run(core, stage)
     # 'short' has two tokens left after its prefill: a burst of 2; then 'long' alone, 8 more
     assert [s.num_steps for s in schedules] == [1, 2, 8]
     assert len(tokens(outputs, "short")) == 3 and len(tokens(outputs, "long")) == 11
