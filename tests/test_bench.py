@@ -87,6 +87,38 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
         assert len(r["stage_busy_fraction"]) == r["pp"]
 
 
+def test_bench_throughput_rounds_print_every_round_then_the_medians(tiny, capsys):
+    """--rounds 2: both layouts twice, each row tagged with its round, then one median row per row of
+    a round, whose ratio is the median of the rounds' own ratios."""
+    capsys.readouterr()
+    assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "3", "--prompt-len", "4",
+                 "--new", "2", "--no-baseline", "--rounds", "2", "--json"]) == 0
+    out = json_rows(capsys)
+    assert [(r["impl"], r.get("round"), r["pp"]) for r in out] == [
+        ("mesh", 1, 1), ("mesh", 1, 2), ("mesh", 2, 1), ("mesh", 2, 2), ("median-mesh", None, 1), ("median-mesh", None, 2)]
+    two = [r for r in out if r["impl"] == "mesh" and r["pp"] == 2]
+    med = out[-1]
+    assert med["rounds"] == 2 and len(med["stage_busy_fraction"]) == 2
+    assert med["tok_per_s"] == pytest.approx((two[0]["tok_per_s"] + two[1]["tok_per_s"]) / 2, abs=0.01)
+    assert med["vs_pp1_tp1"] == pytest.approx((two[0]["vs_pp1_tp1"] + two[1]["vs_pp1_tp1"]) / 2, abs=1e-3)
+
+
+def test_medians_take_each_rounds_ratio_not_the_ratio_of_medians():
+    from moemesh.entrypoints.bench.throughput import medians
+
+    def round_(single, double, busy):
+        return [{"impl": "mesh", "pp": 1, "tp": 1, "tok_per_s": single},
+                {"impl": "mesh", "pp": 2, "tp": 1, "tok_per_s": double, "vs_pp1_tp1": round(double / single, 2),
+                 "stage_busy_fraction": busy}]
+
+    rows = medians([round_(100, 150, [0.8, 0.9]), round_(200, 360, [0.9, 0.7]), round_(120, 240, [0.7, 0.8])])
+    assert [r["impl"] for r in rows] == ["median-mesh", "median-mesh"]
+    assert rows[0]["tok_per_s"] == 120 and rows[1]["tok_per_s"] == 240
+    # the rounds' ratios are 1.5, 1.8 and 2.0: their median 1.8, where the medians' ratio is 2.0
+    assert rows[1]["vs_pp1_tp1"] == 1.8
+    assert rows[1]["stage_busy_fraction"] == [0.8, 0.8] and rows[1]["rounds"] == 3
+
+
 def test_bench_throughput_ceiling_runs_independent_engines_beside_the_layouts(tiny, capsys):
     """--ceiling: two engines in their own processes share the prompts and generate every token
     between them; the pp=2 layout is read against them."""

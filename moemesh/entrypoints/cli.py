@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "pipeline; layouts print vs_ceiling")
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
+    tb.add_argument("--rounds", type=positive_int, default=1,
+                    help="run the baseline, the ceilings and every layout this many times over, one round after "
+                         "the other, then print each figure's median and the median of each round's ratios")
     tb.add_argument("--json", action="store_true", help="one JSON line per layout")
     fb = bsub.add_parser("fp8", help="logit error and greedy agreement of FP8 (and int8) against the unquantized "
                                      "model")

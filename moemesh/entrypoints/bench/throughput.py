@@ -9,13 +9,18 @@ and core) then run the prompts split among them (moemesh.entrypoints.bench.ceili
 machine's cores do with no pipeline, and each layout with N workers prints its share of that.
 Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble; with
 tensor parallelism, the share of that busy time spent in collectives is reported too.
+`--rounds N` runs all of it N times over, one round after the other (so that a machine whose speed
+drifts by 10-20% from minute to minute slows both sides of a ratio alike), then prints the medians:
+of each figure, and of each round's ratios.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -128,8 +133,40 @@ def run_throughput_bench(args) -> int:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
-    prompt_tokens = n * (args.shared_prefix + args.prompt_len)
-    params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
+    job = _Job(args, base_settings, layouts, prompts, n * (args.shared_prefix + args.prompt_len),
+               SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True))
+    keys_dir = None
+    if "on" in args.curve:
+        import tempfile
+
+        from moemesh.mesh_security import make_keys
+
+        keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
+    rounds = []
+    for r in range(args.rounds):
+        tag = {"round": r + 1} if args.rounds > 1 else {}
+        rounds.append(_one_round(job, keys_dir, tag))
+    if args.rounds > 1:
+        for row in medians(rounds):
+            _emit(row, args.json)
+    return 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every round of one `bench throughput` run shares."""
+    args: argparse.Namespace
+    base_settings: EngineSettings
+    layouts: dict  # (pp, tp) -> Layout
+    prompts: list[list[int]]
+    prompt_tokens: int
+    params: SamplingParams
+
+
+def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
+    """The baseline, the ceilings and every layout once, each row printed as it is measured."""
+    args, base_settings, prompts, params, prompt_tokens = (job.args, job.base_settings, job.prompts, job.params,
+                                                           job.prompt_tokens)
     rows = []
     base = None
     if not args.no_baseline:
@@ -138,7 +175,7 @@ def run_throughput_bench(args) -> int:
         except ValueError as e:  # (the requests do not fit this engine's context or KV cache)
             raise CLIError(f"the in-process baseline: {e}") from None
         base = r["tokens"] / r["seconds"]
-        rows.append({"impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
+        rows.append({**tag, "impl": "in-process", "pp": 1, "tp": 1, "tok_per_s": round(base, 1),
                      "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                      "seconds": round(r["seconds"], 2)})
         _emit(rows[-1], args.json)
@@ -150,23 +187,17 @@ def run_throughput_bench(args) -> int:
         except RuntimeError as e:
             raise CLIError(f"--ceiling: {e}") from None
         ceilings[engines] = r["tokens"] / r["seconds"]
-        row = {"impl": "ceiling", "engines": engines, "tokens": r["tokens"], "tok_per_s": round(ceilings[engines], 1),
+        row = {**tag, "impl": "ceiling", "engines": engines, "tokens": r["tokens"],
+               "tok_per_s": round(ceilings[engines], 1),
                "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "engine_seconds": [round(x, 2) for x in r["engine_seconds"]]}
         if base:
             row["vs_in_process"] = round(ceilings[engines] / base, 2)
         rows.append(row)
         _emit(row, args.json)
-    keys_dir = None
-    if "on" in args.curve:
-        import tempfile
-
-        from moemesh.mesh_security import make_keys
-
-        keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
     for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
                                    for k in args.curve]:
-        layout, expert_parallel = layouts[pp, tp], args.expert_parallel and tp > 1
+        layout, expert_parallel = job.layouts[pp, tp], args.expert_parallel and tp > 1
         partition = layout.stage_layers if _partition_for(args.layer_partition, pp) else None
         try:
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
@@ -182,7 +213,7 @@ def run_throughput_bench(args) -> int:
         except (LaunchError, RuntimeError, ValueError, ConfigError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
-        row = {"impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
+        row = {**tag, "impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
                "layers": list(partition) if partition else "even", "prefix_caching": caching, "curve": curve,
                "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
@@ -215,7 +246,36 @@ def run_throughput_bench(args) -> int:
             row["caching_on_time_speedup"] = round(off["seconds"] / on["seconds"], 2)
         rows.append(row)
         _emit(row, args.json)
-    return 0
+    return rows
+
+
+# what a row of every round contributes to the medians: the throughput and each ratio to another row
+# of the same round (a ratio of medians would pair runs minutes apart)
+_MEDIAN_KEYS = ("tok_per_s", "total_tok_per_s", "seconds", "vs_in_process", "vs_ceiling", "vs_pp1_tp1",
+                "curve_on_vs_off", "caching_on_time_speedup")
+
+
+def medians(rounds: list[list[dict]]) -> list[dict]:
+    """--rounds: one row per row of a round (the same position in each: every round runs the same
+    rows in the same order), `impl` prefixed with "median-", each figure in _MEDIAN_KEYS the median
+    over the rounds, and the stages' busy fractions stage by stage. Ratios are medians of each
+    round's ratio."""
+    import statistics
+
+    out = []
+    for same in zip(*rounds):
+        first = same[0]
+        row = {"impl": f"median-{first['impl']}", "rounds": len(same)}
+        row.update({k: first[k] for k in ("engines", "pp", "tp", "layers", "prefix_caching", "curve") if k in first})
+        for k in _MEDIAN_KEYS:
+            if all(k in x for x in same):
+                row[k] = round(statistics.median(x[k] for x in same), 3 if k.startswith(("vs_", "curve", "caching"))
+                               else 2)
+        if "stage_busy_fraction" in first:
+            row["stage_busy_fraction"] = [round(statistics.median(b), 3)
+                                          for b in zip(*(x["stage_busy_fraction"] for x in same))]
+        out.append(row)
+    return out
 
 
 def _emit(row: dict, as_json: bool) -> None:
