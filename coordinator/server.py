@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -44,10 +45,10 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (PROTOCOL_VERSION, AbortRequest, Assignment, ClientMessage, Codec, GenerateRequest,
-                              Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput, ResendRequest,
-                              Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
-                              UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes, max_result_bytes,
+from moemesh.protocol import (PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment, ClientMessage, Codec,
+                              GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput,
+                              ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
+                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes, max_result_bytes,
                               worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
@@ -126,6 +127,8 @@ class Coordinator:
         self.recoveries, self.recovery_seconds, self.requests_resumed, self.tokens_recomputed = 0, 0.0, 0, 0
         self.workers_replaced = 0
         self.issued: dict[int, float] = {}  # step id -> when it went out (--step-timeout)
+        # each stage's most recent steps, from its rank 0's heartbeats (StatusRequest(timeline=True))
+        self.stage_spans: list[deque[StepSpan]] = [deque(maxlen=TIMELINE_SPANS) for _ in range(cfg.pp)]
         self.results_taken = 0
         self.step_resets, self._results_at_reset, self._resetting = 0, None, False
         self._computed_at: dict[int, float] = {}  # step in flight -> when the last stage said it had computed it
@@ -410,6 +413,8 @@ class Coordinator:
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
             w.refused, w.malformed, w.last_step = msg.refused, msg.malformed, msg.last_step
             w.received_step, w.heard_at = msg.received_step, time.monotonic()
+            if w.tp_rank == 0:
+                self.stage_spans[w.pp_rank].extend(msg.spans)
         elif isinstance(msg, Ready):
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
@@ -606,7 +611,7 @@ class Coordinator:
         elif isinstance(msg, AbortRequest):
             await self._abort(identity, msg.request_id)
         elif isinstance(msg, StatusRequest):
-            await self.router.reply(identity, self.status())
+            await self.router.reply(identity, self.status(msg.timeline))
         elif isinstance(msg, ResendRequest):
             await self._resend(identity, msg)
 
@@ -647,9 +652,11 @@ class Coordinator:
         """Requests not yet scheduled: queued in the core, or held until the pipeline serves."""
         return (len(self.core.scheduler.waiting) if self.core else 0) + len(self.router.held)
 
-    def status(self) -> StatusReply:
+    def status(self, timeline: bool = False) -> StatusReply:
         core, loop, reg = self.core, self.loop, self.registry
         return StatusReply(
+            stage_spans=[list(d) for d in self.stage_spans] if timeline else [],
+            coordinator_spans=list(loop.spans) if timeline and loop else [],
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,
             num_free_blocks=core.blocks.num_free if core else 0,
             num_running=len(core.scheduler.running) if core else 0,

@@ -8,7 +8,9 @@ whose last stage's StepResults come back in issue order.
     ... the last stage's StepResult comes back (in issue order) ...
     outputs = loop.take(result)       tokens appended, requests finished, blocks freed
 
-It also counts what the coordinator itself costs: microbatches issued and its CPU time on them.
+It also counts what the coordinator itself costs: microbatches issued and its CPU time on them;
+and it keeps the timeline's coordinator row: each step from its schedule going out to its result
+being taken.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from typing import Iterator
+
+import msgspec
 
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
-from moemesh.protocol import RequestOutput, Schedule, StepResult
+from moemesh.protocol import TIMELINE_SPANS, RequestOutput, Schedule, StepResult, StepSpan
 from moemesh.settings import SchedulerSettings
 
 
@@ -70,6 +75,8 @@ class StepLoop:
         self.core, self.limit = core, max(1, limit)
         self.steps = 0  # microbatches issued
         self.step_seconds = 0.0  # CPU time scheduling them and taking their results
+        self.spans: deque[StepSpan] = deque(maxlen=TIMELINE_SPANS)  # the steps taken, newest last
+        self._open: dict[int, StepSpan] = {}  # step id -> its span, begun when it was issued
 
     def issue(self) -> Iterator[Schedule]:
         """The schedules to send now: until `limit` microbatches are in flight or nothing can run."""
@@ -82,6 +89,11 @@ class StepLoop:
             if sched is None:
                 return
             self.steps += 1
+            if len(self._open) > 4 * self.limit:  # (steps a recovery abandoned never come back)
+                self._open = {s: span for s, span in self._open.items() if s in core.in_flight}
+            self._open[sched.step_id] = StepSpan(sched.step_id, time.time(), 0.0,
+                                                 sum(len(w.token_ids) for w in sched.seqs), len(sched.seqs),
+                                                 sched.num_steps)
             yield sched
 
     def take(self, result: StepResult) -> list[RequestOutput]:
@@ -89,9 +101,12 @@ class StepLoop:
         or lacks a sampled sequence (nothing changes then)."""
         started = time.thread_time()
         try:
-            return self.core.process_result(result)
+            outputs = self.core.process_result(result)
         finally:
             self.step_seconds += time.thread_time() - started
+        if (span := self._open.pop(result.step_id, None)) is not None:
+            self.spans.append(msgspec.structs.replace(span, seconds=time.time() - span.start))
+        return outputs
 
     def stalled(self) -> bool:
         """Work waits but nothing is in flight or can be issued: the KV cache is too small for any of it."""

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (streaming as server-sent events, or not)
     GET  /v1/models, /health (alive: serving or recovering), /ready (serving), /version, /metrics
+    GET  /debug/timeline   (the pipeline's recent steps, stage by stage: a Perfetto / chrome://tracing file)
     POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
 
 The gateway owns the tokenizer and the chat template; the coordinator sees only token ids. Every
@@ -42,6 +43,7 @@ from moemesh.mesh_security import check_exposure
 from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
+from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer
 
 log = get_logger("gateway")
@@ -185,6 +187,7 @@ class Gateway:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/debug/timeline", self.timeline)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -193,7 +196,7 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") and self.api_keys:
+            if request.path.startswith(("/v1/", "/debug/")) and self.api_keys:
                 if not key_matches(request.headers.get("Authorization", ""), self.api_keys):
                     raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)")
             return await handler(request)
@@ -248,6 +251,15 @@ class Gateway:
     async def metrics_endpoint(self, request):
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def timeline(self, request):
+        """The last steps of every stage and of the coordinator (moemesh.timeline), as a trace file to
+        open in ui.perfetto.dev or chrome://tracing."""
+        try:
+            status = await self.client.status(timeout=5.0, timeline=True)
+        except asyncio.TimeoutError:
+            raise HTTPError(503, "the coordinator does not answer") from None
+        return web.json_response(chrome_trace(status))
 
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)

@@ -158,13 +158,14 @@ class CoordinatorClient:
                 if (st := self.streams.get(out.request_id)) is not None:
                     self._arrive(out.request_id, st, out)
 
-    async def status(self, timeout: float = 5.0) -> StatusReply:
+    async def status(self, timeout: float = 5.0, timeline: bool = False) -> StatusReply:
         """Raises asyncio.TimeoutError when the coordinator does not answer in time (or cannot be
-        reached at all: with no connection, the request is not even queued)."""
+        reached at all: with no connection, the request is not even queued). timeline: the reply also
+        holds the recent steps of every stage and of the coordinator (moemesh.timeline)."""
         fut = asyncio.get_running_loop().create_future()
         self.status_waiters.append(fut)
         try:
-            await self.sock.send_multipart(Codec.encode(StatusRequest()), flags=zmq.NOBLOCK)
+            await self.sock.send_multipart(Codec.encode(StatusRequest(timeline)), flags=zmq.NOBLOCK)
         except zmq.Again:
             self.status_waiters.remove(fut)
             await asyncio.sleep(min(timeout, 0.5))

@@ -35,6 +35,8 @@ class ProtocolError(ValueError):
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule).
 PROTOCOL_VERSION = 3
+TIMELINE_SPANS = 4096  # the steps of each stage (and of the coordinator) a coordinator keeps for its timeline
+HEARTBEAT_SPANS = 512  # at most so many spans in one heartbeat (more wait for the next)
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -60,7 +62,18 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
 
 
 class StatusRequest(msgspec.Struct, tag="status", frozen=True):
-    pass
+    timeline: bool = False  # also the recent steps' spans (StatusReply.stage_spans, coordinator_spans)
+
+
+class StepSpan(msgspec.Struct, array_like=True, frozen=True):
+    """One step as one process saw it: a stage's forward pass (its tensor rank 0), or on the
+    coordinator the step from its schedule going out to its result coming back."""
+    step_id: int
+    start: float  # wall clock (time.time()) when it began: spans of processes on one host line up
+    seconds: float
+    tokens: int  # tokens of the step (of each decode step, in a schedule of several)
+    seqs: int
+    num_steps: int = 1
 
 
 UNKNOWN_REQUEST = 404  # a RequestOutput's error_status for a resend of a request the coordinator does not know
@@ -130,6 +143,10 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
+    # with StatusRequest(timeline=True): the most recent steps (TIMELINE_SPANS at most) of each stage,
+    # and the coordinator's own
+    stage_spans: list[list[StepSpan]] = []
+    coordinator_spans: list[StepSpan] = []
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest, ResendRequest]
@@ -185,6 +202,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     malformed: int = 0  # messages it received that did not decode or did not fit, since start
     last_step: int = -1  # the last step it finished computing
     received_step: int = -1  # the last schedule it took (in order: after a gap it takes none until a Reset)
+    spans: list[StepSpan] = []  # (tensor rank 0) steps it finished since its last heartbeat, oldest first
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

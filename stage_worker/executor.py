@@ -10,11 +10,13 @@ in-process engine.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from moemesh.protocol import BlockTables, PromptLogprobs, SampledToken, Schedule, SeqWork, StepResult
+from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, SampledToken, Schedule, SeqWork, StepResult,
+                              StepSpan)
 from moemesh.sampling import SamplingParams
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.sampler import SampleRow, sample, token_logprobs
@@ -41,6 +43,8 @@ class StageExecutor:
         self.seqs: dict[int, SeqState] = {}  # (last stage)
         self.block_tables = BlockTables()
         self.busy_seconds = 0.0
+        # each step run, newest last (the worker's heartbeats take them; only the newest are kept)
+        self.spans: deque[StepSpan] = deque(maxlen=TIMELINE_SPANS)
 
     def reset(self, first_step: int) -> None:
         """A new epoch from `first_step` on: every sequence of it is admitted afresh by a step at or
@@ -53,7 +57,7 @@ class StageExecutor:
     def run(self, sched: Schedule, stream: torch.Tensor | None = None):
         """The previous stage's residual stream (None on the first stage) -> this stage's for the next
         stage, or a StepResult on the last stage."""
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
                              self._apply(sched), [w.sample for w in sched.seqs])
@@ -63,7 +67,10 @@ class StageExecutor:
                 return self._steps(sched, step)
             return self._sample(sched, step, stream)
         finally:
-            self.busy_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.busy_seconds += seconds
+            self.spans.append(StepSpan(sched.step_id, wall, seconds, sum(len(w.token_ids) for w in sched.seqs),
+                                       len(sched.seqs), sched.num_steps))
 
     def _apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences that ended; the step's block tables, brought up to date."""

@@ -30,9 +30,9 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
-                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
-                              WorkerFailed)
+from moemesh.protocol import (HEARTBEAT_SPANS, PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage,
+                              Heartbeat, ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown,
+                              Start, WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -444,9 +444,12 @@ class StageWorker:
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
+            spans = []  # (the stage's timeline: its rank 0 speaks for it)
+            while ex and self.cfg.tp_rank == 0 and ex.spans and len(spans) < HEARTBEAT_SPANS:
+                spans.append(ex.spans.popleft())
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
                                        self.guard.refused, self.bad.count, self.last_step,
-                                       -1 if self.next_schedule is None else self.next_schedule - 1))
+                                       -1 if self.next_schedule is None else self.next_schedule - 1, spans))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

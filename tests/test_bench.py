@@ -72,10 +72,13 @@ def test_bench_model_compares_backends_and_reports_the_roofline(tiny, capsys):
     assert machine["read_gb_per_s"] > 0 and machine["matmul_gflops"] > 0
 
 
-def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
+def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys, tmp_path):
+    """... and with --timeline, writes each layout's steps as a trace file and splits each stage's idle
+    time by what it waited for."""
     capsys.readouterr()
     assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "4",
-                 "--new", "3", "--layer-partition", "auto:4:3", "--no-baseline", "--json"]) == 0
+                 "--new", "3", "--layer-partition", "auto:4:3", "--no-baseline", "--json",
+                 "--timeline", str(tmp_path / "tl")]) == 0
     out = json_rows(capsys)
     from moemesh.layout import balanced_partition
 
@@ -85,6 +88,12 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys):
         assert r["tok_per_s"] > 0 and r["steps"] > 0
         assert r["coordinator_ms_per_step"] > 0 and r["schedule_bytes_per_step"] > 0
         assert len(r["stage_busy_fraction"]) == r["pp"]
+        assert len(r["stage_idle_before_prompt_steps_s"]) == len(r["stage_idle_before_decode_steps_s"]) == r["pp"]
+        events = json.loads(open(r["timeline"]).read())["traceEvents"]
+        for stage in range(r["pp"] + 1):  # every stage and the coordinator ran every step
+            assert len([e for e in events if e["ph"] == "X" and e["tid"] == stage]) >= r["steps"]
+    # (the first prompt steps, 4 tokens each, and decodes of one token per sequence)
+    assert {e["cat"] for e in events if e["ph"] == "X"} == {"prompt", "decode"}
 
 
 def test_bench_throughput_rounds_print_every_round_then_the_medians(tiny, capsys):

@@ -357,8 +357,9 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
     (["bench", "throughput", "--pp", "2", "--kv-memory", "1", "--new", "16",
       "--prompt-len", "8", "--concurrency", "2"], "the in-process baseline"),
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--vocab", "3"], "--vocab 3"),
+    (["bench", "throughput", "--netns", "--timeline", "/tmp/x"], "--timeline"),
 ], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay",
-        "recovery-new", "throughput-baseline", "serve-vocab"])
+        "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
     assert expect in user_error(capsys, [*argv, "--model", str(model)])
 

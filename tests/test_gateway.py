@@ -445,6 +445,28 @@ def test_tokenizer_endpoints_round_trip(server):
         assert http("GET", server.url + path)[0] == 200
 
 
+def test_debug_timeline_shows_each_stage_and_the_coordinator_step_by_step(server):
+    """/debug/timeline: a trace file with a row per stage and one for the coordinator, in which a
+    step runs on stage 0, then on stage 1, inside the coordinator's span for it."""
+    assert http("POST", f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 4, "ignore_eos": True})[0] == 200
+    time.sleep(1.2)  # (the stages' spans come with their heartbeats, every 0.5 s)
+    status, body, _ = http("GET", f"{server.url}/debug/timeline")
+    assert status == 200
+    events = json.loads(body)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "stage 0", 1: "stage 1", 2: "coordinator (schedule out -> result taken)"}
+    steps = {}  # step -> tid -> (start, end) in microseconds
+    for e in events:
+        if e["ph"] == "X":
+            steps.setdefault(e["name"], {})[e["tid"]] = (e["ts"], e["ts"] + e["dur"])
+            assert e["args"]["tokens"] >= e["args"]["seqs"] >= 1
+    whole = [s for s in steps.values() if len(s) == 3]
+    assert len(whole) >= 4  # the request's prompt and its decodes
+    slack = 2000  # (wall-clock starts, durations from another clock: within a couple of milliseconds)
+    for s in whole:
+        assert s[0][1] <= s[1][0] + slack and s[2][0] <= s[0][0] + slack and s[1][1] <= s[2][1] + slack
+
+
 def metric(server, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -515,6 +537,7 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         url = f"{server.url}/v1/completions"
         status, body, _ = http("POST", url, {"prompt": "x"})
         assert status == 401 and json.loads(body)["error"]["code"] == 401
+        assert http("GET", f"{server.url}/debug/timeline")[0] == 401
         auth = {"Authorization": "Bearer sesame"}
         assert http("POST", url, {"prompt": "x", "max_tokens": 2}, auth)[0] == 200
         results = []

@@ -20,7 +20,7 @@ import zmq
 from moemesh.protocol import (OutputBatch, AbortRequest, Activations, Assignment, ClientMessage, Codec, CoordinatorMessage,
                               CoordinatorReply, GenerateRequest, Heartbeat, PromptLogprobs, ProtocolError, Ready,
                               Register, RequestOutput, SampledToken, Schedule, SeqWork, Shutdown, Start,
-                              StatusReply, StatusRequest, StepResult, TokenLogprobs, WorkerFailed,
+                              StatusReply, StatusRequest, StepResult, StepSpan, TokenLogprobs, WorkerFailed,
                               WorkerMessage)
 from moemesh.sampling import SamplingParams
 from stage_worker.tensors import frames_of, from_frame
@@ -50,6 +50,10 @@ def _filled(cls) -> dict:
             values[f.name] = [i + 3, i + 4]
         elif f.type in (str, str | None):
             values[f.name] = f"text {i}"
+        elif f.type == list[StepSpan]:
+            values[f.name] = [StepSpan(i, 1.8e9 + i + 0.125, 0.0625, 64 + i, 16, 2), StepSpan(i + 1, 2.5, 1.5, 3, 3)]
+        elif f.type == list[list[StepSpan]]:
+            values[f.name] = [[StepSpan(i, 1.8e9 + 0.5, 0.25, 512, 16)], [], [StepSpan(i + 2, 3.0, 0.5, 8, 8, 4)]]
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: add a value for {f.type}")
     return values
@@ -61,6 +65,7 @@ MESSAGES = [
     (GenerateRequest("req-2", [5], SamplingParams()), ClientMessage),
     (AbortRequest("req-1"), ClientMessage),
     (StatusRequest(), ClientMessage),
+    (StatusRequest(timeline=True), ClientMessage),
     (RequestOutput("req-1", [17, 8], [LP, LP_NO_TOP], [None, LP, LP_NO_TOP], finish_reason="stop",
                    num_prompt_tokens=3), CoordinatorReply),
     (RequestOutput("req-3", [], finish_reason="error", error="stage 1 died"), CoordinatorReply),
@@ -113,7 +118,7 @@ def test_round_trip(msg, link):
 
 def test_round_trip_keeps_nested_types():
     """The nested structs come back as structs (not dicts), tuples as tuples, None as None."""
-    (req, _), (out, _) = MESSAGES[0], MESSAGES[4]
+    req, out = MESSAGES[0][0], next(m for m, _ in MESSAGES if isinstance(m, RequestOutput))
     got, _ = Codec(ClientMessage).decode(_bytes(Codec.encode(req)))
     assert isinstance(got.params, SamplingParams)
     assert got.params.stop_token_ids == (3, 5) and got.params.seed == 1234 and got.params.greedy is False
@@ -128,6 +133,12 @@ def test_round_trip_keeps_nested_types():
     assert got.seqs[0].params == PARAMS and got.seqs[0].prompt_ids == [1, 2, 3]
     assert got.seqs[1].params is None and got.seqs[1].prompt_len == 0 and got.seqs[1].prompt_ids is None
     assert got.forget == [1, 4]
+    beat = next(m for m, _ in MESSAGES if isinstance(m, Heartbeat))
+    got, _ = Codec(WorkerMessage).decode(_bytes(Codec.encode(beat)))
+    assert [type(s) for s in got.spans] == [StepSpan] * 2 and got.spans[0].num_steps == 2
+    status = next(m for m, _ in MESSAGES if isinstance(m, StatusReply))
+    got, _ = Codec(CoordinatorReply).decode(_bytes(Codec.encode(status)))
+    assert [len(s) for s in got.stage_spans] == [1, 0, 1] and type(got.stage_spans[2][0]) is StepSpan
 
 
 def test_zmq_frames_decode_like_bytes():

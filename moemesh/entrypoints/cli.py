@@ -214,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "pipeline; layouts print vs_ceiling")
     tb.add_argument("--netns", action="store_true", help="run each layout across simulated hosts (network "
                                                          "namespaces; needs root): coordinator and each stage apart")
+    tb.add_argument("--timeline", default=None, metavar="DIR",
+                    help="write each layout's steps, stage by stage, as a trace file in DIR (open it in "
+                         "ui.perfetto.dev or chrome://tracing) and print each stage's idle time before steps with "
+                         "prompt tokens and before decode steps")
     tb.add_argument("--rounds", type=positive_int, default=1,
                     help="run the baseline, the ceilings and every layout this many times over, one round after "
                          "the other, then print each figure's median and the median of each round's ratios")

@@ -37,6 +37,7 @@ from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
+from moemesh.timeline import chrome_trace, idle_split
 
 
 def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -55,7 +56,8 @@ def bench_in_process(settings: EngineSettings, prompts, params) -> dict:
     return {"tokens": sum(len(o.token_ids) for o in outs), "seconds": elapsed}
 
 
-async def _drive(address: str, prompts, params, concurrency: int, label: str = "", mesh_keys: str | None = None) -> dict:
+async def _drive(address: str, prompts, params, concurrency: int, label: str = "", mesh_keys: str | None = None,
+                 timeline: bool = False) -> dict:
     client = CoordinatorClient(address, mesh_keys=mesh_keys)
     try:
         await client.wait_serving(timeout=600)
@@ -78,12 +80,12 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                     bar.update(len(out.token_ids))
             return n
 
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - start
         bar.close()
-        await asyncio.sleep(0.6)  # one more heartbeat from every worker: busy times up to date
-        after = await client.status()
+        await asyncio.sleep(0.6)  # one more heartbeat from every worker: busy times (and spans) up to date
+        after = await client.status(timeline=timeline)
         busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
         comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
         sent = [b - a for a, b in zip(before.stage_sent_bytes, after.stage_sent_bytes)][:-1]  # boundaries
@@ -94,7 +96,7 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                 "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
                 "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
                 / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
-                "steps": after.steps - before.steps}
+                "steps": after.steps - before.steps, "window": (wall, wall + elapsed), "status": after}
     finally:
         await client.close()
 
@@ -121,6 +123,8 @@ def run_throughput_bench(args) -> int:
                                    max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
     check_lengths(mc, args.prompt_len, args.new, args.shared_prefix)
+    if args.timeline is not None and args.netns:
+        raise CLIError("--timeline reads the steps of a local mesh: it does not run with --netns")
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     layouts = {}  # every layout resolved (or refused) before any of them runs
@@ -209,7 +213,7 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
             else:
                 with LocalMesh.of(settings) as mesh:
                     r = run(_drive(mesh.client_address, prompts, params, args.concurrency, f"pp={pp} tp={tp}",
-                                   settings.mesh_keys))
+                                   settings.mesh_keys, timeline=args.timeline is not None))
         except (LaunchError, RuntimeError, ValueError, ConfigError) as e:
             raise CLIError(f"pp={pp} tp={tp}: {e}") from None
         tps = r["tokens"] / r["seconds"]
@@ -225,6 +229,9 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
             row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + prompt_tokens)) for b in r["sent"]]
         if tp > 1:  # share of each stage's compute time spent in all-reduce / all-gather
             row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
+        if args.timeline is not None:
+            row.update(_write_timeline(Path(args.timeline), r, f"pp{pp}-tp{tp}-caching-{caching}-curve-{curve}"
+                                       + (f"-round{tag['round']}" if tag else "")))
         if base:
             row["vs_in_process"] = round(tps / base, 2)
         if pp * tp in ceilings:  # of what as many independent engines do on these cores
@@ -247,6 +254,18 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
         rows.append(row)
         _emit(row, args.json)
     return rows
+
+
+def _write_timeline(directory: Path, r: dict, name: str) -> dict:
+    """--timeline: the run's steps as a Perfetto / chrome://tracing file, and each stage's idle time
+    in the run split by what it waited for (moemesh.timeline)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(chrome_trace(r["status"])))
+    splits = [idle_split(spans, *r["window"]) for spans in r["status"].stage_spans]
+    return {"timeline": str(path),
+            "stage_idle_before_prompt_steps_s": [round(x["idle_before_prompt_steps"], 3) for x in splits],
+            "stage_idle_before_decode_steps_s": [round(x["idle_before_decode_steps"], 3) for x in splits]}
 
 
 # what a row of every round contributes to the medians: the throughput and each ratio to another row
@@ -329,5 +348,7 @@ if __name__ == "__main__":  # the driver, run inside the front namespace by --ne
 
     job = json.loads(open(sys.argv[1]).read())
     sampling = SamplingParams(max_tokens=job["max_tokens"], temperature=0, ignore_eos=True)
-    print(json.dumps(run(_drive("tcp://127.0.0.1:5556", job["prompts"], sampling, job["concurrency"],
-                                "across namespaces", job["mesh_keys"]))))
+    result = run(_drive("tcp://127.0.0.1:5556", job["prompts"], sampling, job["concurrency"], "across namespaces",
+                        job["mesh_keys"]))
+    del result["status"]  # (a StatusReply: what the row needs of it is in the other fields)
+    print(json.dumps(result))

@@ -1,0 +1,40 @@
+"""moemesh.timeline: a pipeline's step spans as a trace file, and each stage's idle time split by
+the phase of the work it waited for."""
+
+import json
+
+from moemesh.protocol import StatusReply, StepSpan
+from moemesh.timeline import chrome_trace, idle_split
+
+
+def status(stage_spans, coordinator_spans=()):
+    return StatusReply(True, 8, 8, 0, 0, 0, [0.0] * len(stage_spans), [0.0] * len(stage_spans), 1.0, 0,
+                       model="m", stage_spans=[list(s) for s in stage_spans], coordinator_spans=list(coordinator_spans))
+
+
+def test_idle_split_names_what_each_gap_waited_for():
+    spans = [StepSpan(0, 10.0, 1.0, 512, 16),  # a prompt step: 10-11
+             StepSpan(1, 11.5, 0.5, 64, 64),   # a decode step after 0.5 s idle
+             StepSpan(2, 12.25, 1.0, 96, 64),  # a step with prompt tokens after 0.25 s
+             StepSpan(3, 13.25, 0.25, 64, 64)]  # a decode step right after
+    got = idle_split(spans, start=9.5, end=14.0)
+    assert got == {"busy": 2.75, "idle_before_prompt_steps": 0.75, "idle_before_decode_steps": 0.5,
+                   "idle_at_end": 0.5}
+    # the window cuts spans at its edges, and leaves out what lies outside
+    got = idle_split(list(reversed(spans)), start=10.5, end=12.5)
+    assert got == {"busy": 1.25, "idle_before_prompt_steps": 0.25, "idle_before_decode_steps": 0.5,
+                   "idle_at_end": 0.0}
+    assert idle_split([], 1.0, 3.0)["idle_at_end"] == 2.0
+
+
+def test_chrome_trace_has_a_row_per_stage_and_one_for_the_coordinator():
+    trace = chrome_trace(status([[StepSpan(7, 100.0, 0.002, 512, 16)], [StepSpan(7, 100.0025, 0.001, 512, 16)]],
+                                [StepSpan(7, 99.999, 0.004, 512, 16)]))
+    json.dumps(trace)  # (what the endpoint and the bench write)
+    rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert rows == {0: "stage 0", 1: "stage 1", 2: "coordinator (schedule out -> result taken)"}
+    boxes = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["tid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in boxes] == [
+        (0, "step 7", "prompt", 100e6, 2000.0), (1, "step 7", "prompt", 100.0025e6, 1000.0),
+        (2, "step 7", "prompt", 99.999e6, 4000.0)]
+    assert boxes[0]["args"] == {"tokens": 512, "seqs": 16, "num_steps": 1}
