@@ -48,8 +48,8 @@ from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment, ClientMessage, Codec,
                               GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput,
                               ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
-                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes, max_result_bytes,
-                              worker_message_bytes)
+                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes,
+                              max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -611,7 +611,7 @@ class Coordinator:
         elif isinstance(msg, AbortRequest):
             await self._abort(identity, msg.request_id)
         elif isinstance(msg, StatusRequest):
-            await self.router.reply(identity, self.status(msg.timeline))
+            await self.router.reply(identity, self.status(msg.timeline, msg.nonce))
         elif isinstance(msg, ResendRequest):
             await self._resend(identity, msg)
 
@@ -652,9 +652,10 @@ class Coordinator:
         """Requests not yet scheduled: queued in the core, or held until the pipeline serves."""
         return (len(self.core.scheduler.waiting) if self.core else 0) + len(self.router.held)
 
-    def status(self, timeline: bool = False) -> StatusReply:
+    def status(self, timeline: bool = False, nonce: int = 0) -> StatusReply:
         core, loop, reg = self.core, self.loop, self.registry
         return StatusReply(
+            nonce=nonce,
             stage_spans=[list(d) for d in self.stage_spans] if timeline else [],
             coordinator_spans=list(loop.spans) if timeline and loop else [],
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,

@@ -76,7 +76,7 @@ class StepLoop:
         self.steps = 0  # microbatches issued
         self.step_seconds = 0.0  # CPU time scheduling them and taking their results
         self.spans: deque[StepSpan] = deque(maxlen=TIMELINE_SPANS)  # the steps taken, newest last
-        self._open: dict[int, StepSpan] = {}  # step id -> its span, begun when it was issued
+        self._open: dict[int, tuple[StepSpan, float]] = {}  # step id -> its span begun, perf_counter then
 
     def issue(self) -> Iterator[Schedule]:
         """The schedules to send now: until `limit` microbatches are in flight or nothing can run."""
@@ -90,10 +90,10 @@ class StepLoop:
                 return
             self.steps += 1
             if len(self._open) > 4 * self.limit:  # (steps a recovery abandoned never come back)
-                self._open = {s: span for s, span in self._open.items() if s in core.in_flight}
-            self._open[sched.step_id] = StepSpan(sched.step_id, time.time(), 0.0,
-                                                 sum(len(w.token_ids) for w in sched.seqs), len(sched.seqs),
-                                                 sched.num_steps)
+                self._open = {s: begun for s, begun in self._open.items() if s in core.in_flight}
+            span = StepSpan(sched.step_id, time.time(), 0.0, sum(len(w.token_ids) for w in sched.seqs),
+                            len(sched.seqs), sched.num_steps)
+            self._open[sched.step_id] = span, time.perf_counter()
             yield sched
 
     def take(self, result: StepResult) -> list[RequestOutput]:
@@ -104,8 +104,9 @@ class StepLoop:
             outputs = self.core.process_result(result)
         finally:
             self.step_seconds += time.thread_time() - started
-        if (span := self._open.pop(result.step_id, None)) is not None:
-            self.spans.append(msgspec.structs.replace(span, seconds=time.time() - span.start))
+        if (begun := self._open.pop(result.step_id, None)) is not None:
+            span, at = begun
+            self.spans.append(msgspec.structs.replace(span, seconds=time.perf_counter() - at))
         return outputs
 
     def stalled(self) -> bool:

@@ -157,7 +157,6 @@ class Gateway:
                 self.metrics.update_from_status(self.status, time.monotonic())
                 silent = 0
             except asyncio.TimeoutError:
-                self.client.status_waiters.clear()
                 silent += 1
                 reason = "the coordinator does not answer"
                 self.status = msgspec.structs.replace(self.status, serving=False, failure=reason, phase="down")
@@ -259,7 +258,9 @@ class Gateway:
             status = await self.client.status(timeout=5.0, timeline=True)
         except asyncio.TimeoutError:
             raise HTTPError(503, "the coordinator does not answer") from None
-        return web.json_response(chrome_trace(status))
+        # (several MB for a long pipeline: built beside the event loop, which keeps streaming)
+        body = await asyncio.to_thread(lambda: json.dumps(chrome_trace(status)))
+        return web.Response(text=body, content_type="application/json")
 
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)

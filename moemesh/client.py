@@ -56,7 +56,8 @@ class CoordinatorClient:
         self.codec = Codec(CoordinatorReply)
         self.bad = BadMessages(log, "coordinator")
         self.streams: dict[str, _Stream] = {}
-        self.status_waiters: list[asyncio.Future] = []
+        self.status_waiters: dict[int, asyncio.Future] = {}  # StatusRequest.nonce -> its reply, to come
+        self._nonces = itertools.count(1)
         self.resends = 0  # outputs asked for again (missed on a link that dropped)
         self._ids = itertools.count()
         self._reader = asyncio.ensure_future(self._read())
@@ -148,11 +149,12 @@ class CoordinatorClient:
                 self.bad(e)
                 continue
             if isinstance(msg, StatusReply):
-                # the oldest query still waiting (one that timed out has been cancelled: skip it)
-                while self.status_waiters and self.status_waiters[0].done():
-                    self.status_waiters.pop(0)
-                if self.status_waiters:
-                    self.status_waiters.pop(0).set_result(msg)
+                # the question it answers (one that timed out has gone: its late answer is dropped); a
+                # coordinator that does not echo the nonce answers in order: the oldest question
+                waiting = self.status_waiters
+                fut = waiting.get(msg.nonce) if msg.nonce else next(iter(waiting.values()), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
                 continue
             for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
                 if (st := self.streams.get(out.request_id)) is not None:
@@ -163,14 +165,17 @@ class CoordinatorClient:
         reached at all: with no connection, the request is not even queued). timeline: the reply also
         holds the recent steps of every stage and of the coordinator (moemesh.timeline)."""
         fut = asyncio.get_running_loop().create_future()
-        self.status_waiters.append(fut)
+        nonce = next(self._nonces)
+        self.status_waiters[nonce] = fut
         try:
-            await self.sock.send_multipart(Codec.encode(StatusRequest(timeline)), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.status_waiters.remove(fut)
-            await asyncio.sleep(min(timeout, 0.5))
-            raise asyncio.TimeoutError from None
-        reply = await asyncio.wait_for(fut, timeout)
+            try:
+                await self.sock.send_multipart(Codec.encode(StatusRequest(timeline, nonce)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                await asyncio.sleep(min(timeout, 0.5))
+                raise asyncio.TimeoutError from None
+            reply = await asyncio.wait_for(fut, timeout)
+        finally:
+            del self.status_waiters[nonce]
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # (Python 3.11's wait_for returns a result that meets a cancel
             raise asyncio.CancelledError            # and drops the cancel: a loop around it would never end)
@@ -187,7 +192,7 @@ class CoordinatorClient:
                 if st.failure:
                     raise PipelineFailed(f"the pipeline failed to start: {st.failure}")
             except asyncio.TimeoutError:
-                self.status_waiters.clear()
+                pass
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"the pipeline was not serving after {timeout:.0f} s")
             await asyncio.sleep(0.1)

@@ -35,8 +35,7 @@ class ProtocolError(ValueError):
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule).
 PROTOCOL_VERSION = 3
-TIMELINE_SPANS = 4096  # the steps of each stage (and of the coordinator) a coordinator keeps for its timeline
-HEARTBEAT_SPANS = 512  # at most so many spans in one heartbeat (more wait for the next)
+TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 
 
 # -- tensors ------------------------------------------------------------------------------------
@@ -63,6 +62,7 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
 
 class StatusRequest(msgspec.Struct, tag="status", frozen=True):
     timeline: bool = False  # also the recent steps' spans (StatusReply.stage_spans, coordinator_spans)
+    nonce: int = 0  # the reply carries it back: a client matches replies to its questions by it
 
 
 class StepSpan(msgspec.Struct, array_like=True, frozen=True):
@@ -147,6 +147,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     # and the coordinator's own
     stage_spans: list[list[StepSpan]] = []
     coordinator_spans: list[StepSpan] = []
+    nonce: int = 0  # the request's
 
 
 ClientMessage = Union[GenerateRequest, AbortRequest, StatusRequest, ResendRequest]
@@ -202,7 +203,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     malformed: int = 0  # messages it received that did not decode or did not fit, since start
     last_step: int = -1  # the last step it finished computing
     received_step: int = -1  # the last schedule it took (in order: after a gap it takes none until a Reset)
-    spans: list[StepSpan] = []  # (tensor rank 0) steps it finished since its last heartbeat, oldest first
+    # (tensor rank 0) the steps it finished since its last heartbeat, oldest first: TIMELINE_SPANS at most
+    # (4096 spans are about 120 KB), the newest of them if it ran more
+    spans: list[StepSpan] = []
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

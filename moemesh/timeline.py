@@ -19,7 +19,9 @@ from moemesh.protocol import StatusReply, StepSpan
 
 
 def is_decode(span: StepSpan) -> bool:
-    """A step of decodes only (one token per sequence), as against one that carries prompt tokens."""
+    """A step shaped as decodes: one token per sequence, as against one that carries prompt chunks.
+    (A prompt's one last token to compute, after a prefix-cache hit, counts as a decode: it costs
+    what a decode costs, on every stage.)"""
     return span.tokens == span.seqs
 
 

@@ -30,9 +30,9 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (HEARTBEAT_SPANS, PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage,
-                              Heartbeat, ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown,
-                              Start, WorkerFailed)
+from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
+                              ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
+                              WorkerFailed)
 from moemesh.settings import WorkerSettings
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -440,12 +440,13 @@ class StageWorker:
         return False
 
     async def _heartbeat(self) -> None:
+        speaks = self.cfg.tp_rank == 0  # (for the stage's timeline)
         while True:
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
-            spans = []  # (the stage's timeline: its rank 0 speaks for it)
-            while ex and self.cfg.tp_rank == 0 and ex.spans and len(spans) < HEARTBEAT_SPANS:
+            spans = []  # every step finished since the last heartbeat (the executor keeps the newest)
+            while ex and speaks and ex.spans:
                 spans.append(ex.spans.popleft())
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
                                        self.guard.refused, self.bad.count, self.last_step,

@@ -104,7 +104,8 @@ def test_bench_throughput_rounds_print_every_round_then_the_medians(tiny, capsys
                  "--new", "2", "--no-baseline", "--rounds", "2", "--json"]) == 0
     out = json_rows(capsys)
     assert [(r["impl"], r.get("round"), r["pp"]) for r in out] == [
-        ("mesh", 1, 1), ("mesh", 1, 2), ("mesh", 2, 1), ("mesh", 2, 2), ("median-mesh", None, 1), ("median-mesh", None, 2)]
+        ("mesh", 1, 1), ("mesh", 1, 2), ("mesh", 2, 1), ("mesh", 2, 2),
+        ("median-mesh", None, 1), ("median-mesh", None, 2)]
     two = [r for r in out if r["impl"] == "mesh" and r["pp"] == 2]
     med = out[-1]
     assert med["rounds"] == 2 and len(med["stage_busy_fraction"]) == 2
@@ -126,6 +127,11 @@ def test_medians_take_each_rounds_ratio_not_the_ratio_of_medians():
     # the rounds' ratios are 1.5, 1.8 and 2.0: their median 1.8, where the medians' ratio is 2.0
     assert rows[1]["vs_pp1_tp1"] == 1.8
     assert rows[1]["stage_busy_fraction"] == [0.8, 0.8] and rows[1]["rounds"] == 3
+    # rounds whose rows differ are never paired
+    with pytest.raises(ValueError, match="different rows"):
+        medians([round_(100, 150, [0.8, 0.9]), list(reversed(round_(200, 360, [0.9, 0.7])))])
+    with pytest.raises(ValueError):
+        medians([round_(100, 150, [0.8, 0.9]), round_(200, 360, [0.9, 0.7])[:1]])
 
 
 def test_bench_throughput_ceiling_runs_independent_engines_beside_the_layouts(tiny, capsys):

@@ -614,6 +614,51 @@ def test_a_cancel_that_meets_a_status_reply_is_not_lost(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_late_status_reply_goes_to_its_own_question_not_the_next():
+    """Status replies carry their request's nonce: the answer to a question that timed out, arriving
+    late, is dropped, and the next caller (here one asking for the timeline) gets its own answer; a
+    reply without a nonce (an older coordinator) goes to the oldest question."""
+    from moemesh.client import CoordinatorClient
+    from moemesh.protocol import Codec, StatusReply, StatusRequest, StepSpan
+
+    def reply(nonce, spans):
+        return StatusReply(True, 8, 8, 0, 0, 0, [0.0], [0.0], 1.0, 0, stage_spans=spans, nonce=nonce)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx)
+        try:
+            for _ in range(50):  # (until the DEALER has its peer: a send before would be refused)
+                await asyncio.sleep(0.02)
+                if client.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    break
+            with pytest.raises(asyncio.TimeoutError):
+                await client.status(timeout=0.2)  # unanswered for now
+            ident, *frames = await router.recv_multipart()
+            first, _ = Codec(StatusRequest).decode(frames)
+            asked = asyncio.ensure_future(client.status(timeout=3.0, timeline=True))
+            ident, *frames = await router.recv_multipart()
+            second, _ = Codec(StatusRequest).decode(frames)
+            assert second.timeline and not first.timeline and second.nonce != first.nonce
+            late, own = reply(first.nonce, []), reply(second.nonce, [[StepSpan(4, 1.0, 0.5, 8, 8)]])
+            for msg in (late, own):
+                await router.send_multipart([ident, *Codec.encode(msg)])
+            assert (await asyncio.wait_for(asked, 5)).stage_spans == own.stage_spans
+            asked = asyncio.ensure_future(client.status(timeout=3.0))
+            await router.recv_multipart()
+            await router.send_multipart([ident, *Codec.encode(reply(0, [[]]))])
+            assert (await asyncio.wait_for(asked, 5)).stage_spans == [[]]
+            assert client.status_waiters == {}
+        finally:
+            await client.close()
+            router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
+
+
 def test_a_worker_for_a_rank_outside_the_layout_is_told_and_exits_saying_why(tiny):
     """It used to wait, registered and unassigned, then exit 0 with nothing said (only the
     coordinator's log knew): now the coordinator's refusal reaches it, and it exits 2 naming it."""

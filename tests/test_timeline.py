@@ -38,3 +38,17 @@ def test_chrome_trace_has_a_row_per_stage_and_one_for_the_coordinator():
         (0, "step 7", "prompt", 100e6, 2000.0), (1, "step 7", "prompt", 100.0025e6, 1000.0),
         (2, "step 7", "prompt", 99.999e6, 4000.0)]
     assert boxes[0]["args"] == {"tokens": 512, "seqs": 16, "num_steps": 1}
+
+
+def test_bench_splits_a_long_run_over_the_part_its_timeline_holds(tmp_path, monkeypatch):
+    """A stage whose timeline is full lost its oldest steps: the split starts at the oldest it holds,
+    not at the run's start (which would count the lost steps as idle)."""
+    from moemesh.entrypoints.bench import throughput
+
+    monkeypatch.setattr(throughput, "TIMELINE_SPANS", 3)
+    full = [StepSpan(i, 10.0 + i, 1.0, 64, 64) for i in (5, 6, 7)]  # steps 0-4 were dropped
+    r = {"status": status([full, full[1:]]), "window": (0.0, 18.5)}
+    row = throughput._write_timeline(tmp_path, r, "run")
+    assert row["timeline_seconds"] == 3.5  # from 15.0, stage 0's oldest step
+    assert row["stage_idle_before_decode_steps_s"] == [0.0, 1.0]
+    assert json.loads((tmp_path / "run.json").read_text())["traceEvents"]

@@ -10,7 +10,7 @@ machine's cores do with no pipeline, and each layout with N workers prints its s
 Each stage's busy time (from its heartbeats) over the wall time shows the pipeline bubble; with
 tensor parallelism, the share of that busy time spent in collectives is reported too.
 `--rounds N` runs all of it N times over, one round after the other (so that a machine whose speed
-drifts by 10-20% from minute to minute slows both sides of a ratio alike), then prints the medians:
+drifts by 10-25% from minute to minute slows both sides of a ratio alike), then prints the medians:
 of each figure, and of each round's ratios.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,12 @@ from moemesh.errors import CLIError
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
-from moemesh.layout import resolve_layout
+from moemesh.layout import Layout, resolve_layout
 from moemesh.entrypoints.bench.ceiling import bench_ceiling
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.netutil import run
+from moemesh.protocol import TIMELINE_SPANS, StatusReply
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
 from moemesh.timeline import chrome_trace, idle_split
@@ -84,8 +86,8 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
         counts = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - start
         bar.close()
-        await asyncio.sleep(0.6)  # one more heartbeat from every worker: busy times (and spans) up to date
-        after = await client.status(timeline=timeline)
+        await asyncio.sleep(0.6)  # one more heartbeat from every worker: busy times up to date
+        after = await (_settled(client) if timeline else client.status())
         busy = [b - a for a, b in zip(before.stage_busy_seconds, after.stage_busy_seconds)]
         comm = [b - a for a, b in zip(before.stage_comm_seconds, after.stage_comm_seconds)]
         sent = [b - a for a, b in zip(before.stage_sent_bytes, after.stage_sent_bytes)][:-1]  # boundaries
@@ -99,6 +101,18 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                 "steps": after.steps - before.steps, "window": (wall, wall + elapsed), "status": after}
     finally:
         await client.close()
+
+
+async def _settled(client: CoordinatorClient, wait: float = 5.0) -> StatusReply:
+    """The status with the timeline once every stage's spans reach the last step the coordinator took
+    (they come with the heartbeats, every 0.5 s): so long at most, then as it is."""
+    deadline = time.monotonic() + wait
+    while True:
+        status = await client.status(timeline=True)
+        last = max((s.step_id for s in status.coordinator_spans), default=-1)
+        if all(spans and spans[-1].step_id >= last for spans in status.stage_spans) or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.2)
 
 
 def check_lengths(mc: ModelConfig, prompt_len: int, new: int, shared_prefix: int = 0) -> None:
@@ -161,9 +175,9 @@ class _Job:
     """What every round of one `bench throughput` run shares."""
     args: argparse.Namespace
     base_settings: EngineSettings
-    layouts: dict  # (pp, tp) -> Layout
+    layouts: dict[tuple[int, int], Layout]  # (pp, tp) ->
     prompts: list[list[int]]
-    prompt_tokens: int
+    prompt_tokens: int  # in all the prompts
     params: SamplingParams
 
 
@@ -258,41 +272,49 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
 
 def _write_timeline(directory: Path, r: dict, name: str) -> dict:
     """--timeline: the run's steps as a Perfetto / chrome://tracing file, and each stage's idle time
-    in the run split by what it waited for (moemesh.timeline)."""
+    in the run split by what it waited for (moemesh.timeline). The coordinator keeps the newest
+    TIMELINE_SPANS steps of each stage: of a longer run, the split covers the part they cover
+    (`timeline_seconds` says how much of the run that is)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
-    path.write_text(json.dumps(chrome_trace(r["status"])))
-    splits = [idle_split(spans, *r["window"]) for spans in r["status"].stage_spans]
-    return {"timeline": str(path),
+    status = r["status"]
+    path.write_text(json.dumps(chrome_trace(status)))
+    start, end = r["window"]
+    for spans in status.stage_spans:
+        if len(spans) >= TIMELINE_SPANS:  # (older steps were dropped: the window starts at its oldest)
+            start = max(start, spans[0].start)
+    splits = [idle_split(spans, start, end) for spans in status.stage_spans]
+    return {"timeline": str(path), "timeline_seconds": round(end - start, 2),
             "stage_idle_before_prompt_steps_s": [round(x["idle_before_prompt_steps"], 3) for x in splits],
             "stage_idle_before_decode_steps_s": [round(x["idle_before_decode_steps"], 3) for x in splits]}
 
 
-# what a row of every round contributes to the medians: the throughput and each ratio to another row
-# of the same round (a ratio of medians would pair runs minutes apart)
-_MEDIAN_KEYS = ("tok_per_s", "total_tok_per_s", "seconds", "vs_in_process", "vs_ceiling", "vs_pp1_tp1",
-                "curve_on_vs_off", "caching_on_time_speedup")
+# what a row of every round contributes to the medians: figures, each ratio to another row of the same
+# round (a ratio of medians would pair runs minutes apart), and per-stage figures stage by stage
+_MEDIAN_KEYS = ("tok_per_s", "total_tok_per_s", "seconds", "ttft_p50_ms", "vs_in_process", "vs_ceiling",
+                "vs_pp1_tp1", "curve_on_vs_off", "caching_on_time_speedup", "caching_on_ttft_speedup")
+_MEDIAN_LISTS = ("stage_busy_fraction", "stage_idle_before_prompt_steps_s", "stage_idle_before_decode_steps_s")
+_SAME_ROW = ("impl", "engines", "pp", "tp", "layers", "prefix_caching", "curve")  # what a row measured
 
 
 def medians(rounds: list[list[dict]]) -> list[dict]:
-    """--rounds: one row per row of a round (the same position in each: every round runs the same
-    rows in the same order), `impl` prefixed with "median-", each figure in _MEDIAN_KEYS the median
-    over the rounds, and the stages' busy fractions stage by stage. Ratios are medians of each
-    round's ratio."""
-    import statistics
-
+    """--rounds: one row per row of a round, `impl` prefixed with "median-", each figure the median
+    over the rounds. Every round runs the same rows in the same order; rounds that do not are a bug
+    here (ValueError), never rows of different layouts paired."""
     out = []
-    for same in zip(*rounds):
+    for same in zip(*rounds, strict=True):
         first = same[0]
+        if any(tuple(x.get(k) for k in _SAME_ROW) != tuple(first.get(k) for k in _SAME_ROW) for x in same):
+            raise ValueError(f"the rounds ran different rows: {[tuple(x.get(k) for k in _SAME_ROW) for x in same]}")
         row = {"impl": f"median-{first['impl']}", "rounds": len(same)}
-        row.update({k: first[k] for k in ("engines", "pp", "tp", "layers", "prefix_caching", "curve") if k in first})
+        row.update({k: first[k] for k in _SAME_ROW[1:] if k in first})
         for k in _MEDIAN_KEYS:
             if all(k in x for x in same):
                 row[k] = round(statistics.median(x[k] for x in same), 3 if k.startswith(("vs_", "curve", "caching"))
                                else 2)
-        if "stage_busy_fraction" in first:
-            row["stage_busy_fraction"] = [round(statistics.median(b), 3)
-                                          for b in zip(*(x["stage_busy_fraction"] for x in same))]
+        for k in _MEDIAN_LISTS:
+            if all(k in x for x in same):
+                row[k] = [round(statistics.median(v), 3) for v in zip(*(x[k] for x in same))]
         out.append(row)
     return out
 
