@@ -5,6 +5,7 @@ in-process engine running the same loop with several microbatches in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq
@@ -571,11 +572,31 @@ def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
         assert again.step_id == 9 and again.sampled[0].token_id == first.sampled[0].token_id  # same prompt
 
 
+@contextlib.asynccontextmanager
+async def fake_coordinator():
+    """A ROUTER socket standing in for a coordinator's client port, and a CoordinatorClient linked to it."""
+    from moemesh.client import CoordinatorClient
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx)
+    try:
+        for _ in range(50):  # (until the DEALER has its peer: a send before would be refused)
+            await asyncio.sleep(0.02)
+            if client.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                break
+        yield router, client
+    finally:
+        await client.close()
+        router.close(linger=0)
+        ctx.term()
+
+
 def test_a_cancel_that_meets_a_status_reply_is_not_lost(monkeypatch):
     """Python 3.11's asyncio.wait_for returns a result that arrives with a cancel and drops the cancel:
     a loop around client.status (the gateway's poller; its shutdown waits for it) must still end."""
     from moemesh import client as client_module
-    from moemesh.client import CoordinatorClient
 
     async def swallowing(fut, timeout):  # what 3.11 does when the reply and the cancel meet
         asyncio.current_task().cancel()
@@ -586,30 +607,19 @@ def test_a_cancel_that_meets_a_status_reply_is_not_lost(monkeypatch):
             return "reply"
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx)
-        try:
-            for _ in range(50):  # (until the DEALER has its peer: a send before would be refused)
-                await asyncio.sleep(0.02)
-                if client.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                    break
+        async with fake_coordinator() as (_, client):
             monkeypatch.setattr(client_module.asyncio, "wait_for", swallowing)
+            try:
+                async def poll():
+                    while True:
+                        await client.status(timeout=1.0)
+                        await asyncio.sleep(0)
 
-            async def poll():
-                while True:
-                    await client.status(timeout=1.0)
-                    await asyncio.sleep(0)
-
-            task = asyncio.ensure_future(poll())
-            await asyncio.wait({task}, timeout=3)  # (not wait_for: that is the stand-in now)
-            assert task.done() and task.cancelled()
-        finally:
-            monkeypatch.undo()
-            await client.close()
-            router.close(linger=0)
-            ctx.term()
+                task = asyncio.ensure_future(poll())
+                await asyncio.wait({task}, timeout=3)  # (not wait_for: that is the stand-in now)
+                assert task.done() and task.cancelled()
+            finally:
+                monkeypatch.undo()
 
     asyncio.run(main())
 
@@ -618,22 +628,13 @@ def test_a_late_status_reply_goes_to_its_own_question_not_the_next():
     """Status replies carry their request's nonce: the answer to a question that timed out, arriving
     late, is dropped, and the next caller (here one asking for the timeline) gets its own answer; a
     reply without a nonce (an older coordinator) goes to the oldest question."""
-    from moemesh.client import CoordinatorClient
     from moemesh.protocol import Codec, StatusReply, StatusRequest, StepSpan
 
     def reply(nonce, spans):
         return StatusReply(True, 8, 8, 0, 0, 0, [0.0], [0.0], 1.0, 0, stage_spans=spans, nonce=nonce)
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx)
-        try:
-            for _ in range(50):  # (until the DEALER has its peer: a send before would be refused)
-                await asyncio.sleep(0.02)
-                if client.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-                    break
+        async with fake_coordinator() as (router, client):
             with pytest.raises(asyncio.TimeoutError):
                 await client.status(timeout=0.2)  # unanswered for now
             ident, *frames = await router.recv_multipart()
@@ -651,10 +652,6 @@ def test_a_late_status_reply_goes_to_its_own_question_not_the_next():
             await router.send_multipart([ident, *Codec.encode(reply(0, [[]]))])
             assert (await asyncio.wait_for(asked, 5)).stage_spans == [[]]
             assert client.status_waiters == {}
-        finally:
-            await client.close()
-            router.close(linger=0)
-            ctx.term()
 
     asyncio.run(main())
 
