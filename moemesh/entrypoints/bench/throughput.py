@@ -110,7 +110,8 @@ async def _settled(client: CoordinatorClient, wait: float = 5.0) -> StatusReply:
     while True:
         status = await client.status(timeline=True)
         last = max((s.step_id for s in status.coordinator_spans), default=-1)
-        if all(spans and spans[-1].step_id >= last for spans in status.stage_spans) or time.monotonic() > deadline:
+        if all((spans[-1].step_id if spans else -1) >= last for spans in status.stage_spans) \
+                or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.2)
 
