@@ -15,7 +15,15 @@ pure decode steps: in a pipeline, which phase of the workload each stage waits t
 
 from __future__ import annotations
 
+import math
+
 from moemesh.protocol import StatusReply, StepSpan
+
+
+def _sound(spans: list[StepSpan]) -> list[StepSpan]:
+    """The spans with a finite start and a duration of at least 0 (what a worker's clock gives; a
+    span that is not is left out rather than written as NaN, which no trace viewer reads)."""
+    return [s for s in spans if math.isfinite(s.start) and math.isfinite(s.seconds) and s.seconds >= 0]
 
 
 def is_decode(span: StepSpan) -> bool:
@@ -33,7 +41,7 @@ def chrome_trace(status: StatusReply) -> dict:
     for tid, (name, spans) in enumerate(rows):
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
-        for s in spans:
+        for s in _sound(spans):
             events.append({"name": f"step {s.step_id}", "cat": "decode" if is_decode(s) else "prompt",
                            "ph": "X", "pid": 1, "tid": tid, "ts": round(s.start * 1e6, 1),
                            "dur": round(s.seconds * 1e6, 1),
@@ -47,7 +55,7 @@ def idle_split(spans: list[StepSpan], start: float, end: float) -> dict:
     left out; one that straddles an edge counts its part inside."""
     busy = before_prompt = before_decode = 0.0
     at = start  # where the stage's last step ended (or the window began)
-    for s in sorted(spans, key=lambda s: s.start):
+    for s in sorted(_sound(spans), key=lambda s: s.start):
         lo, hi = max(s.start, start), min(s.start + s.seconds, end)
         if hi <= lo:
             continue

@@ -25,6 +25,12 @@ def test_idle_split_names_what_each_gap_waited_for():
     assert got == {"busy": 1.25, "idle_before_prompt_steps": 0.25, "idle_before_decode_steps": 0.5,
                    "idle_at_end": 0.0}
     assert idle_split([], 1.0, 3.0)["idle_at_end"] == 2.0
+    # a span no clock gives (NaN, infinite, negative) is left out, not counted or written
+    odd = [StepSpan(8, float("nan"), 1.0, 8, 8), StepSpan(9, 11.0, float("inf"), 8, 8), StepSpan(10, 11.0, -1.0, 8, 8)]
+    assert idle_split(spans + odd, start=9.5, end=14.0)["busy"] == 2.75
+    trace = chrome_trace(status([odd + spans[:1]]))
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == ["step 0"]
+    json.dumps(trace, allow_nan=False)
 
 
 def test_chrome_trace_has_a_row_per_stage_and_one_for_the_coordinator():
