@@ -253,7 +253,8 @@ class Gateway:
 
     async def timeline(self, request):
         """The last steps of every stage and of the coordinator (moemesh.timeline), as a trace file to
-        open in ui.perfetto.dev or chrome://tracing."""
+        open in ui.perfetto.dev or chrome://tracing. (A stage's spans come with its heartbeats: its
+        last half second may not be there yet.)"""
         try:
             status = await self.client.status(timeout=5.0, timeline=True)
         except asyncio.TimeoutError:
