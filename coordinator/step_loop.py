@@ -91,9 +91,7 @@ class StepLoop:
             self.steps += 1
             if len(self._open) > 4 * self.limit:  # (steps a recovery abandoned never come back)
                 self._open = {s: begun for s, begun in self._open.items() if s in core.in_flight}
-            span = StepSpan(sched.step_id, time.time(), 0.0, sum(len(w.token_ids) for w in sched.seqs),
-                            len(sched.seqs), sched.num_steps)
-            self._open[sched.step_id] = span, time.perf_counter()
+            self._open[sched.step_id] = StepSpan.of(sched, time.time()), time.perf_counter()
             yield sched
 
     def take(self, result: StepResult) -> list[RequestOutput]:

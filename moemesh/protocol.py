@@ -75,6 +75,12 @@ class StepSpan(msgspec.Struct, array_like=True, frozen=True):
     seqs: int
     num_steps: int = 1
 
+    @classmethod
+    def of(cls, sched: Schedule, start: float, seconds: float = 0.0) -> StepSpan:
+        """The span of a schedule's step, begun at `start` (wall clock)."""
+        return cls(sched.step_id, start, seconds, sum(len(w.token_ids) for w in sched.seqs), len(sched.seqs),
+                   sched.num_steps)
+
 
 UNKNOWN_REQUEST = 404  # a RequestOutput's error_status for a resend of a request the coordinator does not know
 

@@ -69,8 +69,7 @@ class StageExecutor:
         finally:
             seconds = time.perf_counter() - start
             self.busy_seconds += seconds
-            self.spans.append(StepSpan(sched.step_id, wall, seconds, sum(len(w.token_ids) for w in sched.seqs),
-                                       len(sched.seqs), sched.num_steps))
+            self.spans.append(StepSpan.of(sched, wall, seconds))
 
     def _apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences that ended; the step's block tables, brought up to date."""
