@@ -234,6 +234,9 @@ class CoordinatorClient:
             self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Asks the coordinator to end a request (no wait: safe from a closing generator)."""
+        """Asks the coordinator to end a request (no wait: safe from a closing generator). After close()
+        there is no link to ask on: streams still open then (cancelled with their event loop) end quietly."""
+        if self.sock.closed:
+            return
         if not self._send_now(AbortRequest(request_id)):  # (no link, or its queue full: the coordinator is gone)
             log.warning("could not send abort", extra={"fields": {"request_id": request_id}})

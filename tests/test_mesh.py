@@ -372,6 +372,39 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
 
     run(scenario())
 
+def test_streams_left_open_at_close_end_quietly(caplog):
+    """A stream still open when its client closes (its consumer cancelled with the event loop) has no
+    link to send its abort on: it ends without a warning. Before close, a stream left early sends one."""
+    from moemesh.protocol import AbortRequest, ClientMessage, Codec
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        peer = ctx.socket(zmq.ROUTER)
+        port = peer.bind_to_random_port("tcp://127.0.0.1")
+        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx=ctx)
+        left = client.generate([5, 6], GREEDY)
+        first = asyncio.ensure_future(left.__anext__())
+        await peer.recv_multipart()  # (the request)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await left.aclose()  # left early: the coordinator is asked to end it
+        abort = Codec(ClientMessage).decode((await peer.recv_multipart())[1:])[0]
+        assert isinstance(abort, AbortRequest)
+        open_at_close = client.generate([7], GREEDY)
+        pending = asyncio.ensure_future(open_at_close.__anext__())
+        await peer.recv_multipart()
+        await client.close()
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await open_at_close.aclose()
+        peer.close(linger=0)
+        ctx.destroy(linger=0)
+
+    with caplog.at_level("WARNING", logger="moemesh.client"):
+        run(scenario())
+    assert not [r for r in caplog.records if r.name == "moemesh.client"]
+
+
 # 460 tokens (+ 40 new: within the model's 512 positions), prefilled in chunks of what an 8-token
 # budget leaves beside the seven short streams' decodes (1 token a step while they run, then 8): ~90
 # steps, so the kill below lands in its prefill even when this process sees the first tokens late
