@@ -300,7 +300,6 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
     trimmed; an error ends the stream at once; a coordinator that does not count (start -1) is
     taken as it comes; a request the coordinator never had is sent again while nothing of it was
     shown."""
-
     from moemesh.client import _Stream
     from moemesh.protocol import (UNKNOWN_REQUEST, ClientMessage, Codec, GenerateRequest, RequestOutput,
                                   ResendRequest, TokenLogprobs)
@@ -406,9 +405,10 @@ def test_streams_left_open_at_close_end_quietly(caplog):
 
 
 # 460 tokens (+ 40 new: within the model's 512 positions), prefilled in chunks of what an 8-token
-# budget leaves beside the seven short streams' decodes (1 token a step while they run, then 8): ~90
-# steps, so the kill below lands in its prefill even when this process sees the first tokens late
-# (a CI run saw them more than the ~45 steps of a 16-token budget late)
+# budget leaves beside the seven short streams' decodes, with no prefix cache (the undisturbed run
+# before would leave all but its last block cached, and its "prefill" would take two steps: how a
+# CI run came to see it finished before the kill). Once every request is running, its prefill has
+# ~110 steps to go, so the kill lands in it even when this process sees the tokens late.
 LONG_PROMPT = [5 + i % 290 for i in range(460)]
 
 
@@ -419,7 +419,8 @@ def test_more_kills_lose_no_request(model, scenario):
     if scenario == "two-kills-in-a-row":
         pp, settings, prompts = 3, dict(), [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     else:
-        pp, settings, prompts = 2, dict(max_batched_tokens=8), PROMPTS[:7] + [LONG_PROMPT]  # the long one last
+        pp, prompts = 2, PROMPTS[:7] + [LONG_PROMPT]  # the long one last
+        settings = dict(max_batched_tokens=8, no_prefix_caching=True)
     params = [SEEDED[i % 16] if i % 2 else LONG_GREEDY for i in range(len(prompts))]
 
     async def scenario_run():
@@ -439,6 +440,8 @@ def test_more_kills_lose_no_request(model, scenario):
                     await asyncio.sleep(0.05)
                 mesh.kill("stage-worker pp=2 tp=0")
             else:
+                while (await client.status()).num_running < len(prompts):  # the long one's prefill has begun
+                    await asyncio.sleep(0.005)
                 assert not got[-1], "the long prompt was to be still in prefill"
                 mesh.kill("stage-worker pp=0 tp=0")
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
