@@ -358,8 +358,9 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
       "--prompt-len", "8", "--concurrency", "2"], "the in-process baseline"),
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--vocab", "3"], "--vocab 3"),
     (["bench", "throughput", "--netns", "--timeline", "/tmp/x"], "--timeline"),
+    (["bench", "throughput", "--timeline", "/proc/nope"], "--timeline /proc/nope"),
 ], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay",
-        "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns"])
+        "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns", "throughput-timeline-dir"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
     assert expect in user_error(capsys, [*argv, "--model", str(model)])
 

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,13 @@ def run_throughput_bench(args) -> int:
     check_lengths(mc, args.prompt_len, args.new, args.shared_prefix)
     if args.timeline is not None and args.netns:
         raise CLIError("--timeline reads the steps of a local mesh: it does not run with --netns")
+    if args.timeline is not None:  # (a directory that cannot be written is refused now, not after the runs)
+        try:
+            Path(args.timeline).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.timeline):
+                pass
+        except OSError as e:
+            raise CLIError(f"--timeline {args.timeline}: {e.strerror or e}") from None
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     layouts = {}  # every layout resolved (or refused) before any of them runs
@@ -156,8 +164,6 @@ def run_throughput_bench(args) -> int:
                SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True))
     keys_dir = None
     if "on" in args.curve:
-        import tempfile
-
         from moemesh.mesh_security import make_keys
 
         keys_dir = str(make_keys(Path(tempfile.mkdtemp(prefix="moemesh-bench-keys-")) / "keys"))
@@ -276,10 +282,13 @@ def _write_timeline(directory: Path, r: dict, name: str) -> dict:
     in the run split by what it waited for (moemesh.timeline). The coordinator keeps the newest
     TIMELINE_SPANS steps of each stage: of a longer run, the split covers the part they cover
     (`timeline_seconds` says how much of the run that is)."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     status = r["status"]
-    path.write_text(json.dumps(chrome_trace(status)))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(chrome_trace(status)))
+    except OSError as e:  # (it could be written when the runs began: a full disk, say)
+        raise CLIError(f"--timeline {directory}: {e.strerror or e}") from None
     start, end = r["window"]
     for spans in status.stage_spans:
         if len(spans) >= TIMELINE_SPANS:  # (older steps were dropped: the window starts at its oldest)
@@ -328,7 +337,6 @@ def _run_across_namespaces(settings: EngineSettings, prompts, params, concurrenc
     """The coordinator and the driver on one simulated host, each stage on its own (moemesh.entrypoints.netns)."""
     import subprocess
     import sys
-    import tempfile
 
     from moemesh.entrypoints.netns import Hosts, NetnsUnavailable
 
