@@ -359,8 +359,10 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--vocab", "3"], "--vocab 3"),
     (["bench", "throughput", "--netns", "--timeline", "/tmp/x"], "--timeline"),
     (["bench", "throughput", "--timeline", "/proc/nope"], "--timeline /proc/nope"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", "/proc/nope/x.png"], "--plot /proc/nope/x.png"),
 ], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay",
-        "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns", "throughput-timeline-dir"])
+        "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns", "throughput-timeline-dir",
+        "serve-plot-file"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
     assert expect in user_error(capsys, [*argv, "--model", str(model)])
 

@@ -21,7 +21,9 @@ import collections
 import json
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
@@ -150,6 +152,13 @@ def run_serve_bench(args) -> int:
     rows = []
     if args.shared_prefix < 0:
         raise CLIError("--shared-prefix must be 0 or more tokens")
+    if args.plot:
+        _pyplot()  # (refused now, not after the runs: no matplotlib, or a file that cannot be written)
+        try:
+            with tempfile.TemporaryFile(dir=Path(args.plot).parent):
+                pass
+        except OSError as e:
+            raise CLIError(f"--plot {args.plot}: {e.strerror or e}") from None
     for level in args.concurrency:
         prefix = [rng.randrange(4, vocab) for _ in range(args.shared_prefix)]
         prompts = [prefix + [rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -180,7 +189,7 @@ def _reasons(errors: list[str], most: int = 3) -> str:
     return "; ".join(f"{n} x {reason}" for reason, n in counts.most_common(most))
 
 
-def plot(rows: list[dict], path: str) -> None:
+def _pyplot():
     try:
         import matplotlib
 
@@ -188,6 +197,11 @@ def plot(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise CLIError("--plot needs matplotlib: pip install 'moemesh[bench]'") from None
+    return plt
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     x = [r["output_tok_per_s"] for r in rows]
     for ax, key, title in ((a, "ttft", "time to first token"), (b, "tpot", "time per output token")):
@@ -202,4 +216,9 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise CLIError(f"--plot {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
