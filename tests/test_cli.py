@@ -301,6 +301,8 @@ def test_bad_prompts_and_paths_are_named(model, tmp_path, capsys):
     assert "--out /proc/nope/keys" in user_error(capsys, ["keys", "--out", "/proc/nope/keys"])
     err = user_error(capsys, ["quantize", "--model", str(model), "--out", str(model)])
     assert "--out" in err and "--model" in err
+    # a parent of --out that cannot be made is --out's fault, not the checkpoint's
+    assert "--out /proc/nope/q:" in user_error(capsys, ["quantize", "--model", str(model), "--out", "/proc/nope/q"])
     assert not (tmp_path / "q").exists()
     err = user_error(capsys, ["quantize", "--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "q")])
     assert "config.json" in err and not (tmp_path / "q").exists()
