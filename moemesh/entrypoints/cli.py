@@ -364,9 +364,10 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             try:
                 print(quantize_checkpoint(args.model, args.out))
             except OSError as e:
-                # a path in --out, or one of its parents it could not make (the checkpoint's own exist)
+                # a path in --out, or a parent of it that could not be made (not the checkpoint's own)
                 where, out_dir = Path(e.filename or "").resolve(), args.out.resolve()
-                out = bool(e.filename) and (where.is_relative_to(out_dir) or out_dir.is_relative_to(where))
+                out = bool(e.filename) and (where.is_relative_to(out_dir) or (
+                    out_dir.is_relative_to(where) and not where.is_relative_to(Path(args.model).resolve())))
                 raise CLIError(f"{'--out ' + str(args.out) if out else '--model ' + str(args.model)}: "
                                f"{e.strerror or e}") from None
             except (ValueError, SafetensorError) as e:  # the checkpoint cannot be quantized (as it says)

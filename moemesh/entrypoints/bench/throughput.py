@@ -141,13 +141,6 @@ def run_throughput_bench(args) -> int:
     check_lengths(mc, args.prompt_len, args.new, args.shared_prefix)
     if args.timeline is not None and args.netns:
         raise CLIError("--timeline reads the steps of a local mesh: it does not run with --netns")
-    if args.timeline is not None:  # (a directory that cannot be written is refused now, not after the runs)
-        try:
-            Path(args.timeline).mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.timeline):
-                pass
-        except OSError as e:
-            raise CLIError(f"--timeline {args.timeline}: {e.strerror or e}") from None
     if isinstance(args.layer_partition, tuple) and len(args.layer_partition) not in args.pp:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     layouts = {}  # every layout resolved (or refused) before any of them runs
@@ -158,6 +151,13 @@ def run_throughput_bench(args) -> int:
                                                  args.expert_parallel and tp > 1)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
+    if args.timeline is not None:  # (a directory that cannot be written is refused now, not after the runs)
+        try:
+            Path(args.timeline).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.timeline):
+                pass
+        except OSError as e:
+            raise CLIError(f"--timeline {args.timeline}: {e.strerror or e}") from None
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
     job = _Job(args, base_settings, layouts, prompts, n * (args.shared_prefix + args.prompt_len),
