@@ -45,13 +45,15 @@ def generate(capsys, model: Path | None, *args: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def user_error(capsys, argv: list[str]) -> str:
-    """Runs a command that must fail cleanly; returns its stderr."""
+def user_error(capsys, argv: list[str], no_output: bool = False) -> str:
+    """Runs a command that must fail cleanly; returns its stderr. no_output: it printed nothing (no
+    result rows: it failed before any work)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert not (no_output and out), out
     assert "Traceback" not in err
     assert "error:" in err
     return err
@@ -366,7 +368,7 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
         "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns", "throughput-timeline-dir",
         "serve-plot-file"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
-    assert expect in user_error(capsys, [*argv, "--model", str(model)])
+    assert expect in user_error(capsys, [*argv, "--model", str(model)], no_output=True)
 
 
 def test_train_demo_refuses_a_missing_stdlib_and_an_unwritable_out(tmp_path, capsys):

@@ -222,7 +222,7 @@ def test_a_killed_stage_worker_is_replaced_and_no_request_is_lost(model, pp, vic
     the launcher restarts it, the coordinator recovers, and every stream completes with the same
     tokens as an undisturbed run, none repeated or skipped."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
-    # 80 tokens: the kill below lands ~76 steps before the streams end, so they are still running
+    # 80 tokens: the kill below lands ~76 tokens (150-230 steps) before the streams end, so they are still running
     # (requests_resumed > 0) even when this process sees their tokens late on a loaded machine
     params = [msgspec.structs.replace(p, max_tokens=80) for p in [LONG_GREEDY] * 16 + SEEDED]
 
@@ -407,8 +407,9 @@ def test_streams_left_open_at_close_end_quietly(caplog):
 # 460 tokens (+ 40 new: within the model's 512 positions), prefilled in chunks of what an 8-token
 # budget leaves beside the seven short streams' decodes, with no prefix cache (the undisturbed run
 # before would leave all but its last block cached, and its "prefill" would take two steps: how a
-# CI run came to see it finished before the kill). Once every request is running, its prefill has
-# ~110 steps to go, so the kill lands in it even when this process sees the tokens late.
+# CI run came to see it finished before the kill). Once every request is running (steps ~14-80), its
+# prefill has 43-110 steps to go (its first token comes near step 123), so the kill lands in it even
+# when this process sees the tokens late.
 LONG_PROMPT = [5 + i % 290 for i in range(460)]
 
 
@@ -441,6 +442,8 @@ def test_more_kills_lose_no_request(model, scenario):
                 mesh.kill("stage-worker pp=2 tp=0")
             else:
                 while (await client.status()).num_running < len(prompts):  # the long one's prefill has begun
+                    # (every request runs from about step 14 until the first short stream ends, near step 80)
+                    assert not any(len(g) == 40 for g in got[:-1]), "a short stream ended before all were running"
                     await asyncio.sleep(0.005)
                 assert not got[-1], "the long prompt was to be still in prefill"
                 mesh.kill("stage-worker pp=0 tp=0")

@@ -364,10 +364,11 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             try:
                 print(quantize_checkpoint(args.model, args.out))
             except OSError as e:
-                # a path in --out, or a parent of it that could not be made (not the checkpoint's own)
+                # a path in --out, or a parent of it that could not be made (not the checkpoint's directory
+                # or one of its parents, which exist)
                 where, out_dir = Path(e.filename or "").resolve(), args.out.resolve()
                 out = bool(e.filename) and (where.is_relative_to(out_dir) or (
-                    out_dir.is_relative_to(where) and not where.is_relative_to(Path(args.model).resolve())))
+                    out_dir.is_relative_to(where) and not Path(args.model).resolve().is_relative_to(where)))
                 raise CLIError(f"{'--out ' + str(args.out) if out else '--model ' + str(args.model)}: "
                                f"{e.strerror or e}") from None
             except (ValueError, SafetensorError) as e:  # the checkpoint cannot be quantized (as it says)

@@ -170,9 +170,13 @@ def run_serve_bench(args) -> int:
         errors = row.pop("errors")
         row = {"concurrency": level, "request_rate": args.request_rate, "shared_prefix": args.shared_prefix, **row}
         if row["failed"] == row["requests"]:
+            message = f"every request failed against {args.url} at concurrency {level}: {_reasons(errors)}"
             if rows and args.plot:  # (what did run is still drawn)
-                plot(rows, args.plot)
-            raise CLIError(f"every request failed against {args.url} at concurrency {level}: {_reasons(errors)}")
+                try:
+                    plot(rows, args.plot)
+                except CLIError as e:  # (the failed requests stay the error to report)
+                    message += f"; and {e}"
+            raise CLIError(message)
         if errors:
             log.warning("requests failed", extra={"fields": {"concurrency": level, "failed": len(errors),
                                                                "reasons": _reasons(errors)}})

@@ -151,7 +151,7 @@ def run_throughput_bench(args) -> int:
                                                  args.expert_parallel and tp > 1)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
-    if args.timeline is not None:  # (a directory that cannot be written is refused now, not after the runs)
+    if args.timeline is not None:  # (one that cannot be written is refused now, not after the runs; made here)
         try:
             Path(args.timeline).mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=args.timeline):
