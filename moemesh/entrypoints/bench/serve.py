@@ -21,13 +21,13 @@ import collections
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
 
+from moemesh.entrypoints.bench import check_writable
 from moemesh.errors import CLIError
 from moemesh.log import get_logger
 
@@ -152,13 +152,9 @@ def run_serve_bench(args) -> int:
     rows = []
     if args.shared_prefix < 0:
         raise CLIError("--shared-prefix must be 0 or more tokens")
-    if args.plot:
-        _pyplot()  # (refused now, not after the runs: no matplotlib, or a file that cannot be written)
-        try:
-            with tempfile.TemporaryFile(dir=Path(args.plot).parent):
-                pass
-        except OSError as e:
-            raise CLIError(f"--plot {args.plot}: {e.strerror or e}") from None
+    if args.plot:  # (refused now, not after the runs: no matplotlib, or a file that cannot be written)
+        _pyplot()
+        check_writable("--plot", args.plot, Path(args.plot).parent)
     for level in args.concurrency:
         prefix = [rng.randrange(4, vocab) for _ in range(args.shared_prefix)]
         prompts = [prefix + [rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]

@@ -33,6 +33,7 @@ from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import Layout, resolve_layout
+from moemesh.entrypoints.bench import check_writable
 from moemesh.entrypoints.bench.ceiling import bench_ceiling
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
@@ -151,13 +152,8 @@ def run_throughput_bench(args) -> int:
                                                  args.expert_parallel and tp > 1)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
-    if args.timeline is not None:  # (one that cannot be written is refused now, not after the runs; made here)
-        try:
-            Path(args.timeline).mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.timeline):
-                pass
-        except OSError as e:
-            raise CLIError(f"--timeline {args.timeline}: {e.strerror or e}") from None
+    if args.timeline is not None:
+        check_writable("--timeline", args.timeline, Path(args.timeline), make=True)
     n = args.num_prompts or args.concurrency
     prompts = make_prompts(mc.vocab_size, n, args.prompt_len, shared_prefix=args.shared_prefix)
     job = _Job(args, base_settings, layouts, prompts, n * (args.shared_prefix + args.prompt_len),
