@@ -116,8 +116,10 @@ class _Lib:
                                            i32]
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
+        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+        lib.mm_screened_argmax.restype = None
         lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
-                                         i32, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+                                         i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
         lib.mm_greedy_decode.restype = i32
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
@@ -440,15 +442,73 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
     return out
 
 
+def screen_pays(lib: _Lib | None) -> bool:
+    """Whether a float32 lm_head's greedy tokens are cheaper through `ScreenedHead` here: where the
+    kernels multiply bfloat16 with AVX512-BF16 (1.6x a 64-row head on Zen 4, docs/benchmarks.md).
+    Elsewhere a bfloat16 product of many rows widens its weights and gains little."""
+    return lib is not None and lib.bf16_pairs
+
+
+class ScreenedHead:
+    """Greedy tokens from a float32 lm_head at about half its cost, exactly: the logits of a bfloat16
+    copy of the head (half the bytes, and vdpbf16ps on a CPU with AVX512-BF16), a bound on how far
+    each can be from the float32 logit, and the float32 logits of only the few columns whose
+    interval reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum
+    of those float32 logits: the one the full float32 product picks, up to the order float32 sums
+    are added in (which already differs between this machine's kernels and torch's). A row with
+    more than 64 candidates, or a value that is not finite, takes the full product.
+
+    The bound, for a row x and column j (w the float32 column, w' its bfloat16 rounding, u = 2^-8
+    bfloat16's unit roundoff, g = K 2^-24 / (1 - K 2^-24) float32's for a sum of K products, and
+    x' the row as the product reads it: x, or x rounded to bfloat16 with |x - x'| <= u |x|):
+
+        |x.w - x'.w'| <= |x.(w - w')| + |(x - x').w'| <= |x| (|w - w'| + u |w'|)     (Cauchy-Schwarz)
+
+    plus g |x'| |w'| <= g (1 + u) |x| |w'| for the sum that computes x'.w', and g |x| |w| for the one
+    that computes the float32 logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
+    (u + g (1 + u)) |w'| + g |w|, computed in float64 and widened by 2^-10 (which also covers the
+    float32 arithmetic of the comparisons, each within 2^-23 of values at most 2^9 radii)."""
+
+    def __init__(self, head: PackedWeight, vocab: int, lib: _Lib):
+        assert head.data.dtype == torch.float32 and head.scale is None and 0 < vocab <= head.n
+        self.head, self.vocab, self.lib = head, vocab, lib
+        full = head.unpack()
+        # (every column of the head, as the full product has them: mm_greedy_decode runs both alike)
+        self.copy = pack(full, head.data.shape[-1], torch.bfloat16, pairs=lib.bf16_pairs)
+        w = full[:vocab].double()
+        rounded = w.to(torch.bfloat16).double()
+        K = head.k
+        u, g = 2.0 ** -8, K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
+        radius = (w - rounded).norm(dim=1) + (u + g * (1 + u)) * rounded.norm(dim=1) + g * w.norm(dim=1)
+        self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.head.k
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if not x.shape[0]:
+            return out
+        approx = gemm(x, self.copy, self.lib)
+        self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
+                                        x.data_ptr(), x.stride(0), self.radius.data_ptr(), self.head.data.data_ptr(),
+                                        out.data_ptr(), torch.get_num_threads())
+        full = (out < 0).nonzero().flatten()
+        if len(full):
+            out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)
+        return out
+
+
 def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, eps: float, head: PackedWeight,
                   vocab: int, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                  block_size: int, steps: int, lib: _Lib) -> torch.Tensor:
+                  block_size: int, steps: int, lib: _Lib, screen: ScreenedHead | None = None) -> torch.Tensor:
     """`steps` greedy decode steps of a whole model (descs: every decoder layer's LayerDesc), each
     feeding back what the one before sampled: tokens, positions [S] int64 (each sequence's next
     input token and its position); block_table [S, max_blocks] int64, covering every position up to
     positions + steps - 1; embed [rows, H] float32 or bfloat16; norm [H] float32, the final norm's
-    weight; head, the packed lm_head (its first `vocab` columns are the logits). -> [steps, S] int64,
-    the tokens sampled. The caller checks the indices (the kernels trust them)."""
+    weight; head, the packed lm_head (its first `vocab` columns are the logits); screen: head's
+    `ScreenedHead`, to sample through it. -> [steps, S] int64, the tokens sampled. The caller checks
+    the indices (the kernels trust them)."""
     S = tokens.shape[0]
     H = embed.shape[1]
     assert embed.dtype in (torch.float32, torch.bfloat16) and embed.is_contiguous() and head.k == H
@@ -457,11 +517,16 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
         assert t.dtype == torch.int64 and t.is_contiguous()
     assert positions.shape == (S,) and block_table.dim() == 2 and block_table.shape[0] == S
     check_layout(head, lib)
+    if screen is not None:
+        assert screen.head is head and screen.vocab == vocab
+        check_layout(screen.copy, lib)
     out = torch.empty(steps, S, dtype=torch.int64)
     if S and steps:
         rc = lib.lib.mm_greedy_decode(descs, len(descs), S, H, embed.data_ptr(), WEIGHT_TYPES[embed.dtype],
                                       norm.data_ptr(), eps, head.data.data_ptr(), head.weight_type, _ptr(head.scale),
-                                      head.n, vocab, tokens.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
+                                      head.n, vocab, None if screen is None else screen.copy.data.data_ptr(),
+                                      None if screen is None else screen.radius.data_ptr(),
+                                      tokens.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
                                       block_table.shape[1], block_size, steps, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("CPU greedy decode: out of memory")

@@ -88,6 +88,11 @@ class StageExecutor:
             row += len(w.token_ids)
             if w.sample:
                 sample_rows.append((row - 1, w.seq_id))
+        if not prompt_rows and self.runner.model.can_screen and all(
+                self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows):
+            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows], greedy=True).tolist()
+            return StepResult(sched.step_id, [SampledToken(seq_id, t) for (_, seq_id), t in zip(sample_rows, tokens)],
+                              busy_seconds=self.busy_seconds)
         logits = self.runner.execute(step, stream,
                                      logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
@@ -126,8 +131,7 @@ class StageExecutor:
         fused = self.runner.fused
         if fused is not None and fused.can_greedy and all(w.params is None for w in sched.seqs):
             states = [self._fed(sched, w) for w in sched.seqs]
-            if all(st.params.greedy and not st.params.has_penalties and st.params.logprobs is None
-                   and len(st.tokens) - st.prompt_len >= st.params.min_tokens for st in states):
+            if all(self._plain_greedy(st) for st in states):
                 limits = (self.runner.kv_cache.shape[2], self.runner.config.max_position_embeddings)
                 out = fused.greedy([w.token_ids[0] for w in sched.seqs], [w.context_len for w in sched.seqs],
                                    step.block_tables, k, self.runner.block_size, limits)
@@ -145,6 +149,13 @@ class StageExecutor:
                                             [True] * n), None)
             sampled += result.sampled
         return StepResult(sched.step_id, sampled, busy_seconds=self.busy_seconds)
+
+    @staticmethod
+    def _plain_greedy(st: SeqState) -> bool:
+        """The sequence's next token is its logits' first maximum, with no logit edited (penalties,
+        min_tokens' bans) or reported (logprobs)."""
+        return (st.params.greedy and not st.params.has_penalties and st.params.logprobs is None
+                and len(st.tokens) - st.prompt_len >= st.params.min_tokens)
 
     def _row(self, seq_id: int) -> SampleRow:
         st = self.seqs[seq_id]

@@ -157,6 +157,15 @@ class FusedDecode:
         logits = cpu_gemm.gemm(normed, packed, self.lib)
         return logits if packed.n == vocab else logits[:, :vocab]
 
+    def tokens(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None,
+               owned: bool = False) -> torch.Tensor:
+        """As `logits`, every row sampled greedily with nothing to edit or report: [T] int64, the
+        first maximum of each row's logits, through the lm_head's screen (`can_screen`)."""
+        weight, eps = self.head[:2]
+        hidden, residual = self._layers(ctx, hidden, residual, owned)
+        normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
+        return self.model.lm_head.screen.tokens(normed)
+
     @property
     def can_greedy(self) -> bool:
         """Whether `greedy` can run here: the stage holds the whole model, its head packed."""
@@ -185,7 +194,8 @@ class FusedDecode:
                              "cpu", limits)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         out = cpu_gemm.greedy_decode(self.descs, self.embed, weight, eps, packed, vocab, as_long(tokens),
-                                     as_long(context_lens), last.groups[0].block_table, block_size, steps, self.lib)
+                                     as_long(context_lens), last.groups[0].block_table, block_size, steps, self.lib,
+                                     self.model.lm_head.screen)
         return out.tolist()
 
     def _layers(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, owned: bool):

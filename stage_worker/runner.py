@@ -69,10 +69,12 @@ class StageRunner:
         return num_layers * 2 * block_size * kvh * config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None):
+    def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None,
+                greedy: bool = False):
         """stream: the previous stage's residual stream [T, H] (None on the first stage). Returns this
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
-        rows: each sampling sequence's last token)."""
+        rows: each sampling sequence's last token). greedy (on a model that `can_screen`): those
+        rows' greedy tokens [len(logit_rows)] int64 instead, without every logit."""
         hidden, residual = stream, None
         native = self.model.backend == "native"
         limits = (self.kv_cache.shape[2], self.config.max_position_embeddings) if native else None
@@ -87,6 +89,8 @@ class StageRunner:
                     return self.fused.forward(ctx, hidden, residual, stream=True, owned=owned)
                 logit_rows = step.sample_rows() if logit_rows is None else logit_rows
                 if self.fused.head is not None and logit_rows == list(range(len(ctx.positions))):  # all sampled
+                    if greedy:
+                        return self.fused.tokens(ctx, hidden, residual, owned)
                     return self.fused.logits(ctx, hidden, residual, owned)
                 hidden, residual = self.fused.forward(ctx, hidden, residual, owned=owned)
             else:
@@ -96,4 +100,6 @@ class StageRunner:
         if logit_rows is None:
             logit_rows = step.sample_rows()
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        if greedy:
+            return self.model.compute_tokens(hidden[rows], residual[rows])
         return self.model.compute_logits(hidden[rows], residual[rows])

@@ -501,3 +501,65 @@ def test_native_kernels_that_cannot_be_built_are_a_cli_error_with_the_reason(tmp
     umask = os.umask(0o022)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o755 & ~umask
+
+
+def _screen_case(V: int, K: int, seed: int) -> tuple[cpu_gemm.PackedWeight, torch.Tensor]:
+    """A head [V, K] with the hard columns at the front: an exact copy of column 0 (a tie, the lower
+    index wins), and columns that differ from column 2 by less than bfloat16 can tell apart (their
+    bfloat16 copies are equal, their float32 logits are not)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, K, generator=g) * 0.05
+    w[1] = w[0]
+    for j in (3, 4, 5):
+        w[j] = w[2] * (1 + (j - 2) * 2.0 ** -12)
+    return cpu_gemm.pack(w, lib.panel_width, torch.float32), w
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
+@pytest.mark.parametrize("seed", range(3))
+def test_screened_head_picks_the_float32_first_maximum(rows, seed):
+    V, K = 1003, 96
+    packed, w = _screen_case(V, K, seed)
+    screen = cpu_gemm.ScreenedHead(packed, V, lib)
+    g = torch.Generator().manual_seed(100 + seed)
+    x = torch.randn(rows, K, generator=g) * torch.rand(rows, 1, generator=g) * 40
+    # rows that lean on the hard columns: the tie, the near-equal columns, large and tiny scales
+    for r, col in enumerate((0, 2, 3, 5)[:rows]):
+        x[r] = w[col] * (1e3 if r % 2 else 1e-3) + 1e-4 * x[r]
+    exact = cpu_gemm.gemm(x, packed, lib)
+    want = exact.max(dim=-1).indices
+    assert torch.equal(screen.tokens(x), want)
+    # the bound the screen rests on holds for every column of every row
+    approx = cpu_gemm.gemm(x, screen.copy, lib)[:, :V]
+    assert ((approx - exact).abs() <= x.double().norm(dim=1, keepdim=True).float() * screen.radius).all()
+
+
+def test_screened_head_hands_undecidable_rows_to_the_full_product():
+    V, K = 500, 40
+    packed, w = _screen_case(V, K, 0)
+    screen = cpu_gemm.ScreenedHead(packed, V, lib)
+    x = torch.randn(6, K)
+    x[0] = 0  # every logit 0: all 500 are candidates, first index
+    x[1, 3] = float("nan")  # NaN logits: torch.max's NaN-first rule, as argmax_rows has it
+    x[2, 0] = float("inf")  # infinite logits (the first +inf)
+    want = cpu_gemm.argmax_rows(cpu_gemm.gemm(x, packed, lib), lib)
+    assert torch.equal(screen.tokens(x), want)
+    assert screen.tokens(x)[0] == 0
+    assert screen.tokens(torch.empty(0, K)).shape == (0,)
+
+
+def test_screened_head_is_built_only_for_a_float32_head_where_it_pays(monkeypatch):
+    from stage_worker.layers.parallel import TPGroup
+    from stage_worker.layers.vocab import ParallelLMHead
+
+    head = ParallelLMHead(100, 32, TPGroup())
+    head.weight.data.normal_()
+    for dtype, pays, built in ((torch.float32, True, True), (torch.float32, False, False),
+                               (torch.bfloat16, True, False), (torch.int8, True, False)):
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, pays=pays: pays)
+        head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)
+        head.screen_packed()
+        assert (head.screen is not None) == built, (dtype, pays)
+    head.packed = None
+    head.screen_packed()
+    assert head.screen is None

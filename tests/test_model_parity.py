@@ -73,18 +73,36 @@ def test_prefill_logits_match(reference):
         assert rel_err(all_logits(engine, prompt), hf_logits(reference.hf, prompt)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step"])
-def test_greedy_matches_transformers(reference, layout):
+@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step", "full-head", "screened-head",
+                                    "screened-multi-step"])
+def test_greedy_matches_transformers(reference, layout, monkeypatch):
     cfg = {
         "default": dict(block_size=16, num_kv_blocks=64),
         "chunked": dict(block_size=16, num_kv_blocks=64, max_batched_tokens=7),  # prompts in chunks
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
         "multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),  # decodes in bursts of 5
+        # greedy tokens from every float32 logit, or through the lm_head's screen (kernels/cpu_gemm.py
+        # ScreenedHead), whichever this CPU would pick
+        "full-head": dict(block_size=16, num_kv_blocks=64),
+        "screened-head": dict(block_size=16, num_kv_blocks=64),
+        "screened-multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),
     }[layout]
+    screened = layout.startswith("screened")
+    if layout == "full-head" or screened:
+        from kernels import cpu_gemm
+
+        if cpu_gemm.native() is None:
+            pytest.skip("no C compiler: the native kernels cannot be built here")
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib: screened)
+        calls, tokens = [], cpu_gemm.ScreenedHead.tokens
+        monkeypatch.setattr(cpu_gemm.ScreenedHead, "tokens", lambda self, x: calls.append(len(x)) or tokens(self, x))
     engine = LLMEngine(EngineSettings(model=str(reference.path), **cfg), progress=False)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    if layout == "full-head" or screened:
+        assert engine.stages[-1].runner.model.can_screen == screened
+        assert bool(calls) == screened  # (the bursts of several steps screen inside mm_greedy_decode)
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

@@ -1179,6 +1179,120 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
     }
 }
 
+/* Greedy sampling through a screened head (a float32 lm_head with a bfloat16 copy; kernels/cpu_gemm.py
+ * `ScreenedHead` derives the bound). approx [R, n] (rows lda apart): row r's logits from the copy, each
+ * within xn_r * radius[j] of the float32 logit (xn_r = |x_r|, the row's Euclidean norm). A row's
+ * candidates are the j whose interval reaches the largest lower end of any: no other j can hold the
+ * float32 maximum. Their float32 logits are recomputed from x [R, K] (rows ldx apart) and the packed
+ * float32 head w, and out[r] is the first maximum among them. out[r] = -1 where that cannot be
+ * decided here (more than SCREEN_CAP candidates, or a value that is not finite): the caller computes
+ * that row's logits in full. */
+#define SCREEN_CAP 64
+#define SCREEN_BUF 256
+/* Whether any lane of a comparison's mask is set */
+INLINE int any_lane(vi h) {
+#if VW == 16
+    return _mm512_test_epi32_mask((__m512i)h, (__m512i)h) != 0;
+#elif VW == 8 && defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)h, (__m256i)h);
+#else
+    int found = 0;
+    for (int j = 0; j < VW; j++) found |= h[j] != 0;
+    return found;
+#endif
+}
+
+/* The largest lane of v */
+INLINE float vmax_lanes(vf v) {
+    float m = v[0];
+    for (int j = 1; j < VW; j++) m = v[j] > m ? v[j] : m;
+    return m;
+}
+
+void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, int64_t lda, const float *x,
+                        int64_t ldx, const float *radius, const float *w, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const float *a = approx + r * lda, *xr = x + r * ldx;
+        double ss = 0.0;
+        for (int64_t k = 0; k < K; k++) ss += (double)xr[k] * xr[k];
+        const float xn = (float)__builtin_sqrt(ss) * (1.0f + 0x1p-20f);
+        out[r] = -1;
+        if (!(xn < INFINITY_F)) continue; /* inf or NaN activations: the full product says what they give */
+        /* one pass: the running largest lower end per lane (m), and every column whose upper end
+         * reaches the largest lower end seen so far (floor_, raised whenever a vector has such a
+         * column), kept with that upper end; pruned to the current floor when the buffer fills.
+         * 1e-30: the bfloat16 denormals the products flush to zero. A NaN end is flagged. */
+        const vf xv = splat(xn);
+        vf m = splat(-INFINITY_F);
+        vi bad = {0};
+        int64_t cand[SCREEN_BUF];
+        float upper[SCREEN_BUF];
+        int count = 0;
+        float floor_ = -INFINITY_F;
+        for (int64_t i = 0; i < n; i += VW) {
+            const int64_t len = n - i < VW ? n - i : VW;
+            vf v, e;
+            if (len == VW) {
+                v = load_f(a + i);
+                e = xv * load_f(radius + i);
+            } else { /* the tail: lanes past n repeat column n - 1 (never a second hit: not above) */
+                for (int j = 0; j < VW; j++) {
+                    v[j] = a[i + (j < len ? j : len - 1)];
+                    e[j] = xn * radius[i + (j < len ? j : len - 1)];
+                }
+            }
+            const vf lo = v - e, hi = v + e;
+            bad |= (lo != lo) | (hi != hi);
+            m = vselect(lo > m, lo, m);
+            if (!any_lane(hi >= splat(floor_))) continue;
+            floor_ = vmax_lanes(m) - 1e-30f;
+            for (int j = 0; j < len; j++) {
+                if (!(hi[j] >= floor_)) continue;
+                if (count == SCREEN_BUF) { /* prune to the floor as it is now */
+                    int kept = 0;
+                    for (int c = 0; c < count; c++)
+                        if (upper[c] >= floor_) {
+                            cand[kept] = cand[c];
+                            upper[kept++] = upper[c];
+                        }
+                    count = kept;
+                    if (count == SCREEN_BUF) break;
+                }
+                cand[count] = i + j;
+                upper[count++] = hi[j];
+            }
+            if (count == SCREEN_BUF) break;
+        }
+        int any_bad = 0;
+        for (int j = 0; j < VW; j++) any_bad |= bad[j] != 0;
+        floor_ = vmax_lanes(m) - 1e-30f;
+        if (any_bad || count == SCREEN_BUF || !(floor_ > -INFINITY_F)) continue;
+        int kept = 0;
+        for (int c = 0; c < count; c++)
+            if (upper[c] >= floor_) cand[kept++] = cand[c];
+        if (kept > SCREEN_CAP) continue;
+        /* the candidates' float32 logits, from the packed head: column j is lane j % NR of panel j / NR */
+        float best = -INFINITY_F;
+        int64_t arg = -1;
+        for (int c = 0; c < kept; c++) {
+            const int64_t j = cand[c];
+            const float *col = w + (j / NR) * K * NR + j % NR;
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], col[k * NR], s);
+            if (s != s) {
+                arg = -1;
+                break;
+            }
+            if (arg < 0 || s > best) {
+                best = s;
+                arg = j;
+            }
+        }
+        out[r] = arg;
+    }
+}
+
 /* Several greedy decode steps of a whole model in one call (a stage that is both the first and the
  * last, one tensor rank), each feeding back the tokens the one before sampled: what the runner's
  * decode step (embedding, mm_decoder_layers, the final norm, the lm_head, mm_argmax_rows) computes,
@@ -1188,13 +1302,15 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
  * caller has checked those, and the tokens against the embedding's rows (vocab <= its rows).
  * embed: [rows, H] of type et (float32 or bfloat16); norm: the final RMSNorm's weight (float32);
  * head: the packed lm_head, head_n >= vocab columns of type ht with its scale (or NULL).
+ * screen, radius: a float32 head's bfloat16 copy (packed as head, head_n columns) and its bound, to
+ * sample through mm_screened_argmax (rows it cannot decide take the full product); NULL: none.
  * out [steps, S]: the tokens sampled, each the first maximum of its row's first vocab logits.
  * Returns -1 when out of memory. */
 int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const void *embed, int et,
                      const float *norm, float eps, const void *head, int ht, const float *head_scale,
-                     int64_t head_n, int64_t vocab, const int64_t *tokens, const int64_t *positions,
-                     const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t steps,
-                     int64_t *out, int nthreads) {
+                     int64_t head_n, int64_t vocab, const void *screen, const float *radius, const int64_t *tokens,
+                     const int64_t *positions, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
+                     int64_t steps, int64_t *out, int nthreads) {
     int rc = 0;
     float *hidden = malloc(sizeof(float) * S * H), *residual = malloc(sizeof(float) * S * H);
     float *summed = malloc(sizeof(float) * S * H), *normed = malloc(sizeof(float) * S * H);
@@ -1221,11 +1337,28 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
             goto done;
         }
         mm_rmsnorm(S, H, hidden, H, residual, H, summed, norm, eps, normed, nthreads);
+        int64_t *sampled = out + s * S;
+        if (screen) {
+            if (mm_gemm(S, head_n, H, normed, H, screen, W_BF16, NULL, logits, head_n, nthreads)) {
+                rc = -1;
+                goto done;
+            }
+            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, head, sampled, nthreads);
+            for (int64_t i = 0; i < S; i++) {
+                if (sampled[i] >= 0) continue;
+                if (mm_gemm(1, head_n, H, normed + i * H, H, head, ht, head_scale, logits, head_n, nthreads)) {
+                    rc = -1;
+                    goto done;
+                }
+                mm_argmax_rows(1, vocab, logits, head_n, sampled + i);
+            }
+            continue;
+        }
         if (mm_gemm(S, head_n, H, normed, H, head, ht, head_scale, logits, head_n, nthreads)) {
             rc = -1;
             goto done;
         }
-        mm_argmax_rows(S, vocab, logits, head_n, out + s * S);
+        mm_argmax_rows(S, vocab, logits, head_n, sampled);
     }
 done:
     free(hidden);

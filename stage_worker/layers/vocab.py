@@ -45,6 +45,7 @@ class ParallelLMHead(VocabParallel):
     embedding keeps its own copy for lookups)."""
 
     packed: cpu_gemm.PackedWeight | None = None
+    screen: cpu_gemm.ScreenedHead | None = None  # greedy tokens without every float32 logit (`screen_packed`)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> logits [N, V] (gathered from every rank)."""
@@ -53,3 +54,11 @@ class ParallelLMHead(VocabParallel):
         else:
             logits = F.linear(hidden, self.weight)
         return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
+
+    def screen_packed(self) -> None:
+        """Builds `screen` where it pays: a float32 head packed whole on this rank (one tensor rank),
+        on a CPU whose kernels multiply bfloat16 with AVX512-BF16 (`cpu_gemm.screen_pays`)."""
+        self.screen = None
+        if (self.packed is not None and self.packed.data.dtype == torch.float32 and self.tp.size == 1
+                and cpu_gemm.screen_pays(cpu_gemm.native())):
+            self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native())

@@ -71,6 +71,20 @@ class CausalLM(nn.Module):
             hidden, _ = self.model.norm(hidden, residual)
         return self.lm_head(hidden).float()
 
+    def compute_tokens(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Rows sampled greedily, with nothing to edit or report: [N, H] (with their residual) -> [N]
+        int64, each row's first maximum of its logits; through the lm_head's `screen` (which needs
+        `can_screen`), not every logit."""
+        if residual is None:
+            hidden = self.model.norm(hidden)
+        else:
+            hidden, _ = self.model.norm(hidden, residual)
+        return self.lm_head.screen.tokens(hidden.float())
+
+    @property
+    def can_screen(self) -> bool:
+        return self.has_head and self.lm_head.screen is not None
+
     def set_backend(self, backend: str) -> None:
         """Which kernels every layer computes with ("torch" | "native" | "triton", kernels.backend);
         before `process_weights_after_loading`, which lays out the weights for them and binds the
@@ -89,6 +103,7 @@ class CausalLM(nn.Module):
             return
         wt = self.lm_head_weight_type
         self.lm_head.packed = native_pack(self.backend, self.lm_head.weight.data, wt)
+        self.lm_head.screen_packed()
         if self.lm_head.packed is not None:
             if not self.tied:
                 del self.lm_head.weight
