@@ -116,10 +116,11 @@ class _Lib:
                                            i32]
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
-        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr, i32]
         lib.mm_screened_argmax.restype = None
         lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
-                                         i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+                                         i32, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64,
+                                         ptr, i32]
         lib.mm_greedy_decode.restype = i32
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
@@ -467,20 +468,34 @@ class ScreenedHead:
     plus g |x'| |w'| <= g (1 + u) |x| |w'| for the sum that computes x'.w', and g |x| |w| for the one
     that computes the float32 logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
     (u + g (1 + u)) |w'| + g |w|, computed in float64 and widened by 2^-10 (which also covers the
-    float32 arithmetic of the comparisons, each within 2^-23 of values at most 2^9 radii)."""
+    float32 arithmetic of the comparisons, each within 2^-23 of values at most 2^9 radii). It assumes
+    nothing overflows: rows with |x| times the largest column norm at or above 2^126 take the full
+    product. Denormals that the bfloat16 instructions flush (activations and products below 2^-126)
+    move a logit by under 2^-126 sqrt(K) times the column's norm: the comparisons allow 1e-30."""
 
     def __init__(self, head: PackedWeight, vocab: int, lib: _Lib):
         assert head.data.dtype == torch.float32 and head.scale is None and 0 < vocab <= head.n
+        assert head.data.dim() == 3
         self.head, self.vocab, self.lib = head, vocab, lib
-        full = head.unpack()
-        # (every column of the head, as the full product has them: mm_greedy_decode runs both alike)
-        self.copy = pack(full, head.data.shape[-1], torch.bfloat16, pairs=lib.bf16_pairs)
-        w = full[:vocab].double()
-        rounded = w.to(torch.bfloat16).double()
-        K = head.k
+        # the copy, panel for panel (every column of the head, as the full product has them:
+        # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's
+        data = head.data.to(torch.bfloat16)
+        if lib.bf16_pairs:
+            data = data[..., pair_columns(data.shape[-1])]
+        self.copy = PackedWeight(data.contiguous(), None, head.n, head.k, pairs=lib.bf16_pairs)
+        K, NR = head.k, head.data.shape[-1]
         u, g = 2.0 ** -8, K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
-        radius = (w - rounded).norm(dim=1) + (u + g * (1 + u)) * rounded.norm(dim=1) + g * w.norm(dim=1)
+        radius, wn_max = torch.empty(vocab, dtype=torch.float64), 0.0
+        step = max(1, 8192 // NR)  # panels at a time: a float64 slice of the head, never all of it
+        for p in range(0, -(-vocab // NR), step):
+            w = head.data[p:p + step].transpose(-1, -2).reshape(-1, K)[:vocab - p * NR].double()
+            rounded = w.to(torch.bfloat16).double()
+            norm, rounded_norm = w.norm(dim=1), rounded.norm(dim=1)
+            radius[p * NR:p * NR + len(w)] = (w - rounded).norm(dim=1) + (u + g * (1 + u)) * rounded_norm + g * norm
+            wn_max = max(wn_max, norm.max().item(), rounded_norm.max().item())
         self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
+        # (NaN where a weight is: no row is then decided here, mm_screened_argmax's guard)
+        self.wn_max = float(torch.tensor(wn_max * (1 + 2.0 ** -10)).float())
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""
@@ -491,8 +506,8 @@ class ScreenedHead:
             return out
         approx = gemm(x, self.copy, self.lib)
         self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
-                                        x.data_ptr(), x.stride(0), self.radius.data_ptr(), self.head.data.data_ptr(),
-                                        out.data_ptr(), torch.get_num_threads())
+                                        x.data_ptr(), x.stride(0), self.radius.data_ptr(), self.wn_max,
+                                        self.head.data.data_ptr(), out.data_ptr(), torch.get_num_threads())
         full = (out < 0).nonzero().flatten()
         if len(full):
             out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)
@@ -526,6 +541,7 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
                                       norm.data_ptr(), eps, head.data.data_ptr(), head.weight_type, _ptr(head.scale),
                                       head.n, vocab, None if screen is None else screen.copy.data.data_ptr(),
                                       None if screen is None else screen.radius.data_ptr(),
+                                      0.0 if screen is None else screen.wn_max,
                                       tokens.data_ptr(), positions.data_ptr(), block_table.data_ptr(),
                                       block_table.shape[1], block_size, steps, out.data_ptr(), torch.get_num_threads())
         if rc:

@@ -529,23 +529,83 @@ def test_screened_head_picks_the_float32_first_maximum(rows, seed):
     exact = cpu_gemm.gemm(x, packed, lib)
     want = exact.max(dim=-1).indices
     assert torch.equal(screen.tokens(x), want)
+    assert (_screened(screen, x) >= 0).all()  # every row decided by the screen, none by the full product
     # the bound the screen rests on holds for every column of every row
     approx = cpu_gemm.gemm(x, screen.copy, lib)[:, :V]
     assert ((approx - exact).abs() <= x.double().norm(dim=1, keepdim=True).float() * screen.radius).all()
+
+
+def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
+    """mm_screened_argmax alone: each row's token, or -1 where it leaves the row to the full product."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    approx = cpu_gemm.gemm(x, screen.copy, lib)
+    lib.lib.mm_screened_argmax(x.shape[0], screen.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
+                               x.data_ptr(), x.stride(0), screen.radius.data_ptr(), screen.wn_max,
+                               screen.head.data.data_ptr(), out.data_ptr(), 1)
+    return out
+
+
+def test_screened_head_copy_and_radius_are_the_packed_heads():
+    w = torch.randn(300, 40)
+    packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+    screen = cpu_gemm.ScreenedHead(packed, 290, lib)
+    want = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
+    assert screen.copy.pairs == want.pairs and torch.equal(screen.copy.data, want.data)
+    assert screen.radius.shape == (290,) and (screen.radius > 0).all()
+    assert screen.wn_max >= w.norm(dim=1).max()
+
+
+def test_screened_head_prunes_a_rising_staircase():
+    """Logits that rise column after column: each vector's last column becomes a candidate and the
+    earlier ones fall below the floor, so the buffer (256) fills and is pruned many times over."""
+    V, K = 4800, 32
+    b = torch.randn(K) * 0.1
+    w = b * 1.01 ** torch.arange(V, dtype=torch.float64).unsqueeze(1).float()
+    packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+    screen = cpu_gemm.ScreenedHead(packed, V, lib)
+    x = torch.stack([b, -b, b * 3]) / b.norm()
+    want = cpu_gemm.gemm(x, packed, lib).max(dim=-1).indices
+    assert want.tolist() == [V - 1, 0, V - 1]
+    assert torch.equal(_screened(screen, x), want)
 
 
 def test_screened_head_hands_undecidable_rows_to_the_full_product():
     V, K = 500, 40
     packed, w = _screen_case(V, K, 0)
     screen = cpu_gemm.ScreenedHead(packed, V, lib)
-    x = torch.randn(6, K)
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(1))
     x[0] = 0  # every logit 0: all 500 are candidates, first index
     x[1, 3] = float("nan")  # NaN logits: torch.max's NaN-first rule, as argmax_rows has it
     x[2, 0] = float("inf")  # infinite logits (the first +inf)
+    x[3] = w[10] * 50  # logits tied at the maximum in 100 columns: too many to recompute
+    w = w.clone()
+    w[10:110] = w[10]
+    packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+    screen = cpu_gemm.ScreenedHead(packed, V, lib)
     want = cpu_gemm.argmax_rows(cpu_gemm.gemm(x, packed, lib), lib)
+    assert _screened(screen, x)[:4].tolist() == [-1] * 4 and (_screened(screen, x)[4:] >= 0).all()
     assert torch.equal(screen.tokens(x), want)
-    assert screen.tokens(x)[0] == 0
+    assert screen.tokens(x)[0] == 0 and screen.tokens(x)[3] == 10
     assert screen.tokens(torch.empty(0, K)).shape == (0,)
+
+
+def test_screened_head_leaves_overflowing_rows_and_nan_weights_to_the_full_product():
+    # |x| near float32's limit: the bfloat16 product overflows to inf in one column where the float32
+    # logit is finite, and the other way round in another (vdpbf16ps adds the pair in its own order)
+    for a in ([-1.0, 4.0], [4.0, -1.0]):
+        w = torch.tensor([a, [1.5, 1.6]])
+        packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+        screen = cpu_gemm.ScreenedHead(packed, 2, lib)
+        x = torch.full((4, 2), 1e38)
+        assert (_screened(screen, x) == -1).all()
+        assert torch.equal(screen.tokens(x), cpu_gemm.argmax_rows(cpu_gemm.gemm(x, packed, lib)[:, :2], lib))
+    w = torch.randn(50, 8)
+    w[20, 3] = float("nan")
+    packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+    screen = cpu_gemm.ScreenedHead(packed, 50, lib)
+    x = torch.randn(5, 8)
+    assert (_screened(screen, x) == -1).all()
+    assert torch.equal(screen.tokens(x), torch.full((5,), 20))  # NaN counts as the maximum
 
 
 def test_screened_head_is_built_only_for_a_float32_head_where_it_pays(monkeypatch):

@@ -1210,7 +1210,7 @@ INLINE float vmax_lanes(vf v) {
 }
 
 void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, int64_t lda, const float *x,
-                        int64_t ldx, const float *radius, const float *w, int64_t *out, int nthreads) {
+                        int64_t ldx, const float *radius, float wn_max, const float *w, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
         const float *a = approx + r * lda, *xr = x + r * ldx;
@@ -1218,7 +1218,11 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
         for (int64_t k = 0; k < K; k++) ss += (double)xr[k] * xr[k];
         const float xn = (float)__builtin_sqrt(ss) * (1.0f + 0x1p-20f);
         out[r] = -1;
-        if (!(xn < INFINITY_F)) continue; /* inf or NaN activations: the full product says what they give */
+        /* The bound holds where nothing overflows: every partial sum of either product is at most
+         * |x| |w| (Cauchy-Schwarz), so rows with |x| wn_max (wn_max: the largest column norm of
+         * either copy) below 2^126 are decided here; inf, NaN or huge activations (or weights) take
+         * the full product, which says what they give. */
+        if (!(xn < 0x1p126f) || !(xn * wn_max < 0x1p126f)) continue;
         /* one pass: the running largest lower end per lane (m), and every column whose upper end
          * reaches the largest lower end seen so far (floor_, raised whenever a vector has such a
          * column), kept with that upper end; pruned to the current floor when the buffer fills.
@@ -1228,9 +1232,9 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
         vi bad = {0};
         int64_t cand[SCREEN_BUF];
         float upper[SCREEN_BUF];
-        int count = 0;
+        int count = 0, full = 0;
         float floor_ = -INFINITY_F;
-        for (int64_t i = 0; i < n; i += VW) {
+        for (int64_t i = 0; i < n && !full; i += VW) {
             const int64_t len = n - i < VW ? n - i : VW;
             vf v, e;
             if (len == VW) {
@@ -1257,17 +1261,19 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
                             upper[kept++] = upper[c];
                         }
                     count = kept;
-                    if (count == SCREEN_BUF) break;
+                    if (count == SCREEN_BUF) {
+                        full = 1;
+                        break;
+                    }
                 }
                 cand[count] = i + j;
                 upper[count++] = hi[j];
             }
-            if (count == SCREEN_BUF) break;
         }
         int any_bad = 0;
         for (int j = 0; j < VW; j++) any_bad |= bad[j] != 0;
         floor_ = vmax_lanes(m) - 1e-30f;
-        if (any_bad || count == SCREEN_BUF || !(floor_ > -INFINITY_F)) continue;
+        if (any_bad || full || !(floor_ > -INFINITY_F)) continue;
         int kept = 0;
         for (int c = 0; c < count; c++)
             if (upper[c] >= floor_) cand[kept++] = cand[c];
@@ -1280,7 +1286,7 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
             const float *col = w + (j / NR) * K * NR + j % NR;
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], col[k * NR], s);
-            if (s != s) {
+            if (!(s - s == 0.0f)) { /* (not finite: unreachable under the guard above) */
                 arg = -1;
                 break;
             }
@@ -1302,13 +1308,15 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
  * caller has checked those, and the tokens against the embedding's rows (vocab <= its rows).
  * embed: [rows, H] of type et (float32 or bfloat16); norm: the final RMSNorm's weight (float32);
  * head: the packed lm_head, head_n >= vocab columns of type ht with its scale (or NULL).
- * screen, radius: a float32 head's bfloat16 copy (packed as head, head_n columns) and its bound, to
+ * screen, radius, screen_wn_max: a float32 head's bfloat16 copy (packed as head, head_n columns) and
+ * its bound, to
  * sample through mm_screened_argmax (rows it cannot decide take the full product); NULL: none.
  * out [steps, S]: the tokens sampled, each the first maximum of its row's first vocab logits.
  * Returns -1 when out of memory. */
 int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const void *embed, int et,
                      const float *norm, float eps, const void *head, int ht, const float *head_scale,
-                     int64_t head_n, int64_t vocab, const void *screen, const float *radius, const int64_t *tokens,
+                     int64_t head_n, int64_t vocab, const void *screen, const float *radius, float screen_wn_max,
+                     const int64_t *tokens,
                      const int64_t *positions, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
                      int64_t steps, int64_t *out, int nthreads) {
     int rc = 0;
@@ -1343,7 +1351,7 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
                 rc = -1;
                 goto done;
             }
-            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, head, sampled, nthreads);
+            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, screen_wn_max, head, sampled, nthreads);
             for (int64_t i = 0; i < S; i++) {
                 if (sampled[i] >= 0) continue;
                 if (mm_gemm(1, head_n, H, normed + i * H, H, head, ht, head_scale, logits, head_n, nthreads)) {
