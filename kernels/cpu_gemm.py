@@ -457,7 +457,8 @@ class ScreenedHead:
     interval reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum
     of those float32 logits: the one the full float32 product picks, up to the order float32 sums
     are added in (which already differs between this machine's kernels and torch's). A row with
-    more than 64 candidates, or a value that is not finite, takes the full product.
+    more than 64 candidates (or more than 256 still in reach when the kernel's buffer fills), a value
+    that is not finite, or |x| times the largest column norm at or above 2^126 takes the full product.
 
     The bound, for a row x and column j (w the float32 column, w' its bfloat16 rounding, u = 2^-8
     bfloat16's unit roundoff, g = K 2^-24 / (1 - K 2^-24) float32's for a sum of K products, and
@@ -485,17 +486,17 @@ class ScreenedHead:
         self.copy = PackedWeight(data.contiguous(), None, head.n, head.k, pairs=lib.bf16_pairs)
         K, NR = head.k, head.data.shape[-1]
         u, g = 2.0 ** -8, K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
-        radius, wn_max = torch.empty(vocab, dtype=torch.float64), 0.0
-        step = max(1, 8192 // NR)  # panels at a time: a float64 slice of the head, never all of it
+        radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        step = max(1, (1 << 22) // (NR * K))  # panels at a time: float64 slices of 32 MiB, never the whole head
         for p in range(0, -(-vocab // NR), step):
             w = head.data[p:p + step].transpose(-1, -2).reshape(-1, K)[:vocab - p * NR].double()
             rounded = w.to(torch.bfloat16).double()
             norm, rounded_norm = w.norm(dim=1), rounded.norm(dim=1)
             radius[p * NR:p * NR + len(w)] = (w - rounded).norm(dim=1) + (u + g * (1 + u)) * rounded_norm + g * norm
-            wn_max = max(wn_max, norm.max().item(), rounded_norm.max().item())
+            wn_max = torch.maximum(wn_max, torch.maximum(norm.max(), rounded_norm.max()))  # (NaN stays NaN)
         self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
-        # (NaN where a weight is: no row is then decided here, mm_screened_argmax's guard)
-        self.wn_max = float(torch.tensor(wn_max * (1 + 2.0 ** -10)).float())
+        # NaN or inf where a weight is: mm_screened_argmax's guard then decides no row here
+        self.wn_max = float((wn_max * (1 + 2.0 ** -10)).float())
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""

@@ -5,6 +5,7 @@ backend and transformers is in test_model_parity, which runs native by default o
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -546,18 +547,26 @@ def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_screened_head_copy_and_radius_are_the_packed_heads():
-    w = torch.randn(300, 40)
+    w = torch.randn(300, 40, generator=torch.Generator().manual_seed(0))
     packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
     screen = cpu_gemm.ScreenedHead(packed, 290, lib)
     want = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
     assert screen.copy.pairs == want.pairs and torch.equal(screen.copy.data, want.data)
-    assert screen.radius.shape == (290,) and (screen.radius > 0).all()
-    assert screen.wn_max >= w.norm(dim=1).max()
+    # the radius, built panel by panel, against the formula over the whole head at once
+    w64 = w[:290].double()
+    r64 = w64.to(torch.bfloat16).double()
+    u, g = 2.0 ** -8, 40 * 2.0 ** -24 / (1 - 40 * 2.0 ** -24)
+    radius = ((w64 - r64).norm(dim=1) + (u + g * (1 + u)) * r64.norm(dim=1) + g * w64.norm(dim=1)) * (1 + 2.0 ** -10)
+    assert torch.equal(screen.radius, radius.float())
+    assert screen.wn_max >= w[:290].norm(dim=1).max()
+    w[7, 3] = float("nan")  # a NaN weight: no row passes the guard
+    assert math.isnan(cpu_gemm.ScreenedHead(cpu_gemm.pack(w, lib.panel_width, torch.float32), 290, lib).wn_max)
 
 
 def test_screened_head_prunes_a_rising_staircase():
-    """Logits that rise column after column: each vector's last column becomes a candidate and the
-    earlier ones fall below the floor, so the buffer (256) fills and is pruned many times over."""
+    """Logits that rise column after column: each vector adds a column or two to the candidates, and
+    the earlier ones fall below the floor, so the buffer (256) fills and is pruned (2 to 9 times,
+    with 16 to 4 floats a vector), and the row is still decided."""
     V, K = 4800, 32
     b = torch.randn(K) * 0.1
     w = b * 1.01 ** torch.arange(V, dtype=torch.float64).unsqueeze(1).float()
@@ -592,13 +601,15 @@ def test_screened_head_hands_undecidable_rows_to_the_full_product():
 def test_screened_head_leaves_overflowing_rows_and_nan_weights_to_the_full_product():
     # |x| near float32's limit: the bfloat16 product overflows to inf in one column where the float32
     # logit is finite, and the other way round in another (vdpbf16ps adds the pair in its own order)
-    for a in ([-1.0, 4.0], [4.0, -1.0]):
-        w = torch.tensor([a, [1.5, 1.6]])
-        packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
-        screen = cpu_gemm.ScreenedHead(packed, 2, lib)
-        x = torch.full((4, 2), 1e38)
-        assert (_screened(screen, x) == -1).all()
-        assert torch.equal(screen.tokens(x), cpu_gemm.argmax_rows(cpu_gemm.gemm(x, packed, lib)[:, :2], lib))
+    # (then the same with the weights 2^20 larger and x 2^20 smaller: |x| alone passes, |x| |w| does not)
+    for scale in (1.0, 2.0 ** 20):
+        for a in ([-1.0, 4.0], [4.0, -1.0]):
+            w = torch.tensor([a, [1.5, 1.6]]) * scale
+            packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)
+            screen = cpu_gemm.ScreenedHead(packed, 2, lib)
+            x = torch.full((4, 2), 1e38 / scale)
+            assert (_screened(screen, x) == -1).all()
+            assert torch.equal(screen.tokens(x), cpu_gemm.argmax_rows(cpu_gemm.gemm(x, packed, lib)[:, :2], lib))
     w = torch.randn(50, 8)
     w[20, 3] = float("nan")
     packed = cpu_gemm.pack(w, lib.panel_width, torch.float32)

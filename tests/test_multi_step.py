@@ -257,6 +257,43 @@ def test_greedy_bursts_in_one_native_call_equal_single_steps(model_dir, dtype):
     assert calls == [5, 5, 5]  # 16 tokens after the prefill's first: three bursts and a single step; six rows
 
 
+def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(model_dir, monkeypatch):
+    """The lm_head's screen inside the native burst (kernels/cpu_gemm.py ScreenedHead), forced on
+    whatever the CPU. Uneven final-norm weights give the rows different norms; with the screen's
+    overflow guard set at their median, some rows of a step are decided by the screen and the others
+    go to the full float32 head in one product, and with it below them all, every row does. The
+    tokens are the full head's throughout."""
+    from kernels import cpu_gemm
+
+    if cpu_gemm.native() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    params = [SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)] * len(PROMPTS)
+
+    def run(screened: bool, cut: float | None = None):
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib: screened)
+        eng = engine(model_dir, 5)
+        model = eng.stages[0].runner.model
+        model.model.norm.weight.data.copy_(torch.linspace(0.2, 3.0, model.config.hidden_size))  # (the burst's too)
+        norms = []
+        if screened:
+            screen = model.lm_head.screen
+            if cut is not None:
+                screen.wn_max = 2.0 ** 126 / cut  # rows of norm cut or more fail the guard
+            tokens = screen.tokens  # (the prefill's rows come through Python: their norms)
+            screen.tokens = lambda x: norms.append(x.norm(dim=1)) or tokens(x)
+        calls = count_native_bursts(eng)
+        out = generate(eng, params)
+        assert calls == [5, 5, 5]
+        return out, torch.cat(norms) if norms else None
+
+    full, _ = run(False)
+    screened, seen = run(True)
+    assert screened == full
+    assert seen.max() > seen.min() * 1.01  # rows of different norms: a cut between them splits a step
+    assert run(True, float(seen.median()))[0] == full
+    assert run(True, float(seen.min()) / 2)[0] == full
+
+
 def test_a_stop_token_mid_burst_on_the_native_path_ends_the_row_there(model_dir):
     plain = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     greedy = generate(engine(model_dir, 1), [plain] * len(PROMPTS))

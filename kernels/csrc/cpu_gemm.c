@@ -1185,8 +1185,9 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
  * candidates are the j whose interval reaches the largest lower end of any: no other j can hold the
  * float32 maximum. Their float32 logits are recomputed from x [R, K] (rows ldx apart) and the packed
  * float32 head w, and out[r] is the first maximum among them. out[r] = -1 where that cannot be
- * decided here (more than SCREEN_CAP candidates, or a value that is not finite): the caller computes
- * that row's logits in full. */
+ * decided here (more than SCREEN_CAP candidates, or SCREEN_BUF still in reach when the buffer
+ * fills; a value that is not finite; |x_r| wn_max at or above 2^126, where a sum could overflow):
+ * the caller computes that row's logits in full. */
 #define SCREEN_CAP 64
 #define SCREEN_BUF 256
 /* Whether any lane of a comparison's mask is set */
@@ -1309,8 +1310,8 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
  * embed: [rows, H] of type et (float32 or bfloat16); norm: the final RMSNorm's weight (float32);
  * head: the packed lm_head, head_n >= vocab columns of type ht with its scale (or NULL).
  * screen, radius, screen_wn_max: a float32 head's bfloat16 copy (packed as head, head_n columns) and
- * its bound, to
- * sample through mm_screened_argmax (rows it cannot decide take the full product); NULL: none.
+ * its bound, to sample through mm_screened_argmax (the rows it cannot decide take the full product,
+ * together); screen NULL: none.
  * out [steps, S]: the tokens sampled, each the first maximum of its row's first vocab logits.
  * Returns -1 when out of memory. */
 int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const void *embed, int et,
@@ -1352,14 +1353,17 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
                 goto done;
             }
             mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, screen_wn_max, head, sampled, nthreads);
-            for (int64_t i = 0; i < S; i++) {
-                if (sampled[i] >= 0) continue;
-                if (mm_gemm(1, head_n, H, normed + i * H, H, head, ht, head_scale, logits, head_n, nthreads)) {
-                    rc = -1;
-                    goto done;
-                }
-                mm_argmax_rows(1, vocab, logits, head_n, sampled + i);
+            int64_t left = 0; /* the undecided rows, gathered into `summed` (free until the next step) */
+            for (int64_t i = 0; i < S; i++)
+                if (sampled[i] < 0) memcpy(summed + left++ * H, normed + i * H, sizeof(float) * H);
+            if (!left) continue;
+            if (mm_gemm(left, head_n, H, summed, H, head, ht, head_scale, logits, head_n, nthreads)) {
+                rc = -1;
+                goto done;
             }
+            mm_argmax_rows(left, vocab, logits, head_n, meta); /* (meta: free until the next step too) */
+            for (int64_t i = 0, j = 0; i < S; i++)
+                if (sampled[i] < 0) sampled[i] = meta[j++];
             continue;
         }
         if (mm_gemm(S, head_n, H, normed, H, head, ht, head_scale, logits, head_n, nthreads)) {
