@@ -66,11 +66,16 @@ def measure_machine(dtype: torch.dtype) -> dict:
 
 
 def step_cost(mc: ModelConfig, batch: int, context_lens: list[int], bytes_per: float,
-              kv_bytes_per: float | None = None) -> tuple[float, float]:
+              kv_bytes_per: float | None = None, screened: bool = False) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with these context lengths; weights
-    of bytes_per bytes each, the KV cache kv_bytes_per (default the same)."""
+    of bytes_per bytes each, the KV cache kv_bytes_per (default the same). screened: greedy rows
+    through the lm_head's screen (kernels/cpu_gemm.py ScreenedHead), which reads the head's
+    bfloat16 copy (2 bytes a weight) and multiplies it with vdpbf16ps (twice the multiply-adds of
+    an FMA: its FLOPs count half at the float32 peak)."""
     layers, head = decode_costs(mc)  # multiply-adds of the weights one token uses
     w_flops = sum(layers) + head
+    head_bytes = head * (2 if screened else bytes_per)
+    head_flops = head * (0.5 if screened else 1.0)
     # bytes: those weights, plus the experts the batch's other tokens pick (each read once)
     E, K = mc.num_experts, mc.top_k
     sparse = sum(mc.is_sparse_layer(i) for i in range(mc.num_layers))
@@ -80,7 +85,8 @@ def step_cost(mc: ModelConfig, batch: int, context_lens: list[int], bytes_per: f
     kv_bytes = (ctx + batch) * mc.num_layers * 2 * mc.kv_size
     attn_flops = 4 * ctx * mc.num_layers * mc.q_size
     kv_bytes_per = bytes_per if kv_bytes_per is None else kv_bytes_per
-    return w_bytes * bytes_per + kv_bytes * kv_bytes_per, 2 * w_flops * batch + attn_flops
+    return ((w_bytes - head) * bytes_per + head_bytes + kv_bytes * kv_bytes_per,
+            2 * (w_flops - head + head_flops) * batch + attn_flops)
 
 
 def weight_bytes_per(engine: LLMEngine) -> float:
@@ -95,6 +101,7 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
     mc, bytes_per = engine.model_config, weight_bytes_per(engine)
     # the native kernels compute in float32 whatever the weights' type; torch in the model dtype
     peak = machine["matmul_flops" if engine.stages[0].runner.model.backend == "native" else "dtype_matmul_flops"]
+    screened = engine.stages[-1].runner.model.can_screen
     decode_time = roof_time = 0.0
     tokens = 0
     with tqdm(total=len(prompts) * new, desc=f"moemesh batch {len(prompts)}", unit="tok", leave=False) as bar:
@@ -113,7 +120,8 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
                 tokens += made
                 # (a schedule of several decode steps, --num-scheduler-steps: each a step of the roofline)
                 for j in range(made // len(ctx)):
-                    nbytes, flops = step_cost(mc, len(ctx), [c + j for c in ctx], bytes_per, engine.dtype.itemsize)
+                    nbytes, flops = step_cost(mc, len(ctx), [c + j for c in ctx], bytes_per, engine.dtype.itemsize,
+                                              screened)
                     roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
     assert all(len(s.output_ids) == new for s in seqs)
     return {"tok_per_s": tokens / decode_time, "roofline_tok_per_s": tokens / roof_time}
