@@ -151,20 +151,21 @@ class FusedDecode:
         bfloat16 on the way but what the lm_head's product itself rounds (see the class; the op-by-op
         head rounds the layers' output, their sum, the normed row and the logits), as llama.cpp
         computes its head."""
-        weight, eps, packed, vocab = self.head
-        hidden, residual = self._layers(ctx, hidden, residual, owned)
-        normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
-        logits = cpu_gemm.gemm(normed, packed, self.lib)
+        packed, vocab = self.head[2:]
+        logits = cpu_gemm.gemm(self._normed(ctx, hidden, residual, owned), packed, self.lib)
         return logits if packed.n == vocab else logits[:, :vocab]
 
     def tokens(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None,
                owned: bool = False) -> torch.Tensor:
         """As `logits`, every row sampled greedily with nothing to edit or report: [T] int64, the
         first maximum of each row's logits, through the lm_head's screen (`can_screen`)."""
+        return self.model.lm_head.screen.tokens(self._normed(ctx, hidden, residual, owned))
+
+    def _normed(self, ctx: ForwardContext, hidden: torch.Tensor, residual: torch.Tensor | None, owned: bool):
+        """Every layer, then the final norm: what the lm_head takes, float32."""
         weight, eps = self.head[:2]
         hidden, residual = self._layers(ctx, hidden, residual, owned)
-        normed, _ = cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)
-        return self.model.lm_head.screen.tokens(normed)
+        return cpu_gemm.rms_norm(hidden, weight, eps, residual, self.lib)[0]
 
     @property
     def can_greedy(self) -> bool:

@@ -65,21 +65,18 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""
-        if residual is None:
-            hidden = self.model.norm(hidden)
-        else:
-            hidden, _ = self.model.norm(hidden, residual)
-        return self.lm_head(hidden).float()
+        return self.lm_head(self._final_norm(hidden, residual)).float()
 
     def compute_tokens(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows sampled greedily, with nothing to edit or report: [N, H] (with their residual) -> [N]
         int64, each row's first maximum of its logits; through the lm_head's `screen` (which needs
         `can_screen`), not every logit."""
+        return self.lm_head.screen.tokens(self._final_norm(hidden, residual).float())
+
+    def _final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
-            hidden = self.model.norm(hidden)
-        else:
-            hidden, _ = self.model.norm(hidden, residual)
-        return self.lm_head.screen.tokens(hidden.float())
+            return self.model.norm(hidden)
+        return self.model.norm(hidden, residual)[0]
 
     @property
     def can_screen(self) -> bool:
