@@ -585,15 +585,39 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
 
 
 def _stream_killing(server, url, auth, body, marker: bytes) -> list[dict]:
-    """Streams a completion; once its first event is read (the request surely in flight), SIGKILLs the
-    server's child whose command line holds `marker`; the stream's JSON events."""
+    """Streams a completion and SIGKILLs the server's child whose command line holds `marker` while the
+    request is surely in flight: once its first event is read, the stage workers are frozen (SIGSTOP), and
+    the kill comes only if the coordinator still counts the request as running (a tiny model can finish
+    all its tokens before a loaded machine gets to the kill; then the workers go on and it tries again).
+    The stream's JSON events."""
     data = json.dumps({**body, "stream": True}).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **auth})
-    with urllib.request.urlopen(request, timeout=60) as r:
-        events = [r.readline()]
-        os.kill([p for p in _children(server.proc.pid) if marker in _cmdline(p)][0], signal.SIGKILL)
-        events += r.read().splitlines()
-    return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+    for _ in range(5):
+        with urllib.request.urlopen(request, timeout=60) as r:
+            events = [r.readline()]
+            workers = [p for p in _children(server.proc.pid) if b"stage-worker" in _cmdline(p)]
+            _signal(workers, signal.SIGSTOP)
+            try:
+                time.sleep(1.0)  # (the gateway asks the coordinator every 0.5 s: a status from the frozen time)
+                if metric(server, "vllm:num_requests_running") >= 1:
+                    os.kill([p for p in _children(server.proc.pid) if marker in _cmdline(p)][0], signal.SIGKILL)
+                    in_flight = True
+                else:
+                    in_flight = False
+            finally:
+                _signal(workers, signal.SIGCONT)
+            events += r.read().splitlines()
+        if in_flight:
+            return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+    raise AssertionError("every request finished before the kill")
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _children(pid):
