@@ -13,6 +13,7 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -21,9 +22,11 @@ import os
 import socket
 import ssl
 import time
+import typing
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -154,6 +157,8 @@ class Gateway:
                 if self.down:  # (the coordinator may still answer: its launcher has given up on the mesh)
                     status = msgspec.structs.replace(status, serving=False, failure=self.down, phase="down")
                 self.status = status
+                if status.max_model_len:  # (a recovery may have rebuilt the KV pool at another size)
+                    self.max_model_len = status.max_model_len
                 self.metrics.update_from_status(self.status, time.monotonic())
                 silent = 0
             except asyncio.TimeoutError:
@@ -295,7 +300,13 @@ class Gateway:
         self._check_model(body.model)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
-        prompts = [self._truncated(body, p) for p in self._prompts(body.prompt)]
+        given = self._prompts(body.prompt)
+        prompts = [self._truncated(body, p) for p in given]
+        # echo shows a text prompt as it was sent (the ids may decode otherwise: a BOS, normalization), and
+        # token ids, or a prompt cut by truncate_prompt_tokens, as they decode
+        texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        echoes = [t if isinstance(t, str) and len(p) == len(g) else self.tokenizer.decode(p, skip_special_tokens=False)
+                  for t, p, g in zip(texts, prompts, given)] if body.echo else None
         def max_tokens(prompt):  # (left out: OpenAI's 16; null: the rest of the context, as vLLM)
             if body.max_tokens is msgspec.UNSET:
                 return 16
@@ -303,7 +314,7 @@ class Gateway:
 
         params = [self._params(body, len(p), max_tokens(p), body.logprobs, body.logprobs if body.echo else None)
                   for p in prompts]
-        return await self._serve(request, body, "cmpl", prompts, params, chat=False)
+        return await self._serve(request, body, "cmpl", prompts, params, chat=False, echoes=echoes)
 
     async def chat_completions(self, request):
         body = await self._parse(request, ChatCompletionRequest)
@@ -354,8 +365,8 @@ class Gateway:
         max_tokens = min(max_tokens, self.defaults.get("max_tokens", max_tokens))  # (vLLM caps it there too)
         if prompt_len + max_tokens > self.max_model_len:
             raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
-                                 f"prompt has {prompt_len} tokens and max_tokens asks for {max_tokens}, "
-                                 f"{prompt_len + max_tokens} in all", "max_tokens")
+                                 f"prompt has {prompt_len} tokens and {max_tokens_param} asks for {max_tokens}, "
+                                 f"{prompt_len + max_tokens} in all", max_tokens_param)
         if not 1 <= body.n <= MAX_N:
             raise HTTPError(400, f"n must be in [1, {MAX_N}]", "n")
         if body.best_of is not None and body.best_of != body.n:
@@ -367,15 +378,22 @@ class Gateway:
                   for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                             "repetition_penalty")}
         fields = {k: v for k, v in fields.items() if v is not None}
+        if fields.get("top_k") == -1:
+            fields["top_k"] = 0  # (-1: off, as vLLM spells it)
+        seed = body.seed
+        if seed is not None:  # any 64-bit integer, as vLLM takes (the sampler's seeds are 63-bit)
+            if not -(1 << 63) <= seed < 1 << 64:
+                raise HTTPError(400, "seed must be a 64-bit integer", "seed")
+            seed %= 1 << 63
         try:
-            return SamplingParams(max_tokens=max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
+            return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
-                     chat: bool):
+                     chat: bool, echoes: list[str] | None = None):
         if not self._accepting():
             raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
         n_seqs = len(prompts) * body.n
@@ -397,8 +415,8 @@ class Gateway:
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
                      "skip_special_tokens": body.skip_special_tokens}
             if body.stream:
-                return await self._stream(request, body, rid, jobs, shown, chat)
-            return await self._complete(body, rid, jobs, shown, chat)
+                return await self._stream(request, body, rid, jobs, shown, chat, echoes)
+            return await self._complete(body, rid, jobs, shown, chat, echoes)
         finally:
             self.pending -= n_seqs
 
@@ -426,20 +444,28 @@ class Gateway:
                 if out.queue_seconds is not None:
                     self.metrics.queue.labels(self.model_name).observe(out.queue_seconds)
                     choice.cached_tokens = out.num_cached_tokens
-                choice.token_ids += out.token_ids
-                if out.logprobs:
-                    choice.logprobs += out.logprobs
-                shown_ids = out.token_ids
+                ids, lps = list(out.token_ids), list(out.logprobs or [])
+                shown_ids = ids
                 if out.finish_reason == "stop" and shown_ids and not choice.detok.include_stop:
                     shown_ids = shown_ids[:-1]  # the EOS or stop token that ended it is no text (as vLLM)
-                text = choice.detok.add(shown_ids)
+                if choice.detok.stop and len(shown_ids) > 1:  # (several tokens at once: --num-scheduler-steps)
+                    text = ""
+                    for k, t in enumerate(shown_ids):  # a stop string ends the answer at the token that
+                        text += choice.detok.add([t])  # completes it: the ones after it are not counted
+                        if choice.detok.stopped:
+                            ids, lps = ids[:k + 1], lps[:k + 1]
+                            break
+                else:
+                    text = choice.detok.add(shown_ids)
+                choice.token_ids += ids
+                choice.logprobs += lps
                 if out.finish_reason is not None:
                     text += choice.detok.finish()
                     choice.finish_reason = out.finish_reason
                 if choice.detok.stopped:  # a stop string: cut here and end the request
                     choice.finish_reason = "stop"
-                await queue.put((index, "delta", Delta(text, list(out.logprobs or []), choice.finish_reason,
-                                                       bool(out.token_ids), out.prompt_logprobs)))
+                await queue.put((index, "delta", Delta(text, lps, choice.finish_reason, bool(ids),
+                                                       out.prompt_logprobs)))
                 if choice.finish_reason is not None:
                     break
             ended = choice.finish_reason
@@ -484,7 +510,7 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, body, rid, jobs, shown, chat):
+    async def _complete(self, body, rid, jobs, shown, chat, echoes=None):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
         async for index, kind, payload in self._gather(rid, jobs, shown):
@@ -507,14 +533,14 @@ class Gateway:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
                                                    prompt_lps.get(index), 0, body.skip_special_tokens)[0]
                 if body.echo:
-                    text = self.tokenizer.decode(prompt, skip_special_tokens=False) + text
+                    text = echoes[index // body.n] + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
         usage = _usage(jobs, choices, body.n)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": int(time.time()), "model": self.model_name, "choices": out,
                                   "usage": usage})
 
-    async def _stream(self, request, body, rid, jobs, shown, chat):
+    async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -578,7 +604,7 @@ class Gateway:
                         prefix, echo = "", None
                         if body.echo and index not in offsets:  # the first chunk carries the prompt
                             echo = jobs[index][1]
-                            prefix = self.tokenizer.decode(echo, skip_special_tokens=False)
+                            prefix = echoes[index // body.n]
                         start = offsets.setdefault(index, 0)
                         if d.text or prefix or d.finish_reason or d.has_tokens:
                             lp = None
@@ -609,11 +635,19 @@ class Gateway:
     # -- helpers -------------------------------------------------------------------------------
 
     async def _parse(self, request: web.Request, kind):
-        raw = await request.read()
         try:
-            return msgspec.json.decode(raw, type=kind)
+            raw = await request.read()
+        except web.RequestPayloadError as e:  # (a body that does not decompress, or ends early)
+            raise HTTPError(400, f"could not read the request body: {e}") from None
+        try:
+            value = msgspec.json.decode(raw)
+            if isinstance(value, dict):  # null where OpenAI allows it for a field with a default: the default
+                value = {k: v for k, v in value.items() if v is not None or k not in _defaulted_on_null(kind)}
+            return msgspec.convert(value, type=kind)
         except msgspec.ValidationError as e:
-            param = str(e).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(e) else None
+            text = str(e)
+            param = (text.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in text else
+                     text.split("`")[1] if text.startswith("Object missing required field `") else None)
             raise HTTPError(400, f"invalid request: {e}", param) from None
         except msgspec.DecodeError as e:
             raise HTTPError(400, f"invalid JSON body: {e}") from None
@@ -729,6 +763,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+@functools.cache
+def _defaulted_on_null(kind) -> frozenset[str]:
+    """The fields of a request body that take no null but have a default: OpenAI's API allows null for
+    them (n, stream, echo, chat's logprobs ...), and vLLM reads it as the default."""
+    return frozenset(f.encode_name for f in msgspec.structs.fields(kind)
+                     if f.required is False and not _takes_none(f.type))
+
+
+def _takes_none(t) -> bool:
+    return t is None or t is type(None) or t is Any or any(_takes_none(a) for a in typing.get_args(t))
+
+
 def _seeded(params: SamplingParams, j: int) -> SamplingParams:
     """The j-th of n choices: its own seed, so the choices differ but stay reproducible."""
     if j == 0 or params.seed is None:
@@ -755,7 +801,8 @@ def _text_content(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"}
+        kinds = {p.get("type") if isinstance(p, dict) and isinstance(p.get("type"), str) else
+                 type(p.get("type") if isinstance(p, dict) else p).__name__ for p in content} - {"text"}
         if kinds:
             raise HTTPError(400, f"content parts of type {sorted(map(str, kinds))[0]!r} are not supported by "
                                  f"this server (text only)", "messages")

@@ -174,6 +174,11 @@ def test_errors_in_openai_shape(server):
         (http("POST", url, raw=b'{"prompt": "' + b"a" * (9 << 20) + b'"}'), 413, None),
         (http("POST", f"{server.url}/v1/chat/completions", {"messages": "hi"}), 400, "messages"),
         (http("POST", url, {"prompt": "x", "stream": True, "stop_token_ids": [-5]}), 400, "stop_token_ids"),
+        (http("POST", url, {"max_tokens": 2}), 400, "prompt"),  # (a required field left out is named)
+        (http("POST", f"{server.url}/v1/chat/completions", {}), 400, "messages"),
+        (http("POST", url, {"prompt": "x", "seed": 1 << 64}), 400, "seed"),
+        # a body that does not decompress as its Content-Encoding says
+        (http("POST", url, raw=b"not gzip at all", headers={"Content-Encoding": "gzip"}), 400, None),
     ]
     for (status, body, _), want_status, want_param in cases:
         assert status == want_status, body
@@ -192,6 +197,11 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     cases = [
         (http("POST", chat, {"messages": user, "chat_template_kwargs": {"messages": []}}), "chat_template_kwargs"),
         (http("POST", chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}), "messages"),
+        (http("POST", chat, {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "a"}]}]}),
+         "messages"),
+        (http("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]}),
+         "messages"),
+        (http("POST", chat, {"messages": user, "max_completion_tokens": 300}), "max_completion_tokens"),
         (http("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
          "messages"),
         (http("POST", chat, {"messages": user, "top_logprobs": 2}), "top_logprobs"),
@@ -229,6 +239,15 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
                {"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}]:
         status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
         assert status == 200, (ok, body)
+    # what OpenAI's API and vLLM take: null for a field with a default (the default), top_k -1 (off), any
+    # 64-bit seed
+    completions = f"{server.url}/v1/completions"
+    for ok in [{"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None},
+               {"top_k": -1}, {"seed": -1, "temperature": 1.0}, {"seed": (1 << 64) - 1, "temperature": 1.0}]:
+        status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, **ok})
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, (ok, body)
+    status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, "logprobs": None, "n": None})
+    assert status == 200 and json.loads(body)["choices"][0]["logprobs"] is None, body
     assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
     status, body, _ = http("GET", f"{server.url}/v1/models/org/gpt-9")  # (a name with a slash reaches the handler)
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
