@@ -9,6 +9,7 @@ per-request outputs out. The mesh coordinator and the in-process engine both dri
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -45,8 +46,12 @@ class Ended:
 
 class EngineCore:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 eos_token_ids: tuple[int, ...], vocab_size: int, prefix_caching: bool = False):
+                 eos_token_ids: tuple[int, ...], vocab_size: int, prefix_caching: bool = False,
+                 context_limit: int | None = None):
+        """`context_limit`: the model's context (or --max-model-len) where `config` holds less because the KV
+        cache does: a pool that changes size (`resize`) moves the limit up to it."""
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=prefix_caching)
+        self.context_limit = context_limit or config.max_model_len
         self.scheduler = Scheduler(config, self.blocks, eos_token_ids)
         self.vocab_size = vocab_size
         self.requests: dict[str, Sequence] = {}
@@ -142,7 +147,7 @@ class EngineCore:
         outputs = []
         for item in step.items:
             seq = item.seq
-            if seq.request_id not in self.requests or (not item.sample and seq not in finished):
+            if not self._current(seq) or (not item.sample and seq not in finished):
                 continue
             outputs.append(self._output(seq))
         self._ended(finished)
@@ -158,15 +163,21 @@ class EngineCore:
         del self.in_flight[result.step_id]
         finished = self.scheduler.update_steps(step, [[(s.token_id, s.logprobs) for s in result.sampled[j * n:(j + 1) * n]]
                                                       for j in range(step.num_steps)])
-        outputs = [self._output(item.seq) for item in step.items if item.seq.request_id in self.requests]
+        outputs = [self._output(item.seq) for item in step.items if self._current(item.seq)]
         self._ended(finished)
         return outputs
+
+    def _current(self, seq: Sequence) -> bool:
+        """Whether `seq` is still its request's (not one aborted while its step was in flight, whose id a
+        new request may have taken since)."""
+        return self.requests.get(seq.request_id) is seq
 
     def _ended(self, finished: list[Sequence]) -> None:
         """Sequences a result finished: no longer requests, forgotten by the stages in the next
         schedule, their outputs kept for a resend."""
         for seq in finished:
-            self.requests.pop(seq.request_id, None)
+            if self._current(seq):
+                del self.requests[seq.request_id]
             self._forget.append(seq.seq_id)
             self._keep_ended(seq)
 
@@ -220,16 +231,32 @@ class EngineCore:
         self.scheduler.in_flight.clear()
         self.in_flight.clear()
 
-    def requeue_all(self, num_blocks: int | None = None) -> tuple[int, int]:
+    def _limited(self, config: SchedulerConfig, num_blocks: int) -> SchedulerConfig:
+        """A context the KV cache cannot hold could never be served (a chat without max_tokens asks for
+        all of it): the limit is the smaller of the model's and what `num_blocks` hold."""
+        capacity = num_blocks * self.blocks.block_size + 1  # (a sequence's last token is never cached)
+        return dataclasses.replace(config, max_model_len=min(self.context_limit, capacity))
+
+    def resize(self, num_blocks: int) -> list[RequestOutput]:
+        """The rebuilt pipeline's pool (a recovery's, while no sequence holds a block): the context
+        limit follows it, and a request that no longer fits ends with an error now (it could never be
+        admitted, and would hold up every request behind it). -> those requests' last outputs."""
+        self.blocks.resize(num_blocks)
+        self.scheduler.config = config = self._limited(self.scheduler.config, num_blocks)
+        too_long = [seq.request_id for seq in self.scheduler.waiting if seq.request_id in self.requests and (
+            len(seq.prompt_ids) + seq.params.max_tokens > config.max_model_len)]
+        return [out for rid in too_long if (out := self.abort(
+            rid, "error", f"the rebuilt pipeline's KV cache holds {config.max_model_len - 1} tokens, fewer than "
+                          f"this request's prompt plus max_tokens"))]
+
+    def requeue_all(self) -> tuple[int, int]:
         """A stage lost its KV state: forget the steps in flight and every cached prefix, and put
         every running sequence back in the waiting queue (oldest first, ahead of the new ones) to be
         recomputed as prompt + output, as after a preemption; the tokens it already has are kept, so
-        its stream goes on with the next one. `num_blocks`: the pool of the rebuilt pipeline.
-        -> (sequences put back, tokens of theirs that were in the cache)."""
+        its stream goes on with the next one. -> (sequences put back, tokens of theirs that were in
+        the cache)."""
         self.fail_in_flight()
         n = self.scheduler.requeue_all()
         self.blocks.reset_cache()
-        if num_blocks is not None and num_blocks != self.blocks.num_blocks:
-            self.blocks.resize(num_blocks)
         self._forget.clear()  # the stages forget every sequence on the reset anyway
         return n

@@ -103,7 +103,7 @@ class Scheduler:
         items: list[ScheduledSeq] = []
         scheduled: set[int] = set()
 
-        preempted = False
+        short = False  # the pool ran out for a running sequence: nobody new is admitted in this step
         block_size = self.blocks.block_size
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
@@ -119,12 +119,11 @@ class Scheduler:
             # a prefill chunk shrinks to the room left; only what cannot take one token preempts
             n = min(pending, budget, max(1, self.blocks.room(seq)))
             while not self.blocks.can_grow(seq, n):
-                victim = next((s for s in reversed(self.running)
-                               if s.seq_id not in self.in_flight and s.seq_id not in scheduled), None)
+                short = True
+                victim = self._victim(seq, scheduled)
                 if victim is None:
                     break
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING or not self.blocks.can_grow(seq, n):
@@ -134,7 +133,7 @@ class Scheduler:
             budget -= n
 
         # after a preemption the pool is short: admit nobody new (nor the victim) in this step
-        while not preempted and self.waiting and budget > 0 and len(items) < max_seqs:
+        while not short and self.waiting and budget > 0 and len(items) < max_seqs:
             seq = self.waiting[0]
             hits = self.blocks.lookup(seq)  # cached blocks of its prefix (it owns none while waiting)
             cached = len(hits) * self.blocks.block_size
@@ -150,10 +149,26 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         num_steps = 1
-        if self.config.num_steps > 1 and not preempted and not self.waiting and not self.in_flight:
+        if self.config.num_steps > 1 and not short and not self.waiting and not self.in_flight:
             num_steps = self._num_steps(items)
         self.in_flight.update(scheduled)
         return Step(items, num_steps)
+
+    def _victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        """Whom `seq` preempts to grow: the newest running sequence newer than it with no step in flight
+        (nor in this one); else `seq` itself if it is the newest that could go. None when only newer
+        ones with a step in flight stand in the way: `seq` waits for one to return (to preempt it then),
+        rather than an older sequence giving its cache up for a newer one."""
+        for s in reversed(self.running):
+            if s is seq:
+                return seq if not any(t.seq_id in self.in_flight for t in self._newer(seq)) else None
+            if s.seq_id not in self.in_flight and s.seq_id not in scheduled:
+                return s
+        return None
+
+    def _newer(self, seq: Sequence):
+        i = self.running.index(seq)
+        return self.running[i + 1:]
 
     def _num_steps(self, items: list[ScheduledSeq]) -> int:
         """How many decode steps this step can run at once: 1 unless it holds every running sequence,

@@ -301,8 +301,10 @@ class Coordinator:
                 return self._fail(f"stage workers (pp rank, tp rank) {reg.not_ready()} did not load within "
                                   f"{cfg.recovery_timeout:g} s of the recovery (--recovery-timeout)")
         num_blocks = reg.num_blocks()
-        if num_blocks != self.core.blocks.num_blocks:
-            self.core.blocks.resize(num_blocks)  # nothing holds a block while recovering
+        if num_blocks != self.core.blocks.num_blocks:  # (a replacement with another --kv-memory)
+            log.warning("the rebuilt pipeline's KV pool has another size", extra={"fields": {
+                "blocks": num_blocks, "before": self.core.blocks.num_blocks}})
+            await self.router.deliver(self.core.resize(num_blocks))  # nothing holds a block while recovering
         for w in replacements:
             if reg.workers.get(w.rank) is w:  # (not one that was lost again meanwhile)
                 await self._send_worker(w.identity, Start(num_blocks, reg.epoch))
@@ -574,6 +576,16 @@ class Coordinator:
                 for sched in self.loop.issue():
                     self.issued[sched.step_id] = time.monotonic()
                     await self.pipeline.send(sched)
+                if self.loop.stalled():  # (a request the pool can never hold gets past the checks: a bug)
+                    seq = (self.core.scheduler.waiting or self.core.scheduler.running)[0]
+                    log.error("no step can be scheduled; ending the oldest waiting request", extra={"fields": {
+                        "request_id": seq.request_id, "tokens": seq.num_tokens, "max_tokens": seq.params.max_tokens,
+                        "blocks": self.core.blocks.num_blocks}})
+                    out = self.core.abort(seq.request_id, "error", "internal error: the KV cache cannot take "
+                                                                   "this request")
+                    if out is not None:
+                        await self.router.deliver([out])
+                        self.wake.set()
 
     # -- clients ------------------------------------------------------------------------------
 

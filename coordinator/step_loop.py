@@ -65,9 +65,9 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, 
             "the KV cache holds fewer tokens than the context length: requests are limited to what it holds "
             "(raise --kv-memory, or set --max-model-len to say so)",
             extra={"fields": {"max_model_len": config.max_model_len, "kv_cache_tokens": capacity}})
-        config = dataclasses.replace(config, max_model_len=capacity)
-    return EngineCore(config, num_blocks, settings.block_size, model.eos_token_ids, model.vocab_size,
-                      prefix_caching=not settings.no_prefix_caching)
+    return EngineCore(dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity)), num_blocks,
+                      settings.block_size, model.eos_token_ids, model.vocab_size,
+                      prefix_caching=not settings.no_prefix_caching, context_limit=config.max_model_len)
 
 
 class StepLoop:

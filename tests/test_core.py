@@ -514,3 +514,39 @@ def test_the_context_limit_is_what_the_kv_cache_holds(caplog):
         core.add("too long", prompt(100), SamplingParams(max_tokens=94))
     assert mesh_core(SchedulerSettings(block_size=16, max_model_len=64), model, 12).scheduler.config.max_model_len == 64
     assert mesh_core(settings, model, 1000).scheduler.config.max_model_len == 4096
+
+
+def test_a_request_id_used_again_after_an_abort_in_flight_is_the_new_requests():
+    """An aborted request's step comes back after a new request took its id: the new one gets none of
+    the old one's outputs or its end, and runs to its own end."""
+    core = make_core()
+    stage = FakeLastStage()
+    old = core.add("a", prompt(10), SamplingParams(max_tokens=5))
+    s0 = core.next_schedule()
+    assert core.abort("a").finish_reason == "abort"
+    new = core.add("a", prompt(10, base=40), SamplingParams(max_tokens=5))
+    assert core.process_result(stage(s0)) == [] and core.requests["a"] is new and not new.finished
+    _, outputs = run(core, stage)
+    assert [o.finish_reason for o in outputs["a"]][-1] == "length"
+    assert sum(len(o.token_ids) for o in outputs["a"]) == 5 and old.output_ids == [] and pool_is_whole(core)
+
+
+def test_a_pool_rebuilt_smaller_limits_the_context_and_ends_what_no_longer_fits():
+    """A recovery's replacement with a smaller KV pool: the context limit follows the pool; a request
+    that no longer fits ends with an error (it could never be admitted, and would hold up the rest);
+    the others finish; a pool grown back raises the limit up to the model's."""
+    core = EngineCore(SchedulerConfig(64, 16, 65), 16, 4, (EOS,), VOCAB, context_limit=512)
+    stage = FakeLastStage()
+    core.add("big", prompt(40), SamplingParams(max_tokens=20))
+    core.add("small", prompt(4, base=100), SamplingParams(max_tokens=4))
+    core.process_result(stage(core.next_schedule()))
+    assert core.requeue_all() == (2, 44)
+    outs = core.resize(8)
+    assert [(o.request_id, o.finish_reason, o.error_status) for o in outs] == [("big", "error", 503)]
+    assert "holds 32 tokens" in outs[0].error and core.scheduler.config.max_model_len == 33
+    with pytest.raises(ValueError, match="maximum context length of 33"):
+        core.add("too big now", prompt(30), SamplingParams(max_tokens=4))
+    _, outputs = run(core, stage)
+    assert outputs["small"][-1].finish_reason == "length" and pool_is_whole(core)
+    core.resize(200)
+    assert core.scheduler.config.max_model_len == 512

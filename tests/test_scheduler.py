@@ -603,3 +603,32 @@ def test_a_sequence_preempted_in_a_step_is_not_readmitted_in_that_step():
                 f"seq {item.seq.seq_id} preempted and rescheduled from {item.context_len} in one step"
         sched.update(step, sampler(step))
     assert a.finish_reason == b.finish_reason == "length"
+
+
+def test_an_older_sequence_is_not_preempted_for_a_newer_ones_next_chunk():
+    """A decoding sequence that needs a block while the only newer one has a prefill chunk in flight waits
+    for that step to return and then preempts the newer one, rather than giving its own cache up."""
+    sched, blocks = make_scheduler(num_blocks=6, block_size=4, budget=8, max_seqs=8, max_model_len=25)
+    a = make_seq(0, 7, max_tokens=8, ignore_eos=True)
+    sched.add(a)
+    step = sched.schedule()
+    sched.update(step, [1000])  # a: 7 cached, its token pending; its next decode fills the 2nd block
+    b = make_seq(1, 20, max_tokens=1)
+    sched.add(b)
+    first = sched.schedule()  # a's decode and b's first chunk
+    check_step(sched, blocks, first)
+    second = sched.schedule()  # b's next chunk right behind it (a awaits its token)
+    check_step(sched, blocks, second)
+    assert [i.seq for i in second.items] == [b]
+    sched.update(first, [1001])
+    third = sched.schedule()  # a needs a block; b, newer, has a step in flight: a waits (b's chunk goes on)
+    check_step(sched, blocks, third)
+    assert a not in [i.seq for i in third.items] and a.num_preemptions == 0 and a.status is Status.RUNNING
+    sched.update(second, [])
+    sched.update(third, [])
+    fourth = sched.schedule()  # b's steps are back: b, the newer, is the one preempted
+    check_step(sched, blocks, fourth)
+    assert [i.seq for i in fourth.items] == [a] and b.num_preemptions == 1 and a.num_preemptions == 0
+    sched.update(fourth, FakeSampler()(fourth))
+    run_to_completion(sched, blocks)
+    assert a.finish_reason == b.finish_reason == "length" and blocks.num_free == blocks.num_blocks
