@@ -838,3 +838,56 @@ def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
     (recommended / "generation_config.json").write_text(json.dumps({**config, "temperature": "hot"}))
     with pytest.raises(ConfigError, match="generation_config.json"):
         generation_defaults(recommended)
+
+
+def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its_tokens(model, tmp_path):
+    """With a tokenizer that adds a BOS, echo shows the text prompt as it was sent (not "<s>..."), and token
+    ids as they decode. With --num-scheduler-steps 4 an output carries several tokens: a stop string ends
+    the answer at the token that completes it, and the usage and logprobs count no token after it."""
+    import shutil
+
+    from moemesh.tokenizer import TextTokenizer
+
+    bos_model = tmp_path / "tiny-mixtral"
+    shutil.copytree(model, bos_model)
+    tok_json = json.loads((bos_model / "tokenizer.json").read_text())
+    tok_json["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    (bos_model / "tokenizer.json").write_text(json.dumps(tok_json))
+    tok = TextTokenizer(bos_model)
+    prompt = "Once upon a time"
+    ids = tok.encode(prompt)
+    assert ids[0] == 1  # (the BOS)
+    greedy = engine_greedy(bos_model, ids, 24)
+    # a stop string that first appears some tokens in: the text one token adds there
+    k0 = next(k for k in range(6, 24) if len(piece := tok.decode(greedy[:k])[len(tok.decode(greedy[:k - 1])):]) >= 2
+              and piece not in tok.decode(greedy[:k - 1]))
+    stop = tok.decode(greedy[:k0])[len(tok.decode(greedy[:k0 - 1])):]
+    want = next(k for k in range(1, 25) if stop in tok.decode(greedy[:k]))
+    server = Server(bos_model, "--num-scheduler-steps", "4")
+    try:
+        url = f"{server.url}/v1/completions"
+        r = json.loads(http("POST", url, {"prompt": prompt, "max_tokens": 2, "echo": True, "temperature": 0})[1])
+        assert r["choices"][0]["text"].startswith(prompt), r
+        r = json.loads(http("POST", url, {"prompt": ids, "max_tokens": 2, "echo": True, "temperature": 0})[1])
+        assert r["choices"][0]["text"].startswith("<s>" + prompt), r
+        chunks = _sse(url, {"prompt": prompt, "max_tokens": 2, "echo": True, "temperature": 0})
+        assert chunks[0]["choices"][0]["text"].startswith(prompt), chunks[0]
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop], "logprobs": 0}
+        r = json.loads(http("POST", url, body)[1])
+        assert r["choices"][0]["text"] == tok.decode(greedy[:want]).split(stop)[0], (r, stop)
+        assert r["usage"]["completion_tokens"] == want and len(r["choices"][0]["logprobs"]["tokens"]) == want, r
+        chunks = _sse(url, {**body, "stream_options": {"include_usage": True}})
+        assert chunks[-1]["usage"]["completion_tokens"] == want
+        assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == want
+    finally:
+        server.stop()
+
+
+def _sse(url, body) -> list[dict]:
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return [json.loads(e[6:]) for e in r.read().splitlines() if e.startswith(b"data: {")]
