@@ -147,7 +147,7 @@ class Coordinator:
         self.guard.serve(self.clients_sock, "clients")
         try:
             worker_port = bind(self.workers_sock, cfg.host, cfg.port)
-            client_port = bind(self.clients_sock, cfg.host, cfg.client_port)
+            client_port = bind(self.clients_sock, cfg.host, cfg.client_port, "--host/--client-port")
         except OSError:  # (its sockets closed: a context left open would block whoever collects it)
             self.guard.close()
             self.ctx.destroy(linger=0)

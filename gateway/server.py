@@ -849,6 +849,8 @@ def load_api_keys(key: str | None, key_file: str | None) -> list[bytes]:
             lines = Path(key_file).read_text().splitlines()
         except OSError as e:
             raise ConfigError(f"--api-key-file {key_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {key_file}: not UTF-8 text") from None
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         if not keys:
             raise ConfigError(f"--api-key-file {key_file} holds no key")
@@ -881,22 +883,36 @@ def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
     return context
 
 
+def listen_socket(cfg: GatewaySettings) -> socket.socket:
+    """The gateway's listening socket, bound now: a port that is taken, or a host that is not this
+    machine's, is an error naming the flags before anything waits for the pipeline (or starts it)."""
+    try:
+        family = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
+    except (OSError, UnicodeError) as e:  # (socket.gaierror is an OSError)
+        raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {getattr(e, 'strerror', None) or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
 async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, urls: list | None = None,
-                      down: asyncio.Future | None = None) -> None:
+                      down: asyncio.Future | None = None, sock: socket.socket | None = None) -> None:
     """Serves until cancelled; once listening sets `ready` and appends its URL (the port it bound,
     which --port 0 leaves to the system) to `urls`. `down`: its result, a reason, turns the gateway to
-    503 for good (the mesh's launcher gave up on it)."""
+    503 for good (the mesh's launcher gave up on it). `sock`: a `listen_socket` bound already."""
+    sock = sock or listen_socket(cfg)
     gw = Gateway(cfg)
     if down is not None:
         down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context(cfg))
     try:
+        await runner.setup()  # (waits for the pipeline to serve)
+        site = web.SockSite(runner, sock, ssl_context=ssl_context(cfg))
         await site.start()
-    except OSError as e:  # e.g. the port is taken
+    except BaseException:
+        sock.close()
         await runner.cleanup()
-        raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
+        raise
     scheme = "https" if cfg.ssl_certfile else "http"
     port = runner.addresses[0][1] if runner.addresses else cfg.port
     url = f"{scheme}://{cfg.host}:{port}"

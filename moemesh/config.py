@@ -101,8 +101,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> "ModelConfig":
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            arch = (raw.get("architectures") or [model_type])[0]
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
+            archs = raw.get("architectures")
+            arch = archs[0] if isinstance(archs, list) and archs else model_type
             supported = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
             raise ConfigError(f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: {supported}")
         try:
@@ -111,23 +112,30 @@ class ModelConfig:
             raise ConfigError(f"config.json of a {model_type} model lacks required field {e.args[0]!r}") from None
         except ConfigError:
             raise
-        except (TypeError, ValueError, AttributeError) as e:
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
             raise ConfigError(f"config.json of a {model_type} model has a field of the wrong type: {e}") from None
-        for name, hf_name in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
-                              ("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
-                              ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
-                              ("max_position_embeddings", "max_position_embeddings")):
+        sizes = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+                 ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                 ("head_dim", "head_dim"), ("max_position_embeddings", "max_position_embeddings"),
+                 ("intermediate_size", "intermediate_size")]
+        if config.num_experts:
+            sizes += [("num_experts", "num_local_experts" if model_type == "mixtral" else "num_experts"),
+                      ("moe_intermediate_size", "moe_intermediate_size")]
+        for name, hf_name in sizes:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config.json of a {model_type} model: {hf_name} is {value!r}, not a positive "
                                   f"integer")
+        eps = config.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ConfigError(f"config.json of a {model_type} model: rms_norm_eps is {eps!r}, not a number in [0, 1)")
         return config
 
     @classmethod
     def _from_hf(cls, model_type: str, raw: dict[str, Any], eos_token_ids) -> "ModelConfig":
         hidden = raw["hidden_size"]
         heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or hidden // heads
+        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads > 0 else None)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mixtral") else None
@@ -189,7 +197,10 @@ def _frozen(d: dict) -> dict:
 def _as_tuple(x) -> tuple[int, ...]:
     if x is None:
         return ()
-    return tuple(x) if isinstance(x, list) else (int(x),)
+    ids = x if isinstance(x, list) else [x]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"{x!r} is not a token id or a list of them")
+    return tuple(ids)
 
 
 # generation_config.json's sampling settings that become request defaults (as vLLM's --generation-config
@@ -240,7 +251,7 @@ def _eos_ids(raw: dict, generation_config: Path) -> tuple[int, ...]:
         if generation_config.is_file():
             eos |= set(_as_tuple(read_json_object(generation_config).get("eos_token_id")))
         return tuple(sorted(eos))
-    except TypeError as e:  # (an id that is not a number)
+    except (TypeError, ValueError) as e:  # (an id that is not a number)
         raise ConfigError(f"eos_token_id of {generation_config.parent}: {e}") from None
 
 

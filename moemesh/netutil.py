@@ -27,16 +27,16 @@ def run(coro) -> object:
         return runner.run(coro)
 
 
-def bind(sock: zmq.Socket, host: str, port: int) -> int:
-    """Binds tcp://host:port (port 0: a free one); returns the port. OSError naming the address when
-    it cannot (taken, or not this host's): the CLI prints it as one line."""
+def bind(sock: zmq.Socket, host: str, port: int, flags: str = "--host/--port") -> int:
+    """Binds tcp://host:port (port 0: a free one); returns the port. OSError naming the address and the
+    `flags` that set it when it cannot (taken, or not this host's): the CLI prints it as one line."""
     try:
         if port == 0:
             return sock.bind_to_random_port(f"tcp://{host}")
         sock.bind(f"tcp://{host}:{port}")
     except zmq.ZMQError as e:
-        raise OSError(e.errno, f"cannot listen on tcp://{host}:{port or '(any port)'}: {zmq.strerror(e.errno)}") \
-            from None
+        raise OSError(e.errno, f"cannot listen on tcp://{host}:{port or '(any port)'} ({flags}): "
+                               f"{zmq.strerror(e.errno)}") from None
     return port
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,12 +41,13 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 
 # -- flag types ---------------------------------------------------------------------------------
 
-def _int_at_least(low: int, name: str, high: int | None = None):
-    """An integer flag's parser, refusing values below `low` (or above `high`); `name` is what
-    argparse's errors say."""
+def _int_at_least(low: int, name: str, high: int = 1 << 40):
+    """An integer flag's parser, refusing values below `low` or above `high` (by default 2^40: no count,
+    size or byte figure of a host comes near it, and a larger one would overflow a C integer in ZeroMQ
+    or torch before anything said which flag it was); `name` is what argparse's errors say."""
     def parse(text: str) -> int:
         value = int(text)
-        if value < low or (high is not None and value > high):
+        if not low <= value <= high:
             raise ValueError
         return value
 
@@ -53,8 +55,11 @@ def _int_at_least(low: int, name: str, high: int | None = None):
     return parse
 
 
-positive_int = _int_at_least(1, "positive integer")
-non_negative_int = _int_at_least(0, "non-negative integer")
+positive_int = _int_at_least(1, "positive integer (up to 2^40)")
+non_negative_int = _int_at_least(0, "non-negative integer (up to 2^40)")
+# (OpenMP cannot start many thousands of threads: a process would die without a word at its first
+# parallel operation)
+threads_int = _int_at_least(1, "thread count (1 to 1024)", high=1024)
 
 
 port_int = _int_at_least(0, "port (0 to 65535)", high=65535)
@@ -74,6 +79,15 @@ def tcp_address(text: str) -> str:
     """tcp://HOST:PORT with a port a peer can listen on (1 to 65535)."""
     host, sep, port = text.removeprefix("tcp://").rpartition(":") if text.startswith("tcp://") else ("", "", "")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(text)
+    if host.startswith("[") or host.endswith("]"):  # an IPv6 address, bracketed
+        try:
+            ipaddress.IPv6Address(host.removeprefix("[").removesuffix("]"))
+        except ValueError:
+            raise ValueError(text) from None
+        if not (host.startswith("[") and host.endswith("]")):
+            raise ValueError(text)
+    elif not all(c.isalnum() or c in "-._*" for c in host):  # a name or an IPv4 address (* : any interface)
         raise ValueError(text)
     return text
 
@@ -104,7 +118,10 @@ def partition_arg(text: str):
     if text == "auto" or text.startswith("auto:"):
         auto_mix(text)  # (refuses a malformed mix)
         return text
-    return tuple(int_list(text))
+    counts = tuple(int_list(text))
+    if not counts:  # ("" or ","; a count below 1 is named with the model's layers, where they are known)
+        raise ValueError(text)
+    return counts
 
 
 partition_arg.__name__ = "auto, auto:PROMPT:OUTPUT or a comma-separated list of integers"
@@ -380,7 +397,7 @@ class WorkerResources(Settings):
                                    "layers in one process", parse=positive_int)
     threads: int | None = flag(None, "compute threads of the engine, or of each stage worker on a mesh "
                                      "(default: this machine's cores shared among the worker processes)",
-                               parse=positive_int)
+                               parse=threads_int)
     num_kv_blocks: int | None = flag(None, "a KV pool of exactly this many blocks instead of one sized from "
                                            "--kv-memory", parse=positive_int)
     device: str = flag("cpu", "cpu, cuda or cuda:N; a mesh started here puts its worker i (stage by stage, "

@@ -75,7 +75,10 @@ class CheckpointReader:
             path = self.dir / file
             if not path.is_file():
                 raise LoadError(f"tensor {name!r} is mapped to {file}, which is missing from {self.dir}")
-            self._handles[file] = safe_open(str(path), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(path), framework="pt")
+            except Exception as e:  # (safetensors raises its own error type for a bad header or a short file)
+                raise LoadError(f"{path} is not a readable safetensors file: {e}") from None
             self.stats.files_opened.add(file)
         try:
             return LazyTensor(name, file, self._handles[file], self.stats)

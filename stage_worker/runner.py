@@ -12,12 +12,15 @@ returns logits of the rows to sample.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
 from stage_worker.context import build_context, forward_context
 from stage_worker.fused_decode import FusedDecode
 from stage_worker.layers.attention import PagedAttention
@@ -46,6 +49,22 @@ class StepInput:
         return rows
 
 
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The KV cache, zeroed; a ConfigError naming the flags that size it where it cannot be had (more
+    than the host's memory: the kernel would let a CPU allocation succeed and kill the process later)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    hint = (f"a KV cache of {shape[2]} blocks of {shape[3]} tokens ({nbytes / 2**30:.1f} GiB) on {device}: "
+            f"lower --kv-memory (or --num-kv-blocks, --block-size)")
+    if torch.device(device).type == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if nbytes > memory:
+            raise ConfigError(f"{hint}; this host has {memory / 2**30:.1f} GiB of memory")
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, OverflowError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        raise ConfigError(f"{hint}; it could not be allocated: {str(e).splitlines()[0]}") from None
+
+
 class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
                  block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
@@ -56,7 +75,7 @@ class StageRunner:
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
-        self.kv_cache = torch.zeros(len(attn), 2, num_blocks, block_size, kvh, D, dtype=dtype, device=device)
+        self.kv_cache = allocate_kv((len(attn), 2, num_blocks, block_size, kvh, D), dtype, device)
         for i, layer in enumerate(attn):
             layer.kv_cache = self.kv_cache[i]
         # decode steps in one native call for all the stage's layers, where every layer can take that path

@@ -74,8 +74,11 @@ def recorded_run(directory: str | None) -> dict:
     return run
 
 
+NUM_BLOCKS, BLOCK_SIZE = 4096, 16  # the standalone stage's KV pool (a recording may say another block size)
+
+
 def run_standalone(model: str, layers: range, recording: str | None, tokens: int, seqs: int,
-                   block_size: int = 16, out=print, dtype: str | None = None, quantization: str | None = None,
+                   block_size: int = BLOCK_SIZE, out=print, dtype: str | None = None, quantization: str | None = None,
                    moe_backend: str | None = None) -> int:
     """`dtype`, `quantization`, `moe_backend`: as given, else as the recording's stage computed (its
     run.json), else the defaults; an FP8 checkpoint always runs as one."""
@@ -85,7 +88,7 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     compute = resolve_dtype(dtype or run.get("dtype") or "auto", mc)
     quant = resolve_quantization(mc, quantization or run.get("quantization"))
     backend = moe_backend or run.get("moe_backend") or "auto"
-    num_blocks = 4096
+    num_blocks = NUM_BLOCKS
     started = time.perf_counter()
     runner = StageRunner(model, mc, layers, num_blocks, block_size, dtype=torch_dtype(compute), progress=None,
                          quant=quant, moe_backend=backend)
@@ -174,6 +177,21 @@ def _stream(t: dict) -> torch.Tensor:
     """A recorded residual stream; recordings made before stages sent one tensor hold hidden and
     residual apart, whose sum it is."""
     return t["stream"] if "stream" in t else t["hidden"] + t["residual"]
+
+
+def check_synthetic_step(tokens: int, seqs: int, positions: int, block_size: int = BLOCK_SIZE) -> None:
+    """CLIError naming the flags where --tokens and --seqs make a step the standalone stage cannot run."""
+    from moemesh.errors import CLIError
+
+    if seqs > tokens:
+        raise CLIError(f"--seqs {seqs} is more than --tokens {tokens}: each synthetic sequence needs a token")
+    if -(-tokens // seqs) > positions:
+        raise CLIError(f"--tokens {tokens} over --seqs {seqs} makes sequences of up to {-(-tokens // seqs)} tokens, "
+                       f"more than the model's {positions} positions")
+    lengths = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+    if sum(-(-n // block_size) for n in lengths) > NUM_BLOCKS:
+        raise CLIError(f"--tokens {tokens} over --seqs {seqs} needs more than the standalone stage's {NUM_BLOCKS} "
+                       f"KV blocks of {block_size} tokens")
 
 
 def _synthetic(mc: ModelConfig, runner: StageRunner, tokens: int, seqs: int, block_size: int):

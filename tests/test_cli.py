@@ -6,6 +6,7 @@ traceback: in process, a traceback shows up as an exception other than SystemExi
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -391,8 +392,6 @@ def test_log_level_goes_before_or_after_the_command():
 
 
 def test_a_taken_port_a_bad_coordinator_address_and_a_missing_gpu_are_one_line_each(model, capsys):
-    import socket
-
     import torch
 
     with socket.socket() as taken:
@@ -403,8 +402,9 @@ def test_a_taken_port_a_bad_coordinator_address_and_a_missing_gpu_are_one_line_e
                      ["stage-worker", "--coordinator", "tcp://127.0.0.1:9", "--pp-rank", "0", "--port", port]):
             r = subprocess.run([sys.executable, "-m", "moemesh", *argv], capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-            assert f"cannot listen on tcp://127.0.0.1:{port}: Address already in use" in r.stderr, r.stderr
-    for bad in ("foo", "tcp://127.0.0.1:99999", "tcp://:5"):
+            assert f"cannot listen on tcp://127.0.0.1:{port} (--host/--port): Address already in use" in r.stderr, \
+                r.stderr
+    for bad in ("foo", "tcp://127.0.0.1:99999", "tcp://:5", "tcp://[::1:5555", "tcp://a b:5"):
         assert "--coordinator" in user_error(capsys, ["stage-worker", "--coordinator", bad, "--pp-rank", "0"])
         assert "--coordinator" in user_error(capsys, ["gateway", "--coordinator", bad])
     if not torch.cuda.is_available():
@@ -456,3 +456,48 @@ def test_bench_model_runs_the_triton_kernels_in_the_interpreter_on_cpu(model):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert any(row.get("backend") == "triton" and row["tok_per_s"] > 0 for row in rows), r.stdout
+
+
+@pytest.mark.parametrize("override,expect", [
+    ({"num_attention_heads": 0}, "num_attention_heads is 0"),
+    ({"eos_token_id": "abc"}, "eos_token_id"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({"intermediate_size": -4}, "intermediate_size is -4"),
+    ({"model_type": ["mixtral"]}, "unsupported architecture"),
+    ({"model_type": "gpt9", "architectures": 5}, "unsupported architecture"),
+], ids=["zero-heads", "eos-string", "eps-string", "negative-intermediate", "model-type-list", "architectures-int"])
+def test_a_config_field_out_of_range_is_named_without_a_traceback(model, tmp_path, capsys, override, expect):
+    broken = _copy(model, tmp_path / "broken")
+    raw = json.loads((model / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**raw, **override}))
+    err = user_error(capsys, ["generate", "--model", str(broken), *KV, "--prompt", "hi"])
+    assert expect in err and str(broken) in err
+
+
+def test_sizes_no_host_can_run_are_named_before_any_work(model, tmp_path, capsys):
+    """Threads OpenMP cannot start, integers past a C long, an empty partition, a KV cache larger than the
+    host, a truncated weights file, a synthetic standalone step that cannot run, a gateway port that is
+    taken: each an error naming its flag (or file), not a crash, a traceback or a wait."""
+    ids = ["--prompt-ids", "1,2", "--max-tokens", "1"]
+    assert "--threads" in user_error(capsys, ["generate", "--model", str(model), *KV, *ids, "--threads", "100000"])
+    assert "--max-batched-tokens" in user_error(capsys, ["coordinator", "--model", str(model),
+                                                         "--max-batched-tokens", str(10 ** 20)])
+    assert "--layer-partition" in user_error(capsys, ["generate", "--model", str(model), *KV, *ids,
+                                                      "--layer-partition="])
+    err = user_error(capsys, ["generate", "--model", str(model), *ids, "--kv-memory", str(10 ** 12)])
+    assert "--kv-memory" in err and "GiB" in err
+    truncated = _copy(model, tmp_path / "truncated")
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    err = user_error(capsys, ["generate", "--model", str(truncated), *KV, *ids])
+    assert "model.safetensors" in err and "safetensors file" in err
+    standalone = ["stage-worker", "--standalone", "--model", str(model), "--layers", "0:1"]
+    assert "--seqs 4" in user_error(capsys, [*standalone, "--tokens", "1", "--seqs", "4"])
+    assert "positions" in user_error(capsys, [*standalone, "--tokens", "100000", "--seqs", "1"])
+    assert "KV blocks" in user_error(capsys, [*standalone, "--tokens", "70000", "--seqs", "700"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        err = user_error(capsys, ["gateway", "--coordinator", "tcp://127.0.0.1:9", "--port", port])
+        assert f"--port {port}" in err and "in use" in err

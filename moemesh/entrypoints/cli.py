@@ -26,7 +26,8 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
-                              SchedulerSettings, partition_arg, positive_float, positive_int, positive_int_list)
+                              SchedulerSettings, partition_arg, positive_float, positive_int, positive_int_list,
+                              threads_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default 8)")
     td.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default 2e-3)")
     td.add_argument("--seed", type=int, default=None, help="(default 0)")
-    td.add_argument("--threads", type=positive_int, default=None, help="torch threads (default 2)")
+    td.add_argument("--threads", type=threads_int, default=None, help="torch threads (default 2)")
     td.add_argument("--log-every", type=positive_int, default=None, help="steps per progress line (default 10)")
     td.add_argument("--stdlib", type=Path, default=None, help="the standard library to read (default: this Python's)")
     td.add_argument("--write-eval-data", type=Path, default=None, metavar="DIR",
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch", type=int_list, default=[1, 8, 32, 64])
     m.add_argument("--new", type=positive_int, default=64, help="tokens generated per sequence")
     m.add_argument("--prompt-len", type=positive_int, default=32)
-    m.add_argument("--threads", type=positive_int, default=1)
+    m.add_argument("--threads", type=threads_int, default=1)
     m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     m.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     m.add_argument("--moe-backend", type=backend_list, default=["auto"],
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     fb.add_argument("--num-prompts", type=positive_int, default=16)
     fb.add_argument("--prompt-len", type=positive_int, default=16)
     fb.add_argument("--new", type=positive_int, default=32)
-    fb.add_argument("--threads", type=positive_int, default=1)
+    fb.add_argument("--threads", type=threads_int, default=1)
     fb.add_argument("--json", action="store_true")
 
     rb = bsub.add_parser("recovery", help="what losing a stage worker costs: the gap, requests lost, throughput")
@@ -488,7 +489,7 @@ def cmd_standalone(args) -> int:
     import torch
 
     from moemesh.config import ModelConfig
-    from stage_worker.standalone import run_standalone
+    from stage_worker.standalone import check_synthetic_step, run_standalone
 
     from stage_worker.standalone import recorded_run
 
@@ -502,9 +503,12 @@ def cmd_standalone(args) -> int:
     if recorded is not None and [a, b] != list(recorded):
         raise CLIError(f"--layers {a}:{b}: the --replay recording is of layers {recorded[0]}:{recorded[1]} "
                        f"(leave --layers out to replay those)")
-    n = ModelConfig.from_dir(args.model).num_layers
+    mc = ModelConfig.from_dir(args.model)
+    n = mc.num_layers
     if not 0 <= a < b <= n:
         raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
+    if args.replay is None:  # the synthetic step: every sequence a token at least, each within the positions
+        check_synthetic_step(args.tokens, args.seqs, mc.max_position_embeddings)
     if args.tp_rank:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
     if args.replay is not None and not any(Path(args.replay).glob("step-*.schedule")):

@@ -37,7 +37,7 @@ def engine_settings_from_args(args) -> EngineSettings:
     try:
         model_config = ModelConfig.from_dir(model)
     except ConfigError as e:
-        raise CLIError(f"--model {model}: {e}") from None
+        raise CLIError(str(e) if str(e).startswith("--model") else f"--model {model}: {e}") from None
     settings = EngineSettings.from_args(args, model=str(model))
     if settings.device.startswith("cuda:") and settings.tp > 1:
         raise CLIError(f"--device {settings.device} puts every worker on one GPU, and the --tp {settings.tp} ranks of "

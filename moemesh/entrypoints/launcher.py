@@ -24,6 +24,7 @@ import time
 import dataclasses
 
 from moemesh.config import ModelConfig
+from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.protocol import worker_message_bytes
 from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings
@@ -166,6 +167,12 @@ class LocalMesh:
         if self.coordinator.moe_backend == "native":
             resolve_backend("native", self.worker.device)
         check_checkpoint(self.coordinator.model)
+        workers = self.coordinator.pp * self.coordinator.tp
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.worker.device == "cpu" and self.worker.num_kv_blocks is None and self.worker.kv_memory * workers > memory:
+            raise ConfigError(f"--kv-memory {self.worker.kv_memory} for each of the {workers} stage workers is "
+                              f"{self.worker.kv_memory * workers / 2**30:.1f} GiB in all, more than this host's "
+                              f"{memory / 2**30:.1f} GiB of memory")
 
     def _start_workers(self, coordinator: str) -> None:
         for p in range(self.coordinator.pp):
