@@ -132,6 +132,16 @@ class EngineCore:
         missing = [item.seq.seq_id for item in step.items if item.sample and item.seq.seq_id not in by_seq]
         if missing:  # refuse before touching any state
             raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
+        V = self.vocab_size
+        bad = next((t for s in result.sampled for t in (s.token_id, *(a for a, _ in (s.logprobs.top if s.logprobs else ())))
+                    if not 0 <= t < V), None)
+        if bad is not None:  # (fed back to the first stage, it would fail it again on every recompute)
+            raise ValueError(f"result for step {result.step_id} holds token id {bad}, outside the vocabulary")
+        prompts = {i.seq.seq_id: len(i.seq.prompt_ids) for i in step.items}
+        for pl in result.prompt_logprobs:
+            if not 0 <= pl.start <= pl.start + len(pl.logprobs) <= prompts.get(pl.seq_id, -1):
+                raise ValueError(f"result for step {result.step_id} holds prompt logprobs of sequence {pl.seq_id} "
+                                 f"at positions {pl.start}..{pl.start + len(pl.logprobs)}, outside its prompt")
         if step.num_steps > 1:
             return self._process_steps(step, result)
         del self.in_flight[result.step_id]

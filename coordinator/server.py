@@ -45,7 +45,7 @@ from moemesh.layout import resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment, ClientMessage, Codec,
+from moemesh.protocol import (MAX_KV_BLOCKS, PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment, ClientMessage, Codec,
                               GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput,
                               ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
                               StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes,
@@ -197,7 +197,10 @@ class Coordinator:
             return self._fail(f"timed out waiting for stage workers (pp rank, tp rank) {reg.not_ready()} to load "
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
         num_blocks = reg.num_blocks()
-        self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp)
+        try:
+            self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp)
+        except (ValueError, MemoryError) as e:
+            return self._fail(f"the pipeline's KV pool of {num_blocks} blocks could not be set up: {e}")
         self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
         await self._broadcast(Start(num_blocks))
         if self.failure:  # a worker failed while Start went out
@@ -418,6 +421,10 @@ class Coordinator:
             if w.tp_rank == 0:
                 self.stage_spans[w.pp_rank].extend(msg.spans)
         elif isinstance(msg, Ready):
+            if w.phase is not Phase.LOADING or not 1 <= msg.num_blocks <= MAX_KV_BLOCKS:
+                self.bad_worker(ProtocolError(f"Ready with {msg.num_blocks} KV blocks from pp={w.pp_rank} "
+                                              f"tp={w.tp_rank} while {w.phase.value}"), repr(identity))
+                return
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
             if w.rank != (self.cfg.pp - 1, 0):

@@ -173,6 +173,11 @@ class MeshGuard:
         Call from the running event loop."""
         if self.keys is None:
             return
+        allowed = self.keys.directory / domain
+        if not allowed.is_dir():  # (every handshake on the socket would be refused: a stall, not an error)
+            raise ConfigError(f"--mesh-keys {self.keys.directory}: no {domain}/ directory of the public keys allowed "
+                              f"to connect to this process's {domain} socket (copy it from the key directory "
+                              f"`moemesh keys` made)")
         if self._auth is None:
             self.keys.check_allowed_sets()
             # the thread form: pyzmq's asyncio one (27.3) polls its ZAP socket on the event loop in a way

@@ -35,6 +35,7 @@ class ProtocolError(ValueError):
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule).
 PROTOCOL_VERSION = 3
+MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 
 

@@ -409,7 +409,9 @@ class WorkerResources(Settings):
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all
         layers, one pool): the blocks that kv_memory holds, at least one."""
-        return self.num_kv_blocks or max(1, self.kv_memory // bytes_per_block)
+        from moemesh.protocol import MAX_KV_BLOCKS
+
+        return min(MAX_KV_BLOCKS, self.num_kv_blocks or max(1, self.kv_memory // bytes_per_block))
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class StageRunner:
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
         rows: each sampling sequence's last token). greedy (on a model that `can_screen`): those
         rows' greedy tokens [len(logit_rows)] int64 instead, without every logit."""
-        hidden, residual = stream, None
+        # (a stream from the wire is a host tensor: a stage on a GPU computes on its own device)
+        hidden, residual = (stream.to(self.device) if stream is not None else None), None
         native = self.model.backend == "native"
         limits = (self.kv_cache.shape[2], self.config.max_position_embeddings) if native else None
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device, limits)

@@ -347,12 +347,14 @@ class StageWorker:
             if isinstance(msg, Schedule):
                 if msg.epoch > self.epoch:  # its epoch's Reset was lost (a dropped connection)
                     self._reset(msg.epoch, msg.first_step, in_order=False)
-                if self.next_schedule is not None and msg.step_id != self.next_schedule and not self.schedule_gap:
+                # (a worker's first schedule is its epoch's first: a new or replacement worker misses one too)
+                expected = msg.first_step if self.next_schedule is None else self.next_schedule
+                if msg.step_id != expected and not self.schedule_gap:
                     # a schedule was lost: the pipeline's step deadline will reset it (its step never
                     # comes back); computing the later ones on incomplete state would be wrong
                     self.schedule_gap = True
                     log.warning("schedule lost, waiting for a reset",
-                                extra={"fields": {"expected": self.next_schedule, "got": msg.step_id}})
+                                extra={"fields": {"expected": expected, "got": msg.step_id}})
                 if self.schedule_gap:
                     continue
                 self.next_schedule = msg.step_id + 1

@@ -15,7 +15,7 @@ from coordinator.registry import Phase, WorkerRegistry
 from coordinator.server import Coordinator
 from coordinator.step_loop import StepLoop
 from moemesh.protocol import (PROTOCOL_VERSION, Assignment, Codec, CoordinatorMessage, CoordinatorReply, Heartbeat,
-                              Ping, ProtocolError, Register, StatusRequest)
+                              Ping, ProtocolError, Register, Start, StatusRequest)
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings
 from test_core import FakeLastStage, make_core, prompt
@@ -91,7 +91,7 @@ def test_step_loop_fills_the_pipeline_and_shares_the_sequences():
     first = list(loop.issue())
     assert len(first) == 2 and [len(s.seqs) for s in first] == [2, 2]  # ceil(4 active / 2 in flight)
     assert list(loop.issue()) == []  # the pipeline is full
-    stage = FakeLastStage()
+    stage = FakeLastStage(first=100)
     loop.take(stage(first[0]))
     assert len(list(loop.issue())) == 1 and loop.steps == 3 and loop.step_seconds > 0
 
@@ -101,7 +101,7 @@ def test_step_loop_refuses_a_result_not_in_flight():
     loop = StepLoop(core, limit=1)
     core.add("r", prompt(3), SamplingParams(max_tokens=2))
     (sched,) = loop.issue()
-    result = FakeLastStage()(sched)
+    result = FakeLastStage(first=100)(sched)
     loop.take(result)
     with pytest.raises(ValueError, match="not in flight"):
         loop.take(result)
@@ -385,7 +385,7 @@ async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = 
             await asyncio.sleep(0.1)
 
     beats = asyncio.ensure_future(beat())
-    stage, seen = FakeLastStage(), 0
+    stage, seen = FakeLastStage(first=100), 0
     try:
         await sock.send_multipart(Codec.encode(reg(0, 0)))
         while True:
@@ -396,7 +396,7 @@ async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = 
             if isinstance(msg, Assignment):
                 await sock.send_multipart(Codec.encode(Ready(0, 0, 64)))
             elif isinstance(msg, Reset):
-                stage = FakeLastStage()  # (a reset drops the sampling state)
+                stage = FakeLastStage(first=100)  # (a reset drops the sampling state)
             elif isinstance(msg, Schedule):
                 log.append(msg.epoch)  # (the epoch each schedule belongs to)
                 seen += 1
@@ -680,3 +680,36 @@ def test_a_worker_for_a_rank_outside_the_layout_is_told_and_exits_saying_why(tin
     code, err, status = asyncio.run(scenario())
     assert code == 2 and "refused by the coordinator" in err and "outside pp=2 tp=1" in err, err
     assert status.phase == "registering"  # (the pipeline waits for its real workers)
+
+
+def test_a_ready_out_of_turn_or_with_no_blocks_is_refused_and_counted(tiny):
+    """Ready before the worker's assignment (Start would go out while it loads) or with a KV pool of 0
+    blocks (the coordinator could not build its core) is refused and counted; the right Ready serves."""
+    from moemesh.protocol import Ready
+
+    async def scenario():
+        coord = _coordinator(tiny, ready_timeout=30)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.connect(coord.addresses["workers"])
+        try:
+            await sock.send_multipart(Codec.encode(reg(0, 0)))
+            await sock.send_multipart(Codec.encode(Ready(0, 0, 64)))  # before any assignment
+            while not isinstance(Codec(CoordinatorMessage).decode(await sock.recv_multipart())[0], Assignment):
+                pass
+            await sock.send_multipart(Codec.encode(Ready(0, 0, 0)))
+            await asyncio.sleep(0.3)
+            early = await _status(coord.addresses["clients"])
+            await sock.send_multipart(Codec.encode(Ready(0, 0, 64)))
+            while not isinstance(Codec(CoordinatorMessage).decode(await sock.recv_multipart())[0], Start):
+                pass
+            return early, await _status(coord.addresses["clients"])
+        finally:
+            sock.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    early, serving = asyncio.run(scenario())
+    assert early.malformed_messages == 2 and early.phase == "loading" and early.failure is None
+    assert serving.phase == "serving" and serving.num_blocks == 64

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 
 from coordinator.core import ENDED_ENTRIES, EngineCore
@@ -41,8 +42,8 @@ def prompt_lp(seq_id: int, pos: int) -> TokenLogprobs:
 class FakeLastStage:
     """Tracks what a last stage would know from the schedules (params, prompt) and answers them."""
 
-    def __init__(self):
-        self.tokens = itertools.count(500)  # fresh, never EOS, inside the vocabulary
+    def __init__(self, first: int = 500):
+        self.tokens = itertools.count(first)  # fresh, never EOS, inside the vocabulary
         self.state: dict[int, tuple[SamplingParams, int, list[int] | None]] = {}
         self.forgotten: list[int] = []
         self.next_token: dict[int, int] = {}  # seq id -> the token to sample next (e.g. EOS)
@@ -550,3 +551,21 @@ def test_a_pool_rebuilt_smaller_limits_the_context_and_ends_what_no_longer_fits(
     assert outputs["small"][-1].finish_reason == "length" and pool_is_whole(core)
     core.resize(200)
     assert core.scheduler.config.max_model_len == 512
+
+
+def test_a_result_with_tokens_outside_the_vocabulary_or_prompt_logprobs_outside_the_prompt_is_refused():
+    """Refused whole, before any state changes (an out-of-vocabulary token fed back would fail the
+    first stage on every recompute); the step stays in flight and its right result is taken."""
+    core = make_core()
+    core.add("a", prompt(3), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    sched = core.next_schedule()
+    good = FakeLastStage()(sched)
+    for bad in (msgspec.structs.replace(good, sampled=[msgspec.structs.replace(good.sampled[0], token_id=VOCAB)]),
+                msgspec.structs.replace(good, sampled=[msgspec.structs.replace(good.sampled[0], token_id=-1)]),
+                msgspec.structs.replace(good, prompt_logprobs=[PromptLogprobs(sched.seqs[0].seq_id, 2,
+                                                                              [prompt_lp(0, 2)] * 4)])):
+        with pytest.raises(ValueError, match="outside"):
+            core.process_result(bad)
+        assert sched.step_id in core.in_flight and core.requests["a"].output_ids == []
+    outs = core.process_result(good)
+    assert len(outs[0].token_ids) == 1 and len(outs[0].prompt_logprobs) == 3

@@ -129,6 +129,22 @@ def test_each_host_works_with_only_the_key_files_deploy_readme_gives_it(tmp_path
 
     got, refused = asyncio.run(scenario())
     assert got == [b"activations"] and refused >= 1
+    # a stage host given no workers/ would refuse every handshake on its activation socket: it does not start
+    shutil.rmtree(stage_host / "workers")
+
+    async def without_allowed_keys():
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        guard = MeshGuard(ctx, str(stage_host))
+        try:
+            with pytest.raises(ConfigError, match="no workers/ directory"):
+                guard.serve(ctx.socket(zmq.PULL), "workers")
+        finally:
+            guard.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(without_allowed_keys())
 
 
 def test_only_loopback_is_allowed_without_keys():
