@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 .PHONY: setup run test bench clean
 
 $(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "moemesh needs Python 3.11 or newer; $(PY) is " + sys.version.split()[0] + " (give another: make run PY=python3.12)")'
+	@$(PY) -m venv $(VENV) || { echo "could not make a virtual environment with $(PY) (on Debian and Ubuntu: apt install python3-venv)" >&2; exit 1; }
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e '.[worker,test]'
