@@ -126,6 +126,9 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config.json of a {model_type} model: {hf_name} is {value!r}, not a positive "
                                   f"integer")
+        if config.num_heads % config.num_kv_heads:
+            raise ConfigError(f"config.json of a {model_type} model: num_attention_heads {config.num_heads} is not a "
+                              f"multiple of num_key_value_heads {config.num_kv_heads}")
         eps = config.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
             raise ConfigError(f"config.json of a {model_type} model: rms_norm_eps is {eps!r}, not a number in [0, 1)")
@@ -142,6 +145,7 @@ class ModelConfig:
         if sliding is not None and sliding < raw.get("max_position_embeddings", 0):
             raise ConfigError(f"sliding_window={sliding} attention is not supported")
 
+        defaults = HF_DEFAULTS[model_type]  # (what transformers fills in for a field config.json leaves out)
         num_experts = raw.get("num_local_experts", raw.get("num_experts", 0)) or 0
         if model_type == "llama":
             num_experts = 0
@@ -154,7 +158,8 @@ class ModelConfig:
                 moe_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
                 # Mixtral always renormalises the top-k weights; Qwen says so in its config.
                 norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) or 0,
+                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size",
+                                                        defaults.get("shared_expert_intermediate_size", 0)) or 0,
                 decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             )
@@ -173,11 +178,13 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=raw["intermediate_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope_config(raw),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rms_norm_eps=raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
+            rope=_rope_config(raw, defaults["rope_theta"]),
+            max_position_embeddings=raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2_moe" else attention_bias,
+            # (Qwen2-MoE's own switch; transformers' Mixtral has no attention biases at all)
+            qkv_bias=bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else
+            (attention_bias and model_type != "mixtral"),
             o_bias=attention_bias if model_type in ("llama", "qwen3_moe") else False,
             qk_norm=model_type == "qwen3_moe",
             mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
@@ -255,18 +262,28 @@ def _eos_ids(raw: dict, generation_config: Path) -> tuple[int, ...]:
         raise ConfigError(f"eos_token_id of {generation_config.parent}: {e}") from None
 
 
-def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+# transformers' defaults for fields a config.json may leave out, by architecture (its config classes')
+HF_DEFAULTS = {
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
+    "qwen2_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                  "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "llama": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+}
+
+
+def _rope_config(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     # transformers 5.x: rope_parameters {rope_theta, rope_type, ...}; the hub: rope_theta + rope_scaling
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
         raise ConfigError(f"rope_theta={theta!r} must be a finite number above 1")  # (nan: every logit nan)
-    return RopeConfig(
+    rope = RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
@@ -276,6 +293,13 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
     )
+    if not 0 < rope.factor < float("inf") or rope.original_max_position_embeddings < 1:
+        raise ConfigError(f"rope scaling factor {rope.factor!r} and original_max_position_embeddings "
+                          f"{rope.original_max_position_embeddings!r} must be positive")
+    if rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
+        raise ConfigError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, not "
+                          f"{rope.low_freq_factor!r} and {rope.high_freq_factor!r}")
+    return rope
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtypes, by name (stage_worker.tensors maps them to torch)

@@ -44,6 +44,7 @@ class LazyTensor:
         self.name, self.file, self._stats = name, file, stats
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.dtype = self._slice.get_dtype()  # safetensors' name: "F32", "BF16", "F8_E4M3", ...
 
     def __getitem__(self, index) -> torch.Tensor:
         t = self._slice[index]
@@ -60,7 +61,7 @@ class CheckpointReader:
         self._handles = {}
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self.weight_map: dict[str, str] = read_index(index)
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
@@ -84,6 +85,20 @@ class CheckpointReader:
             return LazyTensor(name, file, self._handles[file], self.stats)
         except Exception as e:  # the index names a file that does not hold the tensor
             raise LoadError(f"tensor {name!r} is not in {file} ({e})") from None
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> file); LoadError naming the file when it
+    holds none."""
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+        raise LoadError(f"{path} is not a safetensors index (a JSON object with a weight_map): "
+                        f"{type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise LoadError(f"{path}: its weight_map is not an object of tensor names to file names")
+    return weight_map
 
 
 def check_checkpoint(model_dir: str | Path) -> None:
@@ -148,6 +163,12 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
         loader = getattr(param, "weight_loader", load_whole)
         for ckpt_name, shard in model.checkpoint_sources(name):
             tensor = reader.get(ckpt_name)
+            if tensor.dtype.startswith("F8") and param.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                # (its codes would load as plain numbers: an FP8 checkpoint that quantized what moemesh keeps
+                # unquantized, its lm_head or a router gate, without listing it in ignored_layers)
+                raise LoadError(f"tensor {ckpt_name!r} in {tensor.file} is stored as {tensor.dtype}, but moemesh "
+                                f"loads {name} unquantized (an FP8 checkpoint's lm_head and router gates must "
+                                f"be 16/32-bit)")
             try:
                 loader(param, tensor, shard)
             except ValueError as e:

@@ -100,3 +100,12 @@ def test_bench_fp8_refuses_checkpoints_that_would_compare_nothing(checkpoints, t
     with pytest.raises(SystemExit) as e:
         main(argv + (["--fp8-model", str(fp8)] if fp8 else []))
     assert e.value.code == 2
+
+
+def test_quantize_refuses_an_out_directory_that_holds_weights(checkpoints, tmp_path, capsys):
+    """A shard or index left there from another checkpoint would be loaded with this one's config."""
+    original, quantized = checkpoints
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--model", str(original), "--out", str(quantized)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--out {quantized} already holds" in err and "Traceback" not in err

@@ -123,3 +123,51 @@ def test_config_spellings():
     for top_k in (5, 0, None):  # (a crash mid-request on every kernel path otherwise)
         with pytest.raises(ConfigError, match="num_experts_per_tok"):
             ModelConfig.from_hf({**base, "num_experts": 4, "num_experts_per_tok": top_k})
+
+
+def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_named():
+    """What transformers' config classes fill in for a missing field (Mixtral's rope_theta 1e6 and eps
+    1e-5, Qwen2-MoE's 5632-wide shared expert), Qwen2-MoE's qkv_bias switch, no attention biases for
+    Mixtral (transformers has none), and rope scalings or head counts that cannot work refused."""
+    base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                num_experts_per_tok=1)
+    mixtral = ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "attention_bias": True})
+    assert (mixtral.rope.theta, mixtral.rms_norm_eps, mixtral.max_position_embeddings) == (1e6, 1e-5, 131072)
+    assert not mixtral.qkv_bias and not mixtral.o_bias
+    qwen2 = ModelConfig.from_hf({**base, "model_type": "qwen2_moe", "num_experts": 4})
+    assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.qkv_bias and qwen2.rope.theta == 1e4
+    assert not ModelConfig.from_hf({**base, "model_type": "qwen2_moe", "num_experts": 4, "qkv_bias": False}).qkv_bias
+    assert ModelConfig.from_hf({**base, "model_type": "llama"}).max_position_embeddings == 2048
+    for bad, match in [({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor"),
+                       ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                          "high_freq_factor": 4.0}}, "low_freq_factor < high_freq_factor"),
+                       ({"num_attention_heads": 4, "num_key_value_heads": 3, "head_dim": 2}, "multiple of")]:
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig.from_hf({**base, "model_type": "llama", **bad})
+
+
+def test_fp8_codes_where_moemesh_loads_floats_and_a_broken_index_are_refused(single, tmp_path):
+    """An FP8 checkpoint that quantized a router gate without listing it in ignored_layers would load
+    its codes as plain numbers (logits hundreds of times too large): refused, naming the tensor; an
+    index that is not one is named too."""
+    shutil.copytree(single, tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    gate = "model.layers.0.block_sparse_moe.gate.weight"
+    tensors[gate] = tensors[gate].to(torch.float8_e4m3fn)
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(LoadError, match=f"{gate}.*F8_E4M3.*unquantized"):
+        load_model(tmp_path / "m", progress=False)
+    shutil.copytree(single, tmp_path / "i")
+    (tmp_path / "i" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(LoadError, match="weight_map"):
+        load_model(tmp_path / "i", progress=False)
+
+
+def test_every_layer_shares_one_rotary_table(single):
+    """One cos/sin pair per model, not per layer (at 131072 positions of 128 dims each pair is 128 MiB)."""
+    from stage_worker.layers.rotary import RotaryEmbedding
+
+    model, _ = load_model(single, progress=False)
+    rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(rotary) == ModelConfig.from_dir(single).num_layers > 1
+    assert len({(m.cos.data_ptr(), m.sin.data_ptr()) for m in rotary}) == 1

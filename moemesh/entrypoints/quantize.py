@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kernels.fp8 import quantize_fp8
+from stage_worker.loader import read_index
 
 INDEX = "model.safetensors.index.json"
 # the Linear modules of a decoder layer that are quantized, by their last name component
@@ -61,10 +62,14 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
                          f"({config['quantization_config'].get('quant_method')!r})")
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("out_dir must differ from model_dir")
+    if out_dir.is_dir() and any(p.name == INDEX or p.name.endswith(WEIGHT_SUFFIXES) for p in out_dir.iterdir()):
+        # (a shard or an index left from another checkpoint would be loaded with this one's config)
+        raise ValueError(f"out_dir {out_dir} already holds a checkpoint's weights; give a new or empty directory")
 
     index_path = model_dir / INDEX
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        weight_map = read_index(index_path)  # (LoadError, a ValueError, for one that is not an index)
+        index = {"metadata": json.loads(index_path.read_text()).get("metadata") or {}, "weight_map": weight_map}
         files = sorted(set(index["weight_map"].values()))
     else:
         index = None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -31,15 +32,32 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int):
-        super().__init__()
+# the cos/sin tables alive, by (head_dim, rope, positions, device): every layer of a model shares one pair
+# (one per layer would be 128 MiB each at 131072 positions of 128 dims: gigabytes for a long-context model)
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def rotary_tables(head_dim: int, rope: RopeConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] float32 on the default device, made once while any layer
+    holds them (read only)."""
+    key = (head_dim, rope, max_positions, str(torch.empty(0).device))
+    cos, sin = _TABLES.get((*key, "cos")), _TABLES.get((*key, "sin"))
+    if cos is None or sin is None:
         inv_freq = inverse_frequencies(head_dim, rope)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        _TABLES[(*key, "cos")], _TABLES[(*key, "sin")] = cos, sin
+    return cos, sin
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int):
+        super().__init__()
+        cos, sin = rotary_tables(head_dim, rope, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.backend = "torch"  # "native": float32 q/k rotated in place by kernels/cpu_gemm.c
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
