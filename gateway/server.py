@@ -884,12 +884,21 @@ def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
 
 
 def listen_socket(cfg: GatewaySettings) -> socket.socket:
-    """The gateway's listening socket, bound now: a port that is taken, or a host that is not this
+    """The gateway's socket, bound now but listening only once the pipeline serves (until then a client
+    is refused at once, as by a server that is not up): a port that is taken, or a host that is not this
     machine's, is an error naming the flags before anything waits for the pipeline (or starts it)."""
+    sock = None
     try:
-        family = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=1024)
+        family, _, _, _, address = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (not past a listener: Linux refuses that)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
     except (OSError, UnicodeError) as e:  # (socket.gaierror is an OSError)
+        if sock is not None:
+            sock.close()
         raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {getattr(e, 'strerror', None) or e}") from None
     sock.setblocking(False)
     return sock

@@ -449,7 +449,8 @@ class WorkerSettings(WorkerResources, MeshSecurity):
     pp_rank: int | None = flag(None, "this worker's pipeline stage", parse=non_negative_int)
     tp_rank: int = flag(0, "this worker's tensor rank in its stage", parse=non_negative_int)
     host: str = flag("127.0.0.1", "address the activation socket listens on")
-    advertise_host: str | None = flag(None, "address other workers use to reach this one (default: --host)")
+    advertise_host: str | None = flag(None, "address other workers use to reach this one (default: --host; for "
+                                            "0.0.0.0, this host's address on the route to --coordinator)")
     port: int = flag(0, "activation port (0: any free port)", parse=port_int)
     record: str | None = flag(None, "write the first steps' inputs and outputs here", metavar="DIR")
     record_steps: int = flag(16, "steps --record writes", parse=positive_int)

@@ -45,6 +45,23 @@ log = get_logger("stage_worker")
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
 
 
+def advertised_host(host: str, coordinator: str) -> str:
+    """The address other workers reach this one at, given none (--advertise-host): --host, or for a
+    wildcard (0.0.0.0, ::, *) this host's address on the route to the coordinator, which the other
+    stages reach it by too (a wildcard itself would send each of them to its own machine)."""
+    if host not in ("0.0.0.0", "::", "*", ""):
+        return host
+    target = coordinator.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        family = socket.getaddrinfo(target, None, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # (a UDP connect sends nothing: it picks a route)
+            probe.connect((target, 9))
+            local = probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1" if host != "::" else "[::1]"
+    return f"[{local}]" if ":" in local else local
+
+
 def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
     """(step id, the residual stream) of an activations message from the previous stage: exactly one
     tensor (a view of its frame, no copy); ProtocolError for anything else."""
@@ -111,7 +128,7 @@ class StageWorker:
             self.guard.close()
             self.ctx.destroy(linger=0)
             raise
-        host = cfg.advertise_host or cfg.host
+        host = cfg.advertise_host or advertised_host(cfg.host, cfg.coordinator)
         address = f"tcp://{host}:{port}"
         # a stage's ranks share a host: their process group meets on loopback (it has no authentication
         # of its own; docs/security.md says what else to firewall)

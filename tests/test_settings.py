@@ -79,3 +79,14 @@ def test_the_local_launcher_starts_children_with_what_their_commands_parse_back(
     assert worker == w and (worker.record, worker.kv_memory, worker.threads) == ("/rec/pp1-tp0", 1 << 20, 2)
     with pytest.raises(TypeError, match="no_such"):
         LocalMesh.of(engine, no_such=1)
+
+
+def test_a_worker_on_a_wildcard_host_advertises_an_address_the_other_stages_can_reach():
+    """--host 0.0.0.0 without --advertise-host: not tcp://0.0.0.0 (each stage would connect to its own
+    machine) but this host's address on the route to the coordinator; a given host is kept."""
+    from stage_worker.worker import advertised_host
+
+    assert advertised_host("0.0.0.0", "tcp://127.0.0.1:5555") == "127.0.0.1"
+    assert advertised_host("10.1.2.3", "tcp://127.0.0.1:5555") == "10.1.2.3"
+    assert advertised_host("::", "tcp://[::1]:5555") == "[::1]"
+    assert advertised_host("*", "tcp://nohost.invalid:5555") == "127.0.0.1"  # (no route: loopback)

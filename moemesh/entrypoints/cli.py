@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", choices=["default", "bench"],
                    help="start from these sizes (default: 4 layers, hidden 256, 8 experts, vocabulary 1024, random "
                         "weights, not the trained demo model `serve` ships; bench: the benchmark model of "
-                        "docs/benchmarks.md); the flags below change them")
+                        "docs/benchmarks.md; without --preset: each flag's own default below); the flags below "
+                        "change them")
     defaults = TinyModelSpec(arch="mixtral")
     for flag, field in SIZE_FLAGS.items():
         t.add_argument(f"--{flag}", dest=field, type=non_negative_int if flag == "seed" else positive_int, default=None,
