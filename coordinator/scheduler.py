@@ -7,9 +7,11 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   limit and the free KV blocks allow. A prompt longer than the remaining budget is prefilled in
   chunks across steps (chunked prefill), so prefills and decodes share every step.
 - A prefill chunk shrinks to fit the free blocks. When a running sequence cannot take even one
-  token, the newest running sequence is preempted: its blocks are freed and it goes back to the
-  front of the queue, to be recomputed from its prompt and generated tokens in a later step (no
-  waiting sequence is admitted in a step that preempted).
+  token, the newest running sequence newer than it (or it, if it is the newest) is preempted: its
+  blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt and
+  generated tokens in a later step (no waiting sequence is admitted in a step where the pool ran
+  short). A sequence with a step in flight is never the one: where only such stand in the way, the
+  sequence waits for them.
 - A pipeline keeps several steps in flight. A sequence waiting for the token its step will sample
   has nothing to schedule until that step returns; but a long prompt's next chunk can go out right
   behind the previous one (every stage runs steps in order, so the earlier chunk's K/V is in place
@@ -156,12 +158,14 @@ class Scheduler:
 
     def _victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
         """Whom `seq` preempts to grow: the newest running sequence newer than it with no step in flight
-        (nor in this one); else `seq` itself if it is the newest that could go. None when only newer
-        ones with a step in flight stand in the way: `seq` waits for one to return (to preempt it then),
-        rather than an older sequence giving its cache up for a newer one."""
+        (nor in this one); else `seq` itself if it is the newest that could go and has no step in flight
+        (a step in flight would write, and its result mark as cached, blocks given away meanwhile). None
+        when only sequences with a step in flight stand in the way: `seq` waits for one to return (to
+        preempt it then), rather than an older sequence giving its cache up for a newer one."""
         for s in reversed(self.running):
             if s is seq:
-                return seq if not any(t.seq_id in self.in_flight for t in self._newer(seq)) else None
+                waits = seq.seq_id in self.in_flight or any(t.seq_id in self.in_flight for t in self._newer(seq))
+                return None if waits else seq
             if s.seq_id not in self.in_flight and s.seq_id not in scheduled:
                 return s
         return None

@@ -632,3 +632,26 @@ def test_an_older_sequence_is_not_preempted_for_a_newer_ones_next_chunk():
     sched.update(fourth, FakeSampler()(fourth))
     run_to_completion(sched, blocks)
     assert a.finish_reason == b.finish_reason == "length" and blocks.num_free == blocks.num_blocks
+
+
+def test_a_sequence_with_a_chunk_in_flight_is_never_preempted():
+    """The newest sequence prefilling in pipelined chunks runs the pool dry with chunks in flight: it
+    waits for them rather than preempting itself (its blocks would be handed out again while steps in
+    flight write them, and a stale result would mark the new blocks cached: a later prompt with the same
+    prefix would read K/V no step computed)."""
+    sched, blocks = make_scheduler(num_blocks=6, block_size=4, budget=8, max_model_len=64)
+    a = make_seq(0, 7, max_tokens=8, ignore_eos=True)
+    sched.add(a)
+    step = sched.schedule()
+    sched.update(step, [1000])
+    b = make_seq(1, 20, max_tokens=1)
+    sched.add(b)
+    steps = []
+    for _ in range(4):  # pipelined: nothing returns in between
+        steps.append(sched.schedule())
+        check_step(sched, blocks, steps[-1])
+    assert b.num_preemptions == 0 and a.num_preemptions == 0
+    for s in steps:
+        sched.update(s, FakeSampler()(s))
+    run_to_completion(sched, blocks)
+    assert a.finish_reason == "length" and b.finish_reason is not None and blocks.num_free == blocks.num_blocks
