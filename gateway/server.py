@@ -128,17 +128,20 @@ class Gateway:
         self.vocab_size = ModelConfig.from_dir(model_dir).vocab_size  # the model's, may exceed the tokenizer's
         self.chat_template = ChatTemplate.from_dir(model_dir)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
-        self.max_model_len = self.status.max_model_len
+        self._set_max_model_len(self.status.max_model_len)
         # the model's recommended sampling, for requests that do not say (vLLM's --generation-config auto)
         self.defaults = generation_defaults(model_dir) if self.cfg.generation_config == "auto" else {}
         if self.defaults:
             log.info("request defaults from the model's generation_config.json", extra={"fields": self.defaults})
-        # no text longer than this can fit the context: every token is at most the longest one
-        self.max_prompt_chars = self.max_model_len * max(1, self.tokenizer.longest_token_chars()) + 1024
         self.metrics = Metrics(self.model_name)
         self.created = int(time.time())
         self._stopping = False
         self._poller = asyncio.ensure_future(self._poll_status())
+
+    def _set_max_model_len(self, n: int) -> None:
+        self.max_model_len = n
+        # the longest text any prompt could be (every token the longest): longer is refused untokenized
+        self.max_prompt_chars = n * max(1, self.tokenizer.longest_token_chars()) + 1024
 
     async def stop(self, app: web.Application) -> None:
         self._stopping = True  # (asyncio.wait_for of Python 3.11 can swallow a cancel that meets its result)
@@ -157,8 +160,8 @@ class Gateway:
                 if self.down:  # (the coordinator may still answer: its launcher has given up on the mesh)
                     status = msgspec.structs.replace(status, serving=False, failure=self.down, phase="down")
                 self.status = status
-                if status.max_model_len:  # (a recovery may have rebuilt the KV pool at another size)
-                    self.max_model_len = status.max_model_len
+                if status.max_model_len and status.max_model_len != self.max_model_len:
+                    self._set_max_model_len(status.max_model_len)  # (a recovery rebuilt the KV pool)
                 self.metrics.update_from_status(self.status, time.monotonic())
                 silent = 0
             except asyncio.TimeoutError:
@@ -381,7 +384,7 @@ class Gateway:
         if fields.get("top_k") == -1:
             fields["top_k"] = 0  # (-1: off, as vLLM spells it)
         seed = body.seed
-        if seed is not None:  # any 64-bit integer, as vLLM takes (the sampler's seeds are 63-bit)
+        if seed is not None:  # any 64-bit integer, signed or not (vLLM takes the signed; the sampler's are 63-bit)
             if not -(1 << 63) <= seed < 1 << 64:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")
             seed %= 1 << 63
@@ -640,7 +643,10 @@ class Gateway:
         except web.RequestPayloadError as e:  # (a body that does not decompress, or ends early)
             raise HTTPError(400, f"could not read the request body: {e}") from None
         try:
-            value = msgspec.json.decode(raw)
+            try:
+                value = msgspec.json.decode(raw)
+            except msgspec.DecodeError:  # (decoded against the type, the error names where it is)
+                return msgspec.json.decode(raw, type=kind)
             if isinstance(value, dict):  # null where OpenAI allows it for a field with a default: the default
                 value = {k: v for k, v in value.items() if v is not None or k not in _defaulted_on_null(kind)}
             return msgspec.convert(value, type=kind)
@@ -883,48 +889,57 @@ def ssl_context(cfg: GatewaySettings) -> ssl.SSLContext | None:
     return context
 
 
-def listen_socket(cfg: GatewaySettings) -> socket.socket:
-    """The gateway's socket, bound now but listening only once the pipeline serves (until then a client
-    is refused at once, as by a server that is not up): a port that is taken, or a host that is not this
+def listen_sockets(cfg: GatewaySettings) -> list[socket.socket]:
+    """The gateway's sockets, one per address --host names (localhost: 127.0.0.1 and ::1; "" or 0.0.0.0:
+    every interface), bound now but listening only once the pipeline serves (until then a client is
+    refused at once, as by a server that is not up): a port that is taken, or a host that is not this
     machine's, is an error naming the flags before anything waits for the pipeline (or starts it)."""
-    sock = None
+    socks: list[socket.socket] = []
     try:
-        family, _, _, _, address = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (not past a listener: Linux refuses that)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
+        infos = socket.getaddrinfo(cfg.host or None, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        port = cfg.port
+        for family, _, _, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (not past a listener: Linux refuses)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))
+            port = port or sock.getsockname()[1]  # (--port 0: every address on the one port the first got)
+            sock.setblocking(False)
     except (OSError, UnicodeError) as e:  # (socket.gaierror is an OSError)
-        if sock is not None:
+        for sock in socks:
             sock.close()
         raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {getattr(e, 'strerror', None) or e}") from None
-    sock.setblocking(False)
-    return sock
+    return socks
 
 
 async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, urls: list | None = None,
-                      down: asyncio.Future | None = None, sock: socket.socket | None = None) -> None:
+                      down: asyncio.Future | None = None, socks: list[socket.socket] | None = None) -> None:
     """Serves until cancelled; once listening sets `ready` and appends its URL (the port it bound,
     which --port 0 leaves to the system) to `urls`. `down`: its result, a reason, turns the gateway to
-    503 for good (the mesh's launcher gave up on it). `sock`: a `listen_socket` bound already."""
-    sock = sock or listen_socket(cfg)
+    503 for good (the mesh's launcher gave up on it). `socks`: `listen_sockets` bound already."""
+    socks = socks or listen_sockets(cfg)
     gw = Gateway(cfg)
     if down is not None:
         down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     try:
         await runner.setup()  # (waits for the pipeline to serve)
-        site = web.SockSite(runner, sock, ssl_context=ssl_context(cfg))
-        await site.start()
+        for sock in socks:
+            try:
+                await web.SockSite(runner, sock, ssl_context=ssl_context(cfg)).start()
+            except OSError as e:  # (another process began listening on the port meanwhile)
+                raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
     except BaseException:
-        sock.close()
+        for sock in socks:
+            sock.close()
         await runner.cleanup()
         raise
     scheme = "https" if cfg.ssl_certfile else "http"
     port = runner.addresses[0][1] if runner.addresses else cfg.port
-    url = f"{scheme}://{cfg.host}:{port}"
+    host = cfg.host or "0.0.0.0"
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("gateway listening", extra={"fields": {"url": url}})
     if urls is not None:
         urls.append(url)

@@ -142,7 +142,8 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mixtral") else None
-        if sliding is not None and sliding < raw.get("max_position_embeddings", 0):
+        if sliding is not None and sliding < raw.get("max_position_embeddings",
+                                                      HF_DEFAULTS[model_type]["max_position_embeddings"]):
             raise ConfigError(f"sliding_window={sliding} attention is not supported")
 
         defaults = HF_DEFAULTS[model_type]  # (what transformers fills in for a field config.json leaves out)

@@ -31,7 +31,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.top_k < 1 << 31, "top_k must be in [0, 2^31) (0 turns it off)"),
+            (0 <= self.top_k < 1 << 31, "top_k must be in [0, 2^31) (0 turns it off; the HTTP API takes -1 too)"),
             (self.seed is None or 0 <= self.seed < 1 << 63, "seed must be in [0, 2^63)"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
             (all(0 <= t < 1 << 31 for t in self.stop_token_ids), "stop_token_ids must be token ids (>= 0)"),

@@ -60,6 +60,8 @@ non_negative_int = _int_at_least(0, "non-negative integer (up to 2^40)")
 # (OpenMP cannot start many thousands of threads: a process would die without a word at its first
 # parallel operation)
 threads_int = _int_at_least(1, "thread count (1 to 1024)", high=1024)
+byte_count = _int_at_least(1, "byte count (up to 2^60)", high=1 << 60)
+seed_int = _int_at_least(0, "seed (0 to 2^63 - 1)", high=(1 << 63) - 1)
 
 
 port_int = _int_at_least(0, "port (0 to 65535)", high=65535)
@@ -394,7 +396,7 @@ class SchedulerSettings(Settings):
 @dataclass(frozen=True)
 class WorkerResources(Settings):
     kv_memory: int = flag(1 << 30, "bytes of KV cache (default 1 GiB): per stage worker on a mesh, for all "
-                                   "layers in one process", parse=positive_int)
+                                   "layers in one process", parse=byte_count)
     threads: int | None = flag(None, "compute threads of the engine, or of each stage worker on a mesh "
                                      "(default: this machine's cores shared among the worker processes)",
                                parse=threads_int)

@@ -242,10 +242,15 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     # what OpenAI's API and vLLM take: null for a field with a default (the default), top_k -1 (off), any
     # 64-bit seed
     completions = f"{server.url}/v1/completions"
-    for ok in [{"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None},
+    for ok in [{"n": None, "stream": None, "echo": None, "min_tokens": None, "include_stop_str_in_output": None},
                {"top_k": -1}, {"seed": -1, "temperature": 1.0}, {"seed": (1 << 64) - 1, "temperature": 1.0}]:
-        status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, **ok})
+        status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, "ignore_eos": True, **ok})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, (ok, body)
+        assert len(json.loads(body)["choices"]) == 1
+    status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, "ignore_eos": None})
+    assert status == 200, body  # (null: the default, false)
+    status, body, _ = http("POST", completions, raw=b'{"prompt": "x", "temperature": 1e400}')
+    assert status == 400 and json.loads(body)["error"]["param"] == "temperature", body
     status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, "logprobs": None, "n": None})
     assert status == 200 and json.loads(body)["choices"][0]["logprobs"] is None, body
     assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
@@ -873,21 +878,14 @@ def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its
         assert r["choices"][0]["text"].startswith(prompt), r
         r = json.loads(http("POST", url, {"prompt": ids, "max_tokens": 2, "echo": True, "temperature": 0})[1])
         assert r["choices"][0]["text"].startswith("<s>" + prompt), r
-        chunks = _sse(url, {"prompt": prompt, "max_tokens": 2, "echo": True, "temperature": 0})
+        chunks = _sse(url, {"prompt": prompt, "max_tokens": 2, "echo": True, "temperature": 0, "stream": True})
         assert chunks[0]["choices"][0]["text"].startswith(prompt), chunks[0]
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop], "logprobs": 0}
         r = json.loads(http("POST", url, body)[1])
         assert r["choices"][0]["text"] == tok.decode(greedy[:want]).split(stop)[0], (r, stop)
         assert r["usage"]["completion_tokens"] == want and len(r["choices"][0]["logprobs"]["tokens"]) == want, r
-        chunks = _sse(url, {**body, "stream_options": {"include_usage": True}})
+        chunks = _sse(url, {**body, "stream": True, "stream_options": {"include_usage": True}})
         assert chunks[-1]["usage"]["completion_tokens"] == want
         assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == want
     finally:
         server.stop()
-
-
-def _sse(url, body) -> list[dict]:
-    data = json.dumps({**body, "stream": True}).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as r:
-        return [json.loads(e[6:]) for e in r.read().splitlines() if e.startswith(b"data: {")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 from dataclasses import dataclass
 
 import pytest
@@ -90,3 +91,20 @@ def test_a_worker_on_a_wildcard_host_advertises_an_address_the_other_stages_can_
     assert advertised_host("10.1.2.3", "tcp://127.0.0.1:5555") == "10.1.2.3"
     assert advertised_host("::", "tcp://[::1]:5555") == "[::1]"
     assert advertised_host("*", "tcp://nohost.invalid:5555") == "127.0.0.1"  # (no route: loopback)
+    # a coordinator at one of this host's own non-loopback addresses: that address, the route's source
+    own = [a for a in map(_ipv4_of, (name for _, name in socket.if_nameindex())) if a and not a.startswith("127.")]
+    if not own:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    assert advertised_host("0.0.0.0", f"tcp://{own[0]}:5555") == own[0]
+
+
+def _ipv4_of(interface: str) -> str | None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            answer = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+            return socket.inet_ntoa(answer[20:24])
+        except OSError:
+            return None

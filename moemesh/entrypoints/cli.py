@@ -27,7 +27,7 @@ from moemesh.errors import CLIError, ConfigError, LoadError
 from moemesh.settings import (CoordinatorSettings, EngineSettings, GatewaySettings, LaunchSettings, LogSettings,
                               StageSettings, StandaloneSettings, WorkerSettings, int_list, non_negative_int,
                               SchedulerSettings, partition_arg, positive_float, positive_int, positive_int_list,
-                              threads_int)
+                              threads_int, byte_count, seed_int)
 
 
 def backend_list(text: str) -> list[str]:
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "change them")
     defaults = TinyModelSpec(arch="mixtral")
     for flag, field in SIZE_FLAGS.items():
-        t.add_argument(f"--{flag}", dest=field, type=non_negative_int if flag == "seed" else positive_int, default=None,
+        t.add_argument(f"--{flag}", dest=field, type=seed_int if flag == "seed" else positive_int, default=None,
                        help=f"(default: the preset's, else {getattr(defaults, field)})")
     t.add_argument("--mlp-only-layers", dest="mlp_only_layers", type=int_list, default=None)
     t.add_argument("--tie-embeddings", dest="tie_word_embeddings", action="store_true", default=None)
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--prompt-len", type=positive_int, default=32)
     tb.add_argument("--new", type=positive_int, default=64, help="tokens generated per request")
     tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    tb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
+    tb.add_argument("--kv-memory", type=byte_count, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=SchedulerSettings.max_batched_tokens,
                     help="token budget of one step (default: the servers' own)")
     tb.add_argument("--max-in-flight", type=positive_int, default=None,
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--concurrency", type=positive_int, default=32, help="streams, all at once")
     rb.add_argument("--prompt-len", type=positive_int, default=32)
     rb.add_argument("--new", type=positive_int, default=128, help="tokens generated per stream")
-    rb.add_argument("--kv-memory", type=positive_int, default=256 << 20, help="KV-cache bytes per worker")
+    rb.add_argument("--kv-memory", type=byte_count, default=256 << 20, help="KV-cache bytes per worker")
     rb.add_argument("--worker-timeout", type=positive_float, default=5.0, help="the coordinator's heartbeat timeout")
     rb.add_argument("--json", action="store_true")
 
@@ -375,7 +375,8 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                f"{e.strerror or e}") from None
             except (ValueError, SafetensorError) as e:  # the checkpoint cannot be quantized (as it says)
                 message = str(e).replace("out_dir", "--out").replace("model_dir", "--model")
-                raise CLIError(f"--model {args.model}: {message}") from None
+                raise CLIError(message if message.startswith("--out") else f"--model {args.model}: {message}") \
+                    from None
             return 0
         if args.command == "serve":
             from moemesh.entrypoints.serve import run_serve

@@ -228,7 +228,8 @@ def run_eval_demo(args) -> int:
             from moemesh.entrypoints.quantize import quantize_checkpoint
 
             served = work / "demo-fp8"
-            if not (served / "config.json").is_file():
+            if not (served / "config.json").is_file():  # (config.json is written last: a run cut short before it
+                shutil.rmtree(served, ignore_errors=True)  # left shards that a new quantize would refuse)
                 quantize_checkpoint(model, served, progress=False)
         for pp in pps:
             t0 = time.perf_counter()

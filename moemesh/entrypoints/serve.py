@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from gateway.server import listen_socket, load_api_keys, run_gateway, ssl_context
+from gateway.server import listen_sockets, load_api_keys, run_gateway, ssl_context
 from moemesh.entrypoints.generate import engine_settings_from_args
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
 from moemesh.errors import CLIError
@@ -28,7 +28,7 @@ def run_serve(args) -> int:
     gateway = GatewaySettings.from_args(args, model=cfg.model)
     load_api_keys(gateway.api_key, gateway.api_key_file)  # a bad key or certificate file: before any process starts
     ssl_context(gateway)
-    sock = listen_socket(gateway)  # (and a port that is taken)
+    socks = listen_sockets(gateway)  # (and a port that is taken)
     if args.launcher == "ray":
         from moemesh.entrypoints.ray_launcher import RayMesh
 
@@ -41,18 +41,19 @@ def run_serve(args) -> int:
         # a restarted coordinator would find no workers: there it stays fatal)
         mesh.restart_coordinator = args.launcher == "local"
         with mesh:
-            run(_serve(mesh, GatewaySettings.derive(gateway, coordinator=mesh.client_address), sock))
+            run(_serve(mesh, GatewaySettings.derive(gateway, coordinator=mesh.client_address), socks))
     except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     return 0
 
 
-async def _serve(mesh: LocalMesh, cfg: GatewaySettings, sock) -> None:
+async def _serve(mesh: LocalMesh, cfg: GatewaySettings, socks) -> None:
     ready, urls = asyncio.Event(), []
     down = asyncio.get_running_loop().create_future()
-    server = asyncio.ensure_future(run_gateway(cfg, ready, urls, down, sock))
+    server = asyncio.ensure_future(run_gateway(cfg, ready, urls, down, socks))
 
     async def watch():
         # before the URL is printed a dead child is fatal; after it, the pipeline is down but the
