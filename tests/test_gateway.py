@@ -889,3 +889,26 @@ def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its
         assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == want
     finally:
         server.stop()
+
+
+def test_the_gateway_binds_every_address_its_host_names_on_one_port():
+    """--host "" (every interface) binds each address family the host has, --port 0 on one port for all;
+    nothing listens yet (a client is refused until the pipeline serves); a taken port names the flags."""
+    from gateway.server import listen_sockets
+    from moemesh.errors import ConfigError
+    from moemesh.settings import GatewaySettings
+
+    socks = listen_sockets(GatewaySettings(host="", port=0))
+    try:
+        assert {s.family for s in socks} >= {socket.AF_INET} and len({s.getsockname()[1] for s in socks}) == 1
+        port = socks[0].getsockname()[1]
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0  # (bound, not listening)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(ConfigError, match=f"--port {taken.getsockname()[1]}"):
+                listen_sockets(GatewaySettings(host="127.0.0.1", port=taken.getsockname()[1]))
+    finally:
+        for s in socks:
+            s.close()

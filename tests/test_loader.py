@@ -138,6 +138,8 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
     assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.qkv_bias and qwen2.rope.theta == 1e4
     assert not ModelConfig.from_hf({**base, "model_type": "qwen2_moe", "num_experts": 4, "qkv_bias": False}).qkv_bias
     assert ModelConfig.from_hf({**base, "model_type": "llama"}).max_position_embeddings == 2048
+    with pytest.raises(ConfigError, match="sliding_window=4096"):  # (against the default 131072 positions)
+        ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 4096})
     for bad, match in [({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor"),
                        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                           "high_freq_factor": 4.0}}, "low_freq_factor < high_freq_factor"),

@@ -108,3 +108,14 @@ def _ipv4_of(interface: str) -> str | None:
             return socket.inet_ntoa(answer[20:24])
         except OSError:
             return None
+
+
+def test_byte_and_seed_flags_take_more_than_the_count_cap():
+    """Counts stop at 2^40 (past that ZeroMQ's and torch's C integers overflow before anything names the
+    flag); a KV cache in bytes may be larger, and a seed is any 63-bit integer."""
+    from moemesh.settings import byte_count, positive_int, seed_int, threads_int
+
+    assert byte_count(str(1 << 41)) == 1 << 41 and seed_int(str((1 << 63) - 1)) == (1 << 63) - 1
+    for parse, bad in ((positive_int, 1 << 41), (byte_count, 1 << 61), (seed_int, 1 << 63), (threads_int, 1025)):
+        with pytest.raises(ValueError):
+            parse(str(bad))
