@@ -38,7 +38,9 @@ class _Stream:
     early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs past a gap, by their start
     asked: bool = False  # the missing outputs were asked for again
     request: GenerateRequest | None = None  # sent again should the coordinator never have had it
-    resubmitted: bool = False  # it was: a later "not known" answers an earlier ask, sent before it arrived
+    resubmitted: bool = False  # it was
+    unanswered: int = 0  # asks sent while it had no token, not yet answered "not known"
+    stale: int = 0  # of those, sent before it went again: their "not known" tells nothing of it now
 
 
 class CoordinatorClient:
@@ -91,6 +93,8 @@ class CoordinatorClient:
     def _ask_again(self, rid: str, st: "_Stream") -> None:
         self.resends += 1
         st.asked = self._send_now(ResendRequest(rid, st.received))  # (no link now: asked when it comes back)
+        if st.asked and st.received == 0:
+            st.unanswered += 1
 
     def _send_now(self, msg) -> bool:
         """Sends without waiting; whether ZeroMQ took the message (the asyncio socket reports a refusal,
@@ -106,12 +110,15 @@ class CoordinatorClient:
         link that dropped) waits while the missing ones are asked for again; one that repeats tokens
         already handed over is trimmed. An error ends the stream at once."""
         if out.error_status == UNKNOWN_REQUEST and st.received == 0:
-            if st.resubmitted:  # (an answer to an ask sent before the request went again: it runs now)
+            st.unanswered = max(0, st.unanswered - 1)
+            if st.stale:  # (an answer to an ask the coordinator took before the request went again)
+                st.stale -= 1
                 return
-            if st.request is not None and self._send_now(st.request):
+            if not st.resubmitted and st.request is not None and self._send_now(st.request):
                 # it never reached the coordinator (lost on a link that dropped): nothing of it was shown,
-                # so it is sent again, once
-                st.request, st.asked, st.resubmitted = None, False, True
+                # so it is sent again, once; the asks still unanswered were taken before it, and each will
+                # be answered "not known" too. A "not known" after those: lost again, the stream ends (503)
+                st.request, st.asked, st.resubmitted, st.stale = None, False, True, st.unanswered
                 return
         if out.error_status == UNKNOWN_REQUEST:  # (to the consumer: the service could not finish it, retry)
             out = msgspec.structs.replace(out, error_status=503)

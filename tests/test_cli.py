@@ -502,3 +502,14 @@ def test_sizes_no_host_can_run_are_named_before_any_work(model, tmp_path, capsys
         port = str(taken.getsockname()[1])
         err = user_error(capsys, ["gateway", "--coordinator", "tcp://127.0.0.1:9", "--port", port])
         assert f"--port {port}" in err and "in use" in err
+
+
+def test_a_prompts_file_is_json_lines_whatever_its_strings_hold(model, tmp_path, capsys):
+    """Lines end at newlines only (U+2028 inside a JSON string is text, not a line break), a byte-order
+    mark is skipped, and a token id no model could have is named with its line."""
+    (tmp_path / "p.jsonl").write_bytes('\ufeff{"prompt": "a\u2028b"}\n{"prompt_ids": [5, 6]}\n'.encode())
+    rows = generate(capsys, model, "--prompts-file", str(tmp_path / "p.jsonl"), "--max-tokens", "2")
+    assert len(rows) == 2 and rows[1]["prompt_ids"] == [5, 6]
+    (tmp_path / "big.jsonl").write_text('{"prompt_ids": [5, 99999999999999999999999]}\n')
+    err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompts-file", str(tmp_path / "big.jsonl")])
+    assert "line 1" in err and "2^31" in err

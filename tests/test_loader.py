@@ -173,3 +173,15 @@ def test_every_layer_shares_one_rotary_table(single):
     rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
     assert len(rotary) == ModelConfig.from_dir(single).num_layers > 1
     assert len({(m.cos.data_ptr(), m.sin.data_ptr()) for m in rotary}) == 1
+
+
+def test_generate_that_refuses_a_prompt_leaves_the_engine_as_it_was(single):
+    """A refused prompt (or a step that fails) aborts what that call added: the next call computes only
+    its own; params that do not pair with the prompts are refused."""
+    engine = LLMEngine(EngineSettings(model=str(single), num_kv_blocks=64), progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[5, 6, 7], []], GREEDY)
+    assert not engine.core.has_work() and engine.core.blocks.num_free == engine.core.blocks.num_blocks
+    with pytest.raises(ValueError, match="2 prompts and 1 sampling params"):
+        engine.generate([[5, 6], [7, 8, 9]], [GREEDY])
+    assert [len(o.token_ids) for o in engine.generate([[5, 6, 7]], GREEDY)] == [6]

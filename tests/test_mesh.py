@@ -346,9 +346,10 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
         plain = _Stream()
         client._arrive("t", plain, out(-1, [8]))
         assert [o.token_ids for o in taken_of(plain)] == [[8]]
-        # a request the coordinator never had (lost with a link), nothing of it shown: sent again, once
+        # a request the coordinator never had (lost with a link), nothing of it shown: sent again, once;
+        # it had been asked for twice (two links came back) before the first "not known" came
         request = GenerateRequest("u", [5, 6], SamplingParams(max_tokens=2))
-        lost = _Stream(request=request)
+        lost = _Stream(request=request, unanswered=2)
         unknown = RequestOutput("u", [], finish_reason="error", error="not known", error_status=UNKNOWN_REQUEST,
                                 start=0)
         client._arrive("u", lost, unknown)
@@ -357,6 +358,8 @@ def test_the_client_hands_over_outputs_in_order_each_token_once():
         assert sent == [ResendRequest("s", 0), request]  # (the second stream's gap above, then this)
         client._arrive("u", lost, unknown)  # (the answer to an ask sent before it went again: it runs now)
         assert taken_of(lost) == []
+        client._arrive("u", lost, unknown)  # after those, "not known" again: lost again, the stream ends
+        assert [(o.error, o.error_status) for o in taken_of(lost)] == [("not known", 503)]
         shown = _Stream(request=GenerateRequest("v", [5], SamplingParams(max_tokens=2)), received=1)
         client._arrive("v", shown, msgspec.structs.replace(unknown, request_id="v"))  # some of it was shown
         assert [(o.error, o.error_status) for o in taken_of(shown)] == [("not known", 503)]

@@ -100,8 +100,19 @@ class LLMEngine:
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
+        """Every prompt to its end, outputs in the prompts' order. If one is refused or a step fails, the
+        requests this call added are aborted (the engine is left as it was) and the error raised."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while self.core.has_work():
-            self.step()
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts and {len(params)} sampling params")
+        seqs = []
+        try:
+            for p, sp in zip(prompts, params):
+                seqs.append(self.add_request(p, sp))
+            while self.core.has_work():
+                self.step()
+        except BaseException:
+            for seq in seqs:
+                self.core.abort(seq.request_id)
+            raise
         return [Output(s.prompt_ids, s.output_ids, s.finish_reason) for s in seqs]

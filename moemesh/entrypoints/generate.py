@@ -75,7 +75,8 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
         raise CLIError(f"--prompts-file {path}: no such file")
     prompts = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # (JSON lines end at "\n" only: splitlines() would also cut at U+2028 inside a string; a BOM is skipped)
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except UnicodeDecodeError as e:
         raise CLIError(f"--prompts-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for n, line in enumerate(lines, 1):
@@ -89,11 +90,11 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append((tokenizer_factory("--prompts-file").encode(_text(obj["prompt"], origin)), origin))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and \
-                all(isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_ids"]):
+                all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in obj["prompt_ids"]):
             prompts.append((obj["prompt_ids"], origin))
         else:
             raise CLIError(f'--prompts-file {path}, line {n}: expected {{"prompt": "..."}} or '
-                           f'{{"prompt_ids": [...]}}')
+                           f'{{"prompt_ids": [...]}} (token ids from 0 to 2^31 - 1)')
     if not prompts:
         raise CLIError(f"--prompts-file {path}: no prompts")
     return prompts
@@ -192,8 +193,18 @@ async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
         return Output(list(ids), tokens, reason)
 
     async def everything() -> list[Output]:
-        await client.wait_serving(timeout=600)
-        return await asyncio.gather(*(one(ids, origin) for ids, origin in prompts))
+        status = await client.wait_serving(timeout=600)
+        for ids, origin in prompts:  # (as the in-process engine refuses them, before any runs)
+            if len(ids) + params.max_tokens > status.max_model_len:
+                raise CLIError(f"{origin}: the prompt ({len(ids)} tokens) plus --max-tokens {params.max_tokens} is "
+                               f"more than the pipeline's context of {status.max_model_len} tokens")
+        room = asyncio.Semaphore(max(1, min(status.max_waiting or 1024, 1024)))  # (past --max-waiting: a 429)
+
+        async def bounded(ids, origin) -> Output:
+            async with room:
+                return await one(ids, origin)
+
+        return await asyncio.gather(*(bounded(ids, origin) for ids, origin in prompts))
 
     main, watcher = asyncio.ensure_future(everything()), asyncio.ensure_future(watch())
     try:
