@@ -17,7 +17,9 @@ class FakeServer:
     chunks of one token each (no usage), announces keep-alive and then closes the connection."""
 
     def __init__(self, mode: str = "stream"):
-        self.mode = mode  # stream; json: a plain JSON answer (stream ignored); garbage: a non-JSON event
+        # stream; json: a plain JSON answer (stream ignored); garbage: a non-JSON event; string-error: an error
+        # event whose error is a bare string; finish: a last event with no text, only its finish_reason
+        self.mode = mode
         self.prompts: list[list[int]] = []
         self.handlers: set[asyncio.Task] = set()
         self.loop = asyncio.new_event_loop()
@@ -50,6 +52,10 @@ class FakeServer:
                 writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
             elif self.mode == "garbage":
                 events = ["not json", *events]
+            elif self.mode == "string-error":
+                events = [*events[:1], json.dumps({"error": "model overloaded"})]
+            elif self.mode == "finish":
+                events.append(json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}))
             for data in [*events, "[DONE]"] if self.mode != "json" else []:
                 payload = f"data: {data}\n\n".encode()
                 writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
@@ -91,7 +97,8 @@ def test_bench_serve_against_a_server_that_closes_connections_and_sends_no_usage
 def test_bench_serve_says_why_requests_failed(capsys):
     """A server that answers 200 without an event stream of tokens, or streams an event that is not
     JSON: every request is a failure, and the command says why (no traceback, no figures)."""
-    for mode, reason in (("json", "the reply streamed no tokens"), ("garbage", "not a JSON event in the stream")):
+    for mode, reason in (("json", "the reply streamed no tokens"), ("garbage", "not a JSON event in the stream"),
+                         ("string-error", "model overloaded")):
         server = FakeServer(mode)
         try:
             with pytest.raises(SystemExit) as stop:
@@ -103,3 +110,18 @@ def test_bench_serve_says_why_requests_failed(capsys):
         err = capsys.readouterr().err
         assert f"every request failed against http://127.0.0.1:{server.port} at concurrency 2: 4 x {reason}" in err, err
         assert "Traceback" not in err
+
+
+def test_bench_serve_counts_tokens_not_events_and_plots_one_token_answers(capsys, tmp_path):
+    """Without usage, a token is an event that carries text (a last event with only its finish_reason is
+    none); with one token per answer there is no time per output token, and the plot leaves it out."""
+    server = FakeServer("finish")
+    try:
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
+                     "--num-prompts", "4", "--prompt-len", "3", "--new", "1", "--vocab", "500", "--json",
+                     "--plot", str(tmp_path / "p.png")]) == 0
+    finally:
+        server.stop()
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["failed"] == 0 and abs(row["output_tok_per_s"] * row["seconds"] - 4) < 1  # (not 8: 2 events each)
+    assert row["tpot_p50_ms"] is None and (tmp_path / "p.png").stat().st_size > 0

@@ -85,13 +85,19 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                     if not isinstance(chunk, dict):
                         error = f"not a JSON object in the stream: {line[:100]!r}"
                         break
-                    if "error" in chunk:
-                        error = chunk["error"].get("message")
+                    if "error" in chunk:  # (OpenAI's {"error": {"message": ...}}, or a bare string)
+                        e = chunk["error"]
+                        error = str((e.get("message") if isinstance(e, dict) else None) or e)
                         break
                     now = time.perf_counter()
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices"):  # one event per step that produced tokens
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                        tokens = usage["completion_tokens"]
+                    choices = chunk.get("choices")
+                    # one event per step that produced tokens: one that carries text (a last one with only
+                    # its finish_reason is no token)
+                    if isinstance(choices, list) and any(isinstance(c, dict) and (c.get("text") or (
+                            c.get("delta") or {}).get("content")) for c in choices):
                         chunks += 1
                         if first is None:
                             first = now
@@ -205,9 +211,10 @@ def plot(rows: list[dict], path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     x = [r["output_tok_per_s"] for r in rows]
     for ax, key, title in ((a, "ttft", "time to first token"), (b, "tpot", "time per output token")):
-        ax.plot(x, [r[f"{key}_p50_ms"] for r in rows], "o-", label="p50")
-        ax.plot(x, [r[f"{key}_p99_ms"] for r in rows], "s--", label="p99")
-        for r, xi in zip(rows, x):
+        shown = [(xi, r) for xi, r in zip(x, rows) if r[f"{key}_p50_ms"] is not None]  # (--new 1: no TPOT)
+        ax.plot([xi for xi, _ in shown], [r[f"{key}_p50_ms"] for _, r in shown], "o-", label="p50")
+        ax.plot([xi for xi, _ in shown], [r[f"{key}_p99_ms"] for _, r in shown], "s--", label="p99")
+        for xi, r in shown:
             ax.annotate(f"c={r['concurrency']}", (xi, r[f"{key}_p50_ms"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
         ax.set_xlabel("output tokens / s")
