@@ -216,8 +216,9 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
             row["vs_in_process"] = round(ceilings[engines] / base, 2)
         rows.append(row)
         _emit(row, args.json)
-    for pp, tp, caching, curve in [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching
-                                   for k in args.curve]:
+    layouts = [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching for k in args.curve]
+    # pp=1 tp=1 first, whatever the flags' order: the others' vs_pp1_tp1 is of it
+    for pp, tp, caching, curve in sorted(layouts, key=lambda x: (x[0], x[1]) != (1, 1)):
         layout, expert_parallel = job.layouts[pp, tp], args.expert_parallel and tp > 1
         partition = layout.stage_layers if _partition_for(args.layer_partition, pp) else None
         try:
