@@ -399,7 +399,8 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, ids [T, K] int64): softmax in float32, the K
-    largest (ties: the lower expert), optionally renormalised to sum 1 (kernels.moe_torch.select_experts)."""
+    largest (ties: the lower expert), optionally renormalised to sum 1: kernels.moe_torch.select_experts,
+    but for exact ties, where torch.topk picks in its own order (kernels/README.md)."""
     logits = logits.float()
     if logits.stride(1) != 1:
         logits = logits.contiguous()
