@@ -152,6 +152,16 @@ def _coordinator(model_dir, **kw) -> Coordinator:
     return Coordinator(CoordinatorSettings(model=str(model_dir), **kw))
 
 
+async def _with_a_hand_played_worker(model_dir, **kw):
+    """A coordinator running, and a DEALER on its workers' port for the test to play a worker with."""
+    coord = _coordinator(model_dir, **kw)
+    task = asyncio.ensure_future(coord.run(announce=None))
+    await asyncio.sleep(0.1)
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.connect(coord.addresses["workers"])
+    return coord, task, sock
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
@@ -469,11 +479,7 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
     from moemesh.protocol import Shutdown
 
     async def scenario():
-        coord = _coordinator(tiny, register_timeout=30)
-        task = asyncio.ensure_future(coord.run(announce=None))
-        await asyncio.sleep(0.1)
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.connect(coord.addresses["workers"])
+        coord, task, sock = await _with_a_hand_played_worker(tiny, register_timeout=30)
         try:
             if case == "message-limit":
                 bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000,
@@ -688,11 +694,7 @@ def test_a_ready_out_of_turn_or_with_no_blocks_is_refused_and_counted(tiny):
     from moemesh.protocol import Ready
 
     async def scenario():
-        coord = _coordinator(tiny, ready_timeout=30)
-        task = asyncio.ensure_future(coord.run(announce=None))
-        await asyncio.sleep(0.1)
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.connect(coord.addresses["workers"])
+        coord, task, sock = await _with_a_hand_played_worker(tiny, ready_timeout=30)
         try:
             await sock.send_multipart(Codec.encode(reg(0, 0)))
             await sock.send_multipart(Codec.encode(Ready(0, 0, 64)))  # before any assignment
