@@ -13,6 +13,7 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import hmac
@@ -899,14 +900,26 @@ def listen_sockets(cfg: GatewaySettings) -> list[socket.socket]:
         infos = socket.getaddrinfo(cfg.host or None, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         port = cfg.port
         for family, _, _, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError:  # (a family this kernel does not have, IPv6 turned off: as asyncio skips it)
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (not past a listener: Linux refuses)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address[0], port, *address[2:]))
+            try:
+                sock.bind((address[0], port, *address[2:]))
+            except OSError as e:  # (a name's address this host does not have, e.g. ::1 without IPv6: skipped)
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise
+                socks.remove(sock)
+                sock.close()
+                continue
             port = port or sock.getsockname()[1]  # (--port 0: every address on the one port the first got)
             sock.setblocking(False)
+        if not socks:
+            raise OSError(errno.EADDRNOTAVAIL, "none of its addresses is this host's")
     except (OSError, UnicodeError) as e:  # (socket.gaierror is an OSError)
         for sock in socks:
             sock.close()

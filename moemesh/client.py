@@ -111,14 +111,20 @@ class CoordinatorClient:
         already handed over is trimmed. An error ends the stream at once."""
         if out.error_status == UNKNOWN_REQUEST and st.received == 0:
             st.unanswered = max(0, st.unanswered - 1)
-            if st.stale:  # (an answer to an ask the coordinator took before the request went again)
+            if st.stale:  # (perhaps an answer to an ask the coordinator took before the request went again)
                 st.stale -= 1
+                # asked afresh: an ask counted as stale may have had no answer (a request held, or live with
+                # nothing new, gets none) or lost its answer in a drop, and this "not known" may be the real
+                # one. If the request is not known, the fresh ask's "not known" comes after every earlier
+                # answer, so the count drains and the stream ends; if it runs, its tokens come instead
+                self._ask_again(rid, st)
                 return
             if not st.resubmitted and st.request is not None and self._send_now(st.request):
                 # it never reached the coordinator (lost on a link that dropped): nothing of it was shown,
                 # so it is sent again, once; the asks still unanswered were taken before it, and each will
                 # be answered "not known" too. A "not known" after those: lost again, the stream ends (503)
                 st.request, st.asked, st.resubmitted, st.stale = None, False, True, st.unanswered
+                st.early.clear()  # (nothing of the first run is kept: the second starts from token 0)
                 return
         if out.error_status == UNKNOWN_REQUEST:  # (to the consumer: the service could not finish it, retry)
             out = msgspec.structs.replace(out, error_status=503)

@@ -54,8 +54,9 @@ class FakeServer:
                 events = ["not json", *events]
             elif self.mode == "string-error":
                 events = [*events[:1], json.dumps({"error": "model overloaded"})]
-            elif self.mode == "finish":
-                events.append(json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}))
+            elif self.mode == "finish":  # (the token's text incomplete, then whole, then the finish alone)
+                events = [json.dumps({"choices": [{"index": 0, "text": ""}]}), *events[1:],
+                          json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})]
             for data in [*events, "[DONE]"] if self.mode != "json" else []:
                 payload = f"data: {data}\n\n".encode()
                 writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
@@ -113,15 +114,18 @@ def test_bench_serve_says_why_requests_failed(capsys):
 
 
 def test_bench_serve_counts_tokens_not_events_and_plots_one_token_answers(capsys, tmp_path):
-    """Without usage, a token is an event that carries text (a last event with only its finish_reason is
-    none); with one token per answer there is no time per output token, and the plot leaves it out."""
-    server = FakeServer("finish")
-    try:
-        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
-                     "--num-prompts", "4", "--prompt-len", "3", "--new", "1", "--vocab", "500", "--json",
-                     "--plot", str(tmp_path / "p.png")]) == 0
-    finally:
-        server.stop()
-    row = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert row["failed"] == 0 and abs(row["output_tok_per_s"] * row["seconds"] - 4) < 1  # (not 8: 2 events each)
-    assert row["tpot_p50_ms"] is None and (tmp_path / "p.png").stat().st_size > 0
+    """Without usage, a token is an event with choices, its text empty or not (a character not yet whole);
+    a last event with only its finish_reason is none. With one token per answer there is no time per
+    output token, and the plot leaves it out."""
+    for new, want in ((1, 4), (3, 12)):
+        server = FakeServer("finish")
+        try:
+            assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
+                         "--num-prompts", "4", "--prompt-len", "3", "--new", str(new), "--vocab", "500", "--json",
+                         "--plot", str(tmp_path / "p.png")]) == 0
+        finally:
+            server.stop()
+        row = json.loads(capsys.readouterr().out.splitlines()[-1])
+        # (4 x new tokens: not 4 x (new + 1) events, nor the events with text alone)
+        assert row["failed"] == 0 and abs(row["output_tok_per_s"] * row["seconds"] - want) < 1, row
+        assert (row["tpot_p50_ms"] is None) == (new == 1) and (tmp_path / "p.png").stat().st_size > 0

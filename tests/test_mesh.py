@@ -460,3 +460,34 @@ def test_more_kills_lose_no_request(model, scenario):
     assert got == want and all(len(t) == 40 for t in got)
     assert status.recoveries == (2 if scenario == "two-kills-in-a-row" else 1)
     assert status.num_free_blocks == status.num_blocks
+
+
+def test_a_request_lost_again_after_it_was_sent_again_ends_its_stream():
+    """Asks a held request never answered, and a second loss after it went again: each "not known" that
+    may be stale is followed by a fresh ask, so the stream ends (503) instead of waiting forever."""
+    from moemesh.client import _Stream
+    from moemesh.protocol import UNKNOWN_REQUEST, GenerateRequest, RequestOutput, ResendRequest
+
+    async def scenario():
+        client = CoordinatorClient("tcp://127.0.0.1:9")
+        sent = []
+        client._send_now = lambda msg: sent.append(msg) or True
+        request = GenerateRequest("u", [5, 6], SamplingParams(max_tokens=2))
+        st = _Stream(request=request)
+        unknown = RequestOutput("u", [], finish_reason="error", error="not known", error_status=UNKNOWN_REQUEST,
+                                start=0)
+        client._ask_again("u", st)  # a link came back while the request was held: no answer comes
+        client._ask_again("u", st)  # again; the coordinator restarted: "not known"
+        client._arrive("u", st, unknown)
+        assert sent[-1] == request and st.resubmitted and st.queue.empty()  # sent again
+        client._ask_again("u", st)  # the coordinator restarted again: lost again, "not known"
+        asks = len(sent)
+        client._arrive("u", st, unknown)  # (may be stale: swallowed, and asked afresh)
+        assert st.queue.empty() and sent[asks:] == [ResendRequest("u", 0)]
+        client._arrive("u", st, unknown)  # the fresh ask's answer: the request is gone
+        got = st.queue.get_nowait()
+        await client.close()
+        return got
+
+    out = run(scenario())
+    assert (out.error, out.error_status) == ("not known", 503)

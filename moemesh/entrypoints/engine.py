@@ -101,7 +101,8 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Output]:
         """Every prompt to its end, outputs in the prompts' order. If one is refused or a step fails, the
-        requests this call added are aborted (the engine is left as it was) and the error raised."""
+        requests this call added are aborted (none of them is left to run in a later call) and the error
+        raised."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts and {len(params)} sampling params")

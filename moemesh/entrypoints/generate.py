@@ -89,12 +89,12 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
         origin = f"--prompts-file {path}, line {n}"
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append((tokenizer_factory("--prompts-file").encode(_text(obj["prompt"], origin)), origin))
-        elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and \
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and obj["prompt_ids"] and \
                 all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in obj["prompt_ids"]):
             prompts.append((obj["prompt_ids"], origin))
         else:
             raise CLIError(f'--prompts-file {path}, line {n}: expected {{"prompt": "..."}} or '
-                           f'{{"prompt_ids": [...]}} (token ids from 0 to 2^31 - 1)')
+                           f'{{"prompt_ids": [...]}} (one token id or more, each from 0 to 2^31 - 1)')
     if not prompts:
         raise CLIError(f"--prompts-file {path}: no prompts")
     return prompts
@@ -194,11 +194,11 @@ async def drive_mesh(mesh, prompts, params: SamplingParams) -> list[Output]:
 
     async def everything() -> list[Output]:
         status = await client.wait_serving(timeout=600)
-        for ids, origin in prompts:  # (as the in-process engine refuses them, before any runs)
+        for ids, origin in prompts:  # (a prompt the context cannot hold, before any runs)
             if len(ids) + params.max_tokens > status.max_model_len:
                 raise CLIError(f"{origin}: the prompt ({len(ids)} tokens) plus --max-tokens {params.max_tokens} is "
                                f"more than the pipeline's context of {status.max_model_len} tokens")
-        room = asyncio.Semaphore(max(1, min(status.max_waiting or 1024, 1024)))  # (past --max-waiting: a 429)
+        room = asyncio.Semaphore(max(1, status.max_waiting or 1024))  # (more could wait past --max-waiting: a 429)
 
         async def bounded(ids, origin) -> Output:
             async with room:

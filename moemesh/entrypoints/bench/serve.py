@@ -8,9 +8,9 @@ prompt with the same P tokens (vLLM's prefix-caching benchmark workload).
 Any OpenAI-compatible server works (llama-server, vLLM, moemesh): every request opens its own
 connection (a server may close a kept-alive one between requests, and a reused dead connection
 would count as a failed request), and a server that sends no usage counts one token per streamed
-chunk that carries text. Per request it records the time to
-the first token (TTFT), the time per output token after the first (TPOT), and every gap between
-streamed chunks (ITL). Several concurrency levels (`--concurrency 1,8,64`) give the points of a
+chunk with choices (its text may be empty; a last chunk with no text and only a finish_reason is
+none). Per request it records the time to the first token (TTFT), the time per output token after
+the first (TPOT), and every gap between those chunks (ITL). Several concurrency levels (`--concurrency 1,8,64`) give the points of a
 latency-vs-throughput curve, which `--plot FILE.png` draws.
 """
 
@@ -59,6 +59,11 @@ def summarize(results: list[dict], seconds: float) -> dict:
     return row
 
 
+def _content(choice: dict):
+    delta = choice.get("delta")
+    return delta.get("content") if isinstance(delta, dict) else None
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], new: int, headers,
                       model: str | None = None) -> dict:
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -87,17 +92,18 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                         break
                     if "error" in chunk:  # (OpenAI's {"error": {"message": ...}}, or a bare string)
                         e = chunk["error"]
-                        error = str((e.get("message") if isinstance(e, dict) else None) or e)
+                        error = str((e.get("message") if isinstance(e, dict) else None) or e or "an error event")
                         break
                     now = time.perf_counter()
                     usage = chunk.get("usage")
                     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                         tokens = usage["completion_tokens"]
-                    choices = chunk.get("choices")
-                    # one event per step that produced tokens: one that carries text (a last one with only
-                    # its finish_reason is no token)
-                    if isinstance(choices, list) and any(isinstance(c, dict) and (c.get("text") or (
-                            c.get("delta") or {}).get("content")) for c in choices):
+                    choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+                    # one event per step that produced tokens, its text perhaps empty (a character not yet
+                    # whole, a special token: vLLM's benchmark counts those too); only a last event with no
+                    # text and its finish_reason is no token
+                    finish_only = all(c.get("finish_reason") and not (c.get("text") or _content(c)) for c in choices)
+                    if choices and not finish_only:
                         chunks += 1
                         if first is None:
                             first = now
