@@ -138,6 +138,27 @@ def test_serve_and_generate_give_their_coordinator_its_timeouts(model):
         assert argv[argv.index("--step-timeout") + 1] == "7.0" and "--recovery-timeout" in argv
 
 
+def _two_free_ports_in_a_row() -> int:
+    """P with P and P + 1 both free now (each bound once to see: a port the system handed out for P
+    says nothing of P + 1, which another process may hold)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65000:
+            continue
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
 def test_moemesh_stage_runs_a_stage_with_its_ranks_on_the_ports_asked_for(model):
     """`moemesh stage --tp 2 --port P` (a stage host's container command): its two workers register
     with a coordinator started alone, listen on P and P + 1, and the pipeline gives the in-process
@@ -152,10 +173,7 @@ def test_moemesh_stage_runs_a_stage_with_its_ranks_on_the_ports_asked_for(model)
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = LLMEngine(EngineSettings(model=str(model), num_kv_blocks=64), progress=False).generate([[5, 6, 7]], params)
-    with socket.socket() as s:  # two free ports in a row (checked below by the workers binding them)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    port = port if port < 65000 else 20000
+    port = _two_free_ports_in_a_row()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_")}
     coord = subprocess.Popen([sys.executable, "-m", "moemesh", "coordinator", "--model", str(model), "--tp", "2",
                               "--port", "0", "--client-port", "0"], stdout=subprocess.PIPE, env=env)
