@@ -162,17 +162,15 @@ class Scheduler:
         (a step in flight would write, and its result mark as cached, blocks given away meanwhile). None
         when only sequences with a step in flight stand in the way: `seq` waits for one to return (to
         preempt it then), rather than an older sequence giving its cache up for a newer one."""
+        newer_in_flight = False
         for s in reversed(self.running):
             if s is seq:
-                waits = seq.seq_id in self.in_flight or any(t.seq_id in self.in_flight for t in self._newer(seq))
-                return None if waits else seq
-            if s.seq_id not in self.in_flight and s.seq_id not in scheduled:
+                return None if newer_in_flight or seq.seq_id in self.in_flight else seq
+            if s.seq_id in self.in_flight:
+                newer_in_flight = True
+            elif s.seq_id not in scheduled:
                 return s
         return None
-
-    def _newer(self, seq: Sequence):
-        i = self.running.index(seq)
-        return self.running[i + 1:]
 
     def _num_steps(self, items: list[ScheduledSeq]) -> int:
         """How many decode steps this step can run at once: 1 unless it holds every running sequence,

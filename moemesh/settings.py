@@ -41,6 +41,11 @@ from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
 
 # -- flag types ---------------------------------------------------------------------------------
 
+def host_memory() -> int:
+    """This host's physical memory in bytes (what a KV cache on the CPU can be at most)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _int_at_least(low: int, name: str, high: int = 1 << 40):
     """An integer flag's parser, refusing values below `low` or above `high` (by default 2^40: no count,
     size or byte figure of a host comes near it, and a larger one would overflow a C integer in ZeroMQ

@@ -61,7 +61,7 @@ class CheckpointReader:
         self._handles = {}
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            self.weight_map: dict[str, str] = read_index(index)
+            self.weight_map: dict[str, str] = read_index(index)["weight_map"]
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
@@ -87,18 +87,19 @@ class CheckpointReader:
             raise LoadError(f"tensor {name!r} is not in {file} ({e})") from None
 
 
-def read_index(path: Path) -> dict[str, str]:
-    """model.safetensors.index.json's weight_map (tensor name -> file); LoadError naming the file when it
-    holds none."""
+def read_index(path: Path) -> dict:
+    """model.safetensors.index.json: {"weight_map": {tensor name: file}, "metadata": ...}; LoadError naming
+    the file when it holds no weight_map."""
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
         raise LoadError(f"{path} is not a safetensors index (a JSON object with a weight_map): "
                         f"{type(e).__name__}: {e}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
         raise LoadError(f"{path}: its weight_map is not an object of tensor names to file names")
-    return weight_map
+    return index
 
 
 def check_checkpoint(model_dir: str | Path) -> None:

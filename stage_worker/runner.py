@@ -13,13 +13,13 @@ returns logits of the rows to sample.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moemesh.config import ModelConfig
+from moemesh.settings import host_memory
 from moemesh.errors import ConfigError
 from stage_worker.context import build_context, forward_context
 from stage_worker.fused_decode import FusedDecode
@@ -56,7 +56,7 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
     hint = (f"a KV cache of {shape[2]} blocks of {shape[3]} tokens ({nbytes / 2**30:.1f} GiB) on {device}: "
             f"lower --kv-memory (or --num-kv-blocks, --block-size)")
     if torch.device(device).type == "cpu":
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = host_memory()
         if nbytes > memory:
             raise ConfigError(f"{hint}; this host has {memory / 2**30:.1f} GiB of memory")
     try:

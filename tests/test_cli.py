@@ -484,8 +484,9 @@ def test_sizes_no_host_can_run_are_named_before_any_work(model, tmp_path, capsys
                                                          "--max-batched-tokens", str(10 ** 20)])
     assert "--layer-partition" in user_error(capsys, ["generate", "--model", str(model), *KV, *ids,
                                                       "--layer-partition="])
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    err = user_error(capsys, ["generate", "--model", str(model), *ids, "--kv-memory", str(2 * memory)])
+    from moemesh.settings import host_memory
+
+    err = user_error(capsys, ["generate", "--model", str(model), *ids, "--kv-memory", str(2 * host_memory())])
     assert "--kv-memory" in err and "GiB" in err
     truncated = _copy(model, tmp_path / "truncated")
     weights = (truncated / "model.safetensors").read_bytes()

@@ -27,7 +27,7 @@ from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.protocol import worker_message_bytes
-from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings
+from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings, host_memory
 
 log = get_logger("launcher")
 
@@ -168,7 +168,7 @@ class LocalMesh:
             resolve_backend("native", self.worker.device)
         check_checkpoint(self.coordinator.model)
         workers = self.coordinator.pp * self.coordinator.tp
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = host_memory()
         if self.worker.device == "cpu" and self.worker.num_kv_blocks is None and self.worker.kv_memory * workers > memory:
             raise ConfigError(f"--kv-memory {self.worker.kv_memory} for each of the {workers} stage workers is "
                               f"{self.worker.kv_memory * workers / 2**30:.1f} GiB in all, more than this host's "

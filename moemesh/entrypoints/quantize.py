@@ -68,8 +68,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
 
     index_path = model_dir / INDEX
     if index_path.is_file():
-        weight_map = read_index(index_path)  # (LoadError, a ValueError, for one that is not an index)
-        index = {"metadata": json.loads(index_path.read_text()).get("metadata") or {}, "weight_map": weight_map}
+        index = read_index(index_path)  # (LoadError, a ValueError, for one that is not an index)
         files = sorted(set(index["weight_map"].values()))
     else:
         index = None
@@ -104,7 +103,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
         bar.close()
 
     if index is not None:
-        metadata = {**index.get("metadata", {}), "total_size": total_size}
+        metadata = {**(index.get("metadata") or {}), "total_size": total_size}
         if "total_parameters" in metadata:
             metadata["total_parameters"] = total_params
         _write_json(out_dir / INDEX, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
