@@ -186,6 +186,16 @@ INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch((const char *)w + k * NR * es + PF_DIST + l, 0, 0);
 }
 
+/* Row k of the next panel (`next`, at the same k as this tile's panel) into L2 while a tile reads
+ * row k of its own. A panel that several row tiles reuse is read from memory by its first tile, at
+ * up to two cache lines per handful of FMAs: faster than one core's share of the memory system when
+ * the other core streams weights too (two pipeline stages). So the first tile fetches the next
+ * panel, and the next panel's first tile finds it in L2 (docs/benchmarks.md, "The next panel
+ * prefetched"). Not for panels read once (`prefetch_nta`, a short distance ahead, reads those faster). */
+INLINE void prefetch_next(const char *next, int64_t k, const int es) {
+    for (int l = 0; l < NR * es; l += 64) __builtin_prefetch(next + k * NR * es + l, 0, 2);
+}
+
 /* Epilogue modes of a tile. */
 enum { OUT_STORE = 0, OUT_ADD = 1, OUT_ADD_SCALED = 2 };
 
@@ -223,9 +233,11 @@ INLINE void put(vf r0, vf r1, vf s0, vf s1, float g, float *c, int ncols, int mo
  * a[i]: row i's activations, from k = 0 of this chunk. w: the panel at k = 0 of this chunk.
  * c[i]: row i's output at this panel's first column. scale: per-column factor (int8) or NULL.
  * rowscale: per-row factor for OUT_ADD_SCALED (the MoE router weights), else NULL.
+ * once: no other tile reads this panel (prefetch it non-temporally); next: the next panel at this
+ * chunk's first k, to bring into L2 (`prefetch_next`), or NULL.
  * Constant mr and wt make the compiler emit one fully unrolled variant per case. */
 INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, const void *w, float *const *c,
-                 int ncols, const float *scale, const float *rowscale, int mode, int once) {
+                 int ncols, const float *scale, const float *rowscale, int mode, int once, const char *next) {
     vf acc[MR][2], acc2[MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = acc2[i][0] = acc2[i][1] = (vf){0};
     int64_t k = 0;
@@ -256,6 +268,7 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
 #if PF_DIST
         if (once) prefetch_nta(w, k, wt);
 #endif
+        if (next) prefetch_next(next, k, elem_size(wt));
         vf b0 = load_w(w, k * NR, wt), b1 = load_w(w, k * NR + VW, wt);
         for (int i = 0; i < mr; i++) {
             vf x = splat(a[i][k]);
@@ -322,7 +335,7 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
 /* `tile` for bfloat16 pairs: a[i] row i's activation pairs from this chunk's first pair; w the
  * panel there (kc rows of k, NR columns in the paired order above); no scales (bfloat16 has none). */
 INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
-                       int ncols, const float *rowscale, int mode, int once) {
+                       int ncols, const float *rowscale, int mode, int once, const char *next) {
     __m512 acc[MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; k += 2) {
@@ -334,6 +347,10 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
 #else
         (void)once;
 #endif
+        if (next) { /* rows k and k + 1 of the next panel */
+            prefetch_next(next, k, 2);
+            if (k + 1 < kc) prefetch_next(next, k + 1, 2);
+        }
         const __m512i r0 = _mm512_loadu_si512(w + k * NR),
                       r1 = k + 1 < kc ? _mm512_loadu_si512(w + (k + 1) * NR) : _mm512_setzero_si512();
         /* (k, k + 1) pairs of columns 0-15 and 16-31 */
@@ -350,9 +367,9 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
 }
 
 static void tile_pairs_dispatch(int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
-                                int ncols, const float *rowscale, int mode, int once) {
+                                int ncols, const float *rowscale, int mode, int once, const char *next) {
 #define PAIRS_CASE(MRV) \
-    case MRV: tile_pairs(MRV, kc, a, w, c, ncols, rowscale, mode, once); break;
+    case MRV: tile_pairs(MRV, kc, a, w, c, ncols, rowscale, mode, once, next); break;
     switch (mr) {
         PAIRS_CASE(1) PAIRS_CASE(2) PAIRS_CASE(3) PAIRS_CASE(4) PAIRS_CASE(5) PAIRS_CASE(6) PAIRS_CASE(7)
         PAIRS_CASE(8) PAIRS_CASE(9) PAIRS_CASE(10) PAIRS_CASE(11) PAIRS_CASE(12)
@@ -373,10 +390,11 @@ static void tile_pairs_dispatch(int mr, int64_t kc, const uint32_t *const *a, co
 
 /* A tile with mr and wt as compile-time constants. */
 #define TILE_CASE(MRV, WT) \
-    case MRV: tile(MRV, WT, kc, a, w, c, ncols, scale, rowscale, mode, once); break;
+    case MRV: tile(MRV, WT, kc, a, w, c, ncols, scale, rowscale, mode, once, next); break;
 
 static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, const void *w, float *const *c,
-                          int ncols, const float *scale, const float *rowscale, int mode, int once) {
+                          int ncols, const float *scale, const float *rowscale, int mode, int once,
+                          const char *next) {
 #define TILE_SWITCH(WT)                                                                             \
     switch (mr) {                                                                                   \
         TILE_CASE(1, WT) TILE_CASE(2, WT) TILE_CASE(3, WT) TILE_CASE(4, WT) TILE_CASES_5(WT)        \
@@ -395,9 +413,11 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
- * the weights are PAIRED) and output (at the panel). */
+ * the weights are PAIRED) and output (at the panel). next: the panel this thread reads after this
+ * one (prefetched by the first tile when several tiles reuse this one), or NULL. */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
-                       float *const *c, int ncols, const float *scale, const float *rowscale, int mode) {
+                       float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
+                       const char *next) {
     const int64_t kstep = rows > MR ? KC : K; /* (KC is even: a chunk starts on a pair) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
@@ -408,18 +428,19 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
+            const char *nx = next && r0 == 0 && rows > MR ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];
                 for (int i = 0; i < mr; i++) ap[i] = (const uint32_t *)a[r0 + i] + k0 / 2;
                 tile_pairs_dispatch(mr, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c + r0, ncols, rs, m,
-                                    rows <= MR);
+                                    rows <= MR, nx);
                 continue;
             }
 #endif
             const float *ap[MR];
             for (int i = 0; i < mr; i++) ap[i] = (const float *)a[r0 + i] + k0;
-            tile_dispatch(mr, wt, kc, ap, panel + k0 * NR * es, c + r0, ncols, scale, rs, m, rows <= MR);
+            tile_dispatch(mr, wt, kc, ap, panel + k0 * NR * es, c + r0, ncols, scale, rs, m, rows <= MR, nx);
         }
     }
 }
@@ -531,7 +552,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
             panel_rows(mc, K, ap + m0, (const char *)w + p * pstride, wt, cpp, ncols, scale ? scale + p * NR : NULL,
-                       NULL, OUT_STORE);
+                       NULL, OUT_STORE, p + 1 < panels ? (const char *)w + (p + 1) * pstride : NULL);
         }
     }
 done:
@@ -698,7 +719,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
                     panel_rows(nb, H, ax2 + r0 + b, we + p * H * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
-                               NULL, OUT_STORE);
+                               NULL, OUT_STORE, b == 0 && p + 1 < p13 ? we + (p + 1) * H * NR * es : NULL);
                 }
             }
         }
@@ -729,7 +750,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
                     panel_rows(nb, I, actp2 + r0 + b, we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
-                               gate_w + r0 + b, OUT_ADD_SCALED);
+                               gate_w + r0 + b, OUT_ADD_SCALED, b == 0 && p + 1 < hi ? we + (p + 1) * I * NR * es : NULL);
                 }
             }
         }
