@@ -825,12 +825,17 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
  * at slot i % block_size. kv_len [S]: L_s.
  *
- * For each (sequence, kv head) pair (the parallel work items), walking the keys block by block:
- * scores[g][i] = q_g . k_i * scale for the G heads at once (each key loaded once, one lane sum per
- * score), softmax over i (max-subtracted, vectorised exp), then out_g = sum_i p[g][i] v_i for the G
- * heads at once (each value loaded once; the G x D sums stay in L1). Scores (each head's max L
- * rounded up to whole vectors) and sums live in a per-thread buffer. Returns 0, or -1 when memory
- * runs out. */
+ * For each sequence (the parallel work items), walking its keys block by block: scores[j][i] =
+ * q_j . k_i * scale for every head j (each key's row of kvh heads read once, one lane sum per score),
+ * softmax over i (max-subtracted, vectorised exp), then out_j = sum_i p[j][i] v_i (each value row
+ * read once; the h x D sums stay in L1). Scores (each head's max L rounded up to whole vectors) and
+ * sums live in a per-thread buffer.
+ *
+ * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
+ * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key row
+ * o of the next block and value row o of this one are fetched, and while the values are summed, the
+ * next sequence's first keys (docs/benchmarks.md, "Decode attention that fetches ahead"). Returns 0,
+ * or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
@@ -839,73 +844,99 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
     const int es = kv_type == W_F32 ? 4 : 2;
+    const int64_t row = kvh * D * es; /* bytes of one key's (or value's) row: every kv head */
     int rc = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * kvh > 1)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S > 1)
     {
-        /* scores, padded to whole vectors; then the G x D sums of the values */
+        /* scores, padded to whole vectors; then the h x D sums of the values */
         const int64_t stride = (max_len + VW - 1) / VW * VW;
-        float *sc = calloc(G * (stride + D), sizeof(float)); /* (zeros: the vector tails past L are read) */
+        float *sc = calloc(h * (stride + D), sizeof(float)); /* (zeros: the vector tails past L are read) */
         if (!sc) {
 #pragma omp atomic write
             rc = -1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < S * kvh; item++) {
+        for (int64_t s = 0; s < S; s++) {
             if (!sc) continue;
-            const int64_t s = item / kvh, kh = item % kvh, L = kv_len[s];
+            const int64_t L = kv_len[s];
             const int64_t *bt = block_tables + s * max_blocks;
-            const float *qs = q + s * ldq + kh * G * D; /* the G query heads of this kv head */
-            float *acc = sc + G * stride;
-            /* scores: key i against the G heads */
+            const float *qs = q + s * ldq;
+            float *acc = sc + h * stride;
+            /* scores: key i against every head */
             for (int64_t b0 = 0; b0 < L; b0 += block_size) {
-                const char *kb = (const char *)k_cache + (bt[b0 / block_size] * block_size * kvh + kh) * D * es;
+                const int64_t blk = bt[b0 / block_size];
+                const char *kb = (const char *)k_cache + blk * block_size * row;
+                const char *vb = (const char *)v_cache + blk * block_size * row;
                 const int64_t n = L - b0 < block_size ? L - b0 : block_size;
+                const int64_t nn = L - b0 - n < block_size ? L - b0 - n : block_size; /* keys of the next block */
+                const char *kb_next = nn > 0 ? (const char *)k_cache + bt[b0 / block_size + 1] * block_size * row : NULL;
                 for (int64_t o = 0; o < n; o++) {
-                    const char *kp = kb + o * kvh * D * es;
-                    for (int64_t g = 0; g < G; g++) {
-                        vf part = {0};
-                        for (int64_t d = 0; d < DV; d += VW) part += load_f(qs + g * D + d) * load_w(kp, d, kv_type);
-                        float dot = hsum(part);
-                        for (int64_t d = DV; d < D; d++) dot += qs[g * D + d] * load_w1(kp, d, kv_type);
-                        sc[g * stride + b0 + o] = dot * scale;
+                    for (int64_t l = 0; l < row; l += 64) {
+                        if (o < nn) __builtin_prefetch(kb_next + o * row + l, 0, 3);
+                        __builtin_prefetch(vb + o * row + l, 0, 3);
+                    }
+                    for (int64_t kh = 0; kh < kvh; kh++) {
+                        const char *kp = kb + o * row + kh * D * es;
+                        for (int64_t g = 0; g < G; g++) {
+                            const int64_t j = kh * G + g;
+                            vf part = {0};
+                            for (int64_t d = 0; d < DV; d += VW) part += load_f(qs + j * D + d) * load_w(kp, d, kv_type);
+                            float dot = hsum(part);
+                            for (int64_t d = DV; d < D; d++) dot += qs[j * D + d] * load_w1(kp, d, kv_type);
+                            sc[j * stride + b0 + o] = dot * scale;
+                        }
                     }
                 }
             }
             /* softmax of each head's scores, the 1 / sum folded into them */
-            for (int64_t g = 0; g < G; g++) {
-                float *p = sc + g * stride;
+            for (int64_t j = 0; j < h; j++) {
+                float *p = sc + j * stride;
                 float m = p[0];
                 for (int64_t i = 1; i < L; i++) m = p[i] > m ? p[i] : m;
                 vf total = {0};
                 for (int64_t i = 0; i < L; i += VW) {
                     vf e = vexp(load_f(p + i) - splat(m));
                     if (i + VW > L) /* the tail past the last key: masked by index (a NaN score stays NaN) */
-                        for (int64_t j = L - i; j < VW; j++) e[j] = 0.0f;
+                        for (int64_t t = L - i; t < VW; t++) e[t] = 0.0f;
                     store_f(p + i, e);
                     total += e;
                 }
                 const float inv = 1.0f / hsum(total);
                 for (int64_t i = 0; i < L; i++) p[i] *= inv;
             }
-            /* out_g = sum_i p[g][i] v_i */
-            memset(acc, 0, sizeof(float) * G * D);
+            /* out_j = sum_i p[j][i] v_i; meanwhile the next sequence's first keys are fetched, a row
+             * per value row read (the next sequence is likely this thread's next item) */
+            memset(acc, 0, sizeof(float) * h * D);
+            const int64_t nx_len = s + 1 < S ? kv_len[s + 1] : 0;
+            const char *kn = nx_len > 0 ? (const char *)k_cache + block_tables[(s + 1) * max_blocks] * block_size * row
+                                        : NULL;
+            const int64_t kn_rows = nx_len < block_size ? nx_len : block_size;
+            int64_t fetched = 0;
             for (int64_t b0 = 0; b0 < L; b0 += block_size) {
-                const char *vb = (const char *)v_cache + (bt[b0 / block_size] * block_size * kvh + kh) * D * es;
+                const char *vb = (const char *)v_cache + bt[b0 / block_size] * block_size * row;
                 const int64_t n = L - b0 < block_size ? L - b0 : block_size;
                 for (int64_t o = 0; o < n; o++) {
-                    const char *vp = vb + o * kvh * D * es;
-                    for (int64_t d = 0; d < DV; d += VW) {
-                        const vf val = load_w(vp, d, kv_type);
-                        for (int64_t g = 0; g < G; g++)
-                            store_f(acc + g * D + d, load_f(acc + g * D + d) + splat(sc[g * stride + b0 + o]) * val);
+                    if (kn && fetched < kn_rows) {
+                        for (int64_t l = 0; l < row; l += 64) __builtin_prefetch(kn + fetched * row + l, 0, 3);
+                        fetched++;
                     }
-                    for (int64_t d = DV; d < D; d++) {
-                        const float val = load_w1(vp, d, kv_type);
-                        for (int64_t g = 0; g < G; g++) acc[g * D + d] += sc[g * stride + b0 + o] * val;
+                    for (int64_t kh = 0; kh < kvh; kh++) {
+                        const char *vp = vb + o * row + kh * D * es;
+                        float *ak = acc + kh * G * D;
+                        const float *pk = sc + kh * G * stride + b0 + o;
+                        for (int64_t d = 0; d < DV; d += VW) {
+                            const vf val = load_w(vp, d, kv_type);
+                            for (int64_t g = 0; g < G; g++)
+                                store_f(ak + g * D + d, load_f(ak + g * D + d) + splat(pk[g * stride]) * val);
+                        }
+                        for (int64_t d = DV; d < D; d++) {
+                            const float val = load_w1(vp, d, kv_type);
+                            for (int64_t g = 0; g < G; g++) ak[g * D + d] += pk[g * stride] * val;
+                        }
                     }
                 }
             }
-            for (int64_t g = 0; g < G; g++) memcpy(out + s * ldo + (kh * G + g) * D, acc + g * D, sizeof(float) * D);
+            memcpy(out + s * ldo, acc, sizeof(float) * h * D);
         }
         free(sc);
     }
