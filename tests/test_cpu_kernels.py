@@ -232,6 +232,36 @@ def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
         torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("S,h,kvh,threads", [(1, 8, 2, 2), (1, 6, 3, 2), (1, 8, 8, 3), (2, 8, 4, 3), (3, 4, 1, 4),
+                                               (5, 8, 2, 2)])
+def test_decode_attention_threads_split_sequences_and_kv_heads_without_changing_a_bit(S, h, kvh, threads):
+    """Fewer sequences than threads: each sequence's kv heads are split among the threads (items of
+    one sequence and a part of its heads); every split gives one thread's bits."""
+    g = torch.Generator().manual_seed(S * 1000 + h * 10 + kvh)
+    D, block_size, num_blocks = 20, 4, 64
+    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g)
+    kv_len = torch.tensor([9, 30, 1, 17, 12][:S])
+    tables = torch.randperm(num_blocks, generator=g)[:S * 8].view(S, 8)
+    q = torch.randn(S, h, D, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.decode_attention(q, k_cache, v_cache, tables, kv_len, D ** -0.5, lib)
+        torch.set_num_threads(threads)
+        many = cpu_gemm.decode_attention(q, k_cache, v_cache, tables, kv_len, D ** -0.5, lib)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, many)
+    for s in range(S):
+        L = int(kv_len[s])
+        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L]
+        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L]
+        want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              scale=D ** -0.5, enable_gqa=True).squeeze(1)
+        torch.testing.assert_close(many[s], want, rtol=1e-5, atol=1e-5)
+
+
 def test_models_on_cpu_resolve_to_native_everywhere(tmp_path):
     from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
     from stage_worker.layers.attention import PagedAttention

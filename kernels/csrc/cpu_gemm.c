@@ -825,8 +825,9 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
  * at slot i % block_size. kv_len [S]: L_s.
  *
- * For each sequence (the parallel work items), walking its keys block by block: scores[j][i] =
- * q_j . k_i * scale for every head j (each key's row of kvh heads read once, one lane sum per score),
+ * For each sequence (the parallel work items; with fewer sequences than threads, each sequence's kv
+ * heads in as many parts as that takes), walking its keys block by block: scores[j][i] =
+ * q_j . k_i * scale for every head j of the item (each key's row read once, one lane sum per score),
  * softmax over i (max-subtracted, vectorised exp), then out_j = sum_i p[j][i] v_i (each value row
  * read once; the h x D sums stay in L1). Scores (each head's max L rounded up to whole vectors) and
  * sums live in a per-thread buffer.
@@ -844,9 +845,12 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
     const int es = kv_type == W_F32 ? 4 : 2;
-    const int64_t row = kvh * D * es; /* bytes of one key's (or value's) row: every kv head */
+    const int64_t row = kvh * D * es; /* bytes between two keys' (or values') rows: every kv head */
+    /* kv heads per item: all of them, unless there are fewer sequences than threads */
+    const int64_t parts = S >= nthreads ? 1 : ((nthreads + S - 1) / S < kvh ? (nthreads + S - 1) / S : kvh);
+    const int64_t per = (kvh + parts - 1) / parts, items = S * ((kvh + per - 1) / per);
     int rc = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S > 1)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
     {
         /* scores, padded to whole vectors; then the h x D sums of the values */
         const int64_t stride = (max_len + VW - 1) / VW * VW;
@@ -856,12 +860,16 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
             rc = -1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < S; s++) {
+        for (int64_t item = 0; item < items; item++) {
             if (!sc) continue;
+            const int64_t s = item / (items / S), kh0 = item % (items / S) * per;
+            const int64_t kh1 = kh0 + per < kvh ? kh0 + per : kvh;
             const int64_t L = kv_len[s];
             const int64_t *bt = block_tables + s * max_blocks;
             const float *qs = q + s * ldq;
             float *acc = sc + h * stride;
+            /* the item's part of a row: its kv heads' bytes */
+            const int64_t part0 = kh0 * D * es, part_len = (kh1 - kh0) * D * es;
             /* scores: key i against every head */
             for (int64_t b0 = 0; b0 < L; b0 += block_size) {
                 const int64_t blk = bt[b0 / block_size];
@@ -871,11 +879,11 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 const int64_t nn = L - b0 - n < block_size ? L - b0 - n : block_size; /* keys of the next block */
                 const char *kb_next = nn > 0 ? (const char *)k_cache + bt[b0 / block_size + 1] * block_size * row : NULL;
                 for (int64_t o = 0; o < n; o++) {
-                    for (int64_t l = 0; l < row; l += 64) {
-                        if (o < nn) __builtin_prefetch(kb_next + o * row + l, 0, 3);
-                        __builtin_prefetch(vb + o * row + l, 0, 3);
+                    for (int64_t l = 0; l < part_len; l += 64) {
+                        if (o < nn) __builtin_prefetch(kb_next + o * row + part0 + l, 0, 3);
+                        __builtin_prefetch(vb + o * row + part0 + l, 0, 3);
                     }
-                    for (int64_t kh = 0; kh < kvh; kh++) {
+                    for (int64_t kh = kh0; kh < kh1; kh++) {
                         const char *kp = kb + o * row + kh * D * es;
                         for (int64_t g = 0; g < G; g++) {
                             const int64_t j = kh * G + g;
@@ -889,7 +897,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 }
             }
             /* softmax of each head's scores, the 1 / sum folded into them */
-            for (int64_t j = 0; j < h; j++) {
+            for (int64_t j = kh0 * G; j < kh1 * G; j++) {
                 float *p = sc + j * stride;
                 float m = p[0];
                 for (int64_t i = 1; i < L; i++) m = p[i] > m ? p[i] : m;
@@ -906,8 +914,8 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
             }
             /* out_j = sum_i p[j][i] v_i; meanwhile the next sequence's first keys are fetched, a row
              * per value row read (the next sequence is likely this thread's next item) */
-            memset(acc, 0, sizeof(float) * h * D);
-            const int64_t nx_len = s + 1 < S ? kv_len[s + 1] : 0;
+            memset(acc + kh0 * G * D, 0, sizeof(float) * (kh1 - kh0) * G * D);
+            const int64_t nx_len = kh1 == kvh && s + 1 < S ? kv_len[s + 1] : 0;
             const char *kn = nx_len > 0 ? (const char *)k_cache + block_tables[(s + 1) * max_blocks] * block_size * row
                                         : NULL;
             const int64_t kn_rows = nx_len < block_size ? nx_len : block_size;
@@ -920,7 +928,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                         for (int64_t l = 0; l < row; l += 64) __builtin_prefetch(kn + fetched * row + l, 0, 3);
                         fetched++;
                     }
-                    for (int64_t kh = 0; kh < kvh; kh++) {
+                    for (int64_t kh = kh0; kh < kh1; kh++) {
                         const char *vp = vb + o * row + kh * D * es;
                         float *ak = acc + kh * G * D;
                         const float *pk = sc + kh * G * stride + b0 + o;
@@ -936,7 +944,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                     }
                 }
             }
-            memcpy(out + s * ldo, acc, sizeof(float) * h * D);
+            memcpy(out + s * ldo + kh0 * G * D, acc + kh0 * G * D, sizeof(float) * (kh1 - kh0) * G * D);
         }
         free(sc);
     }
