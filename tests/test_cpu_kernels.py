@@ -232,16 +232,17 @@ def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
         torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("S,h,kvh,threads", [(1, 8, 2, 2), (1, 6, 3, 2), (1, 8, 8, 3), (2, 8, 4, 3), (3, 4, 1, 4),
-                                               (5, 8, 2, 2)])
-def test_decode_attention_threads_split_sequences_and_kv_heads_without_changing_a_bit(S, h, kvh, threads):
-    """Fewer sequences than threads: each sequence's kv heads are split among the threads (items of
-    one sequence and a part of its heads); every split gives one thread's bits."""
+                                               (5, 8, 2, 2), (9, 8, 2, 2)])
+def test_decode_attention_threads_split_sequences_and_kv_heads_without_changing_a_bit(S, h, kvh, threads, kv_dtype):
+    """Few sequences for the threads: each sequence's kv heads are split into parts (items of one
+    sequence and a part of its heads); every split gives one thread's bits."""
     g = torch.Generator().manual_seed(S * 1000 + h * 10 + kvh)
-    D, block_size, num_blocks = 20, 4, 64
-    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g)
-    kv_len = torch.tensor([9, 30, 1, 17, 12][:S])
+    D, block_size, num_blocks = 20, 4, 96
+    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)
+    kv_len = torch.tensor([9, 30, 1, 17, 12, 4, 5, 32, 2][:S])
     tables = torch.randperm(num_blocks, generator=g)[:S * 8].view(S, 8)
     q = torch.randn(S, h, D, generator=g)
     old = torch.get_num_threads()
@@ -255,8 +256,8 @@ def test_decode_attention_threads_split_sequences_and_kv_heads_without_changing_
     assert torch.equal(one, many)
     for s in range(S):
         L = int(kv_len[s])
-        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L]
-        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L]
+        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
+        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
         want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
                                               scale=D ** -0.5, enable_gqa=True).squeeze(1)
         torch.testing.assert_close(many[s], want, rtol=1e-5, atol=1e-5)

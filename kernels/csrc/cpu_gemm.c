@@ -413,8 +413,9 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
- * the weights are PAIRED) and output (at the panel). next: the panel this thread reads after this
- * one (prefetched by the first tile when several tiles reuse this one), or NULL. */
+ * the weights are PAIRED) and output (at the panel). next: the panel read after this one (by this
+ * thread, unless this one ends its share), prefetched by the first tile when several tiles reuse
+ * this one, or NULL. */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next) {
@@ -814,6 +815,12 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
     return total;
 }
 
+/* Every cache line of [p, p + len) into L1. */
+INLINE void prefetch_range(const char *p, int64_t len) {
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + len;
+    for (uintptr_t l = a; l < end; l += 64) __builtin_prefetch((const char *)l, 0, 3);
+}
+
 /* Decode attention over the paged KV cache: one query token per sequence.
  *
  * Legend: S = sequences, h = query heads, kvh = kv heads, G = h / kvh (heads sharing a kv head),
@@ -825,18 +832,19 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
  * block_tables [S, max_blocks] int64: sequence s's key i lives in block block_tables[s][i / block_size]
  * at slot i % block_size. kv_len [S]: L_s.
  *
- * For each sequence (the parallel work items; with fewer sequences than threads, each sequence's kv
- * heads in as many parts as that takes), walking its keys block by block: scores[j][i] =
+ * For each sequence (the parallel work items; with several threads and few sequences, each
+ * sequence's kv heads in parts, so that every thread has a few items), walking its keys block by
+ * block: scores[j][i] =
  * q_j . k_i * scale for every head j of the item (each key's row read once, one lane sum per score),
  * softmax over i (max-subtracted, vectorised exp), then out_j = sum_i p[j][i] v_i (each value row
- * read once; the h x D sums stay in L1). Scores (each head's max L rounded up to whole vectors) and
+ * read once; the h x D sums stay in cache). Scores (each head's max L rounded up to whole vectors) and
  * sums live in a per-thread buffer.
  *
  * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
  * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key row
  * o of the next block and value row o of this one are fetched, and while the values are summed, the
- * next sequence's first keys (docs/benchmarks.md, "Decode attention that fetches ahead"). Returns 0,
- * or -1 when memory runs out. */
+ * next sequence's first keys (with one thread, the next item; docs/benchmarks.md, "Decode attention
+ * that fetches ahead"). Returns 0, or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
@@ -846,11 +854,13 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
     const int es = kv_type == W_F32 ? 4 : 2;
     const int64_t row = kvh * D * es; /* bytes between two keys' (or values') rows: every kv head */
-    /* kv heads per item: all of them, unless there are fewer sequences than threads */
-    const int64_t parts = S >= nthreads ? 1 : ((nthreads + S - 1) / S < kvh ? (nthreads + S - 1) / S : kvh);
+    if (S <= 0) return 0;
+    /* kv heads per item: all of them, unless several threads would get fewer than 4 items each */
+    const int64_t want = nthreads > 1 && S < 4 * nthreads ? (4 * nthreads + S - 1) / S : 1;
+    const int64_t parts = want < kvh ? want : kvh;
     const int64_t per = (kvh + parts - 1) / parts, items = S * ((kvh + per - 1) / per);
     int rc = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
+#pragma omp parallel num_threads(nthreads < items ? nthreads : (int)items) if (nthreads > 1 && items > 1)
     {
         /* scores, padded to whole vectors; then the h x D sums of the values */
         const int64_t stride = (max_len + VW - 1) / VW * VW;
@@ -879,10 +889,8 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 const int64_t nn = L - b0 - n < block_size ? L - b0 - n : block_size; /* keys of the next block */
                 const char *kb_next = nn > 0 ? (const char *)k_cache + bt[b0 / block_size + 1] * block_size * row : NULL;
                 for (int64_t o = 0; o < n; o++) {
-                    for (int64_t l = 0; l < part_len; l += 64) {
-                        if (o < nn) __builtin_prefetch(kb_next + o * row + part0 + l, 0, 3);
-                        __builtin_prefetch(vb + o * row + part0 + l, 0, 3);
-                    }
+                    if (o < nn) prefetch_range(kb_next + o * row + part0, part_len);
+                    prefetch_range(vb + o * row + part0, part_len);
                     for (int64_t kh = kh0; kh < kh1; kh++) {
                         const char *kp = kb + o * row + kh * D * es;
                         for (int64_t g = 0; g < G; g++) {
@@ -925,7 +933,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 const int64_t n = L - b0 < block_size ? L - b0 : block_size;
                 for (int64_t o = 0; o < n; o++) {
                     if (kn && fetched < kn_rows) {
-                        for (int64_t l = 0; l < row; l += 64) __builtin_prefetch(kn + fetched * row + l, 0, 3);
+                        prefetch_range(kn + fetched * row, row);
                         fetched++;
                     }
                     for (int64_t kh = kh0; kh < kh1; kh++) {
