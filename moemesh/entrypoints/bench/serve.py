@@ -49,8 +49,8 @@ def summarize(results: list[dict], seconds: float) -> dict:
     out_tokens = sum(r["tokens"] for r in ok)
     row = {"requests": len(results), "failed": len(results) - len(ok), "errors": [r["error"] for r in results
                                                                                   if r["error"] is not None],
-           "seconds": round(seconds, 3),
-           "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
+           "seconds": round(seconds, 3), "input_tokens": sum(r["prompt_tokens"] for r in ok),
+           "output_tokens": out_tokens, "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
            "total_tok_per_s": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / seconds, 1)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         row[f"{name}_mean_ms"] = round(1000 * statistics.fmean(xs), 2) if xs else None
