@@ -834,11 +834,10 @@ INLINE void prefetch_range(const char *p, int64_t len) {
  *
  * For each sequence (the parallel work items; with several threads and few sequences, each
  * sequence's kv heads in parts, so that every thread has a few items), walking its keys block by
- * block: scores[j][i] =
- * q_j . k_i * scale for every head j of the item (each key's row read once, one lane sum per score),
- * softmax over i (max-subtracted, vectorised exp), then out_j = sum_i p[j][i] v_i (each value row
- * read once; the h x D sums stay in cache). Scores (each head's max L rounded up to whole vectors) and
- * sums live in a per-thread buffer.
+ * block: scores[j][i] = q_j . k_i * scale for every head j of the item (each key's row read once,
+ * one lane sum per score), softmax over i (max-subtracted, vectorised exp), then out_j =
+ * sum_i p[j][i] v_i (each value row read once; the h x D sums stay in cache). Scores (every head's,
+ * the longest L rounded up to whole vectors) and sums live in a per-thread buffer.
  *
  * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
  * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key row
@@ -921,7 +920,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                 for (int64_t i = 0; i < L; i++) p[i] *= inv;
             }
             /* out_j = sum_i p[j][i] v_i; meanwhile the next sequence's first keys are fetched, a row
-             * per value row read (the next sequence is likely this thread's next item) */
+             * per value row read (with one thread, its next item) */
             memset(acc + kh0 * G * D, 0, sizeof(float) * (kh1 - kh0) * G * D);
             const int64_t nx_len = kh1 == kvh && s + 1 < S ? kv_len[s + 1] : 0;
             const char *kn = nx_len > 0 ? (const char *)k_cache + block_tables[(s + 1) * max_blocks] * block_size * row
