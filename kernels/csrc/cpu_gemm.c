@@ -191,7 +191,7 @@ INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
  * up to two cache lines per handful of FMAs: faster than one core's share of the memory system when
  * the other core streams weights too (two pipeline stages). So the first tile fetches the next
  * panel, and the next panel's first tile finds it in L2 (docs/benchmarks.md, "The next panel
- * prefetched"). Not for panels read once (`prefetch_nta`, a short distance ahead, reads those faster). */
+ * prefetched, and decode attention that fetches ahead"). Not for panels read once (`prefetch_nta`, a short distance ahead, reads those faster). */
 INLINE void prefetch_next(const char *next, int64_t k, const int es) {
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch(next + k * NR * es + l, 0, 2);
 }
@@ -842,8 +842,8 @@ INLINE void prefetch_range(const char *p, int64_t len) {
  * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
  * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key row
  * o of the next block and value row o of this one are fetched, and while the values are summed, the
- * next sequence's first keys (with one thread, the next item; docs/benchmarks.md, "Decode attention
- * that fetches ahead"). Returns 0, or -1 when memory runs out. */
+ * next sequence's first keys (with one thread, the next item; docs/benchmarks.md, "The next panel
+ * prefetched, and decode attention that fetches ahead"). Returns 0, or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
@@ -854,8 +854,16 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     const int es = kv_type == W_F32 ? 4 : 2;
     const int64_t row = kvh * D * es; /* bytes between two keys' (or values') rows: every kv head */
     if (S <= 0) return 0;
-    /* kv heads per item: all of them, unless several threads would get fewer than 4 items each */
-    const int64_t want = nthreads > 1 && S < 4 * nthreads ? (4 * nthreads + S - 1) / S : 1;
+    /* kv heads per item: all of them, unless several threads would get fewer than 4 items each, or
+     * one sequence holds more than a quarter of a thread's share of the keys */
+    int64_t want = 1;
+    if (nthreads > 1) {
+        int64_t total = 0;
+        for (int64_t s = 0; s < S; s++) total += kv_len[s];
+        const int64_t by_count = (4 * nthreads + S - 1) / S;
+        const int64_t by_keys = total > 0 ? (4 * nthreads * max_len + total - 1) / total : 1;
+        want = by_count > by_keys ? by_count : by_keys;
+    }
     const int64_t parts = want < kvh ? want : kvh;
     const int64_t per = (kvh + parts - 1) / parts, items = S * ((kvh + per - 1) / per);
     int rc = 0;

@@ -47,11 +47,12 @@ def summarize(results: list[dict], seconds: float) -> dict:
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     itl = [g for r in ok for g in r["itl"]]
     out_tokens = sum(r["tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] for r in ok)  # the ids sent (a server that adds a BOS counts one more)
     row = {"requests": len(results), "failed": len(results) - len(ok), "errors": [r["error"] for r in results
                                                                                   if r["error"] is not None],
-           "seconds": round(seconds, 3), "input_tokens": sum(r["prompt_tokens"] for r in ok),
-           "output_tokens": out_tokens, "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
-           "total_tok_per_s": round((out_tokens + sum(r["prompt_tokens"] for r in ok)) / seconds, 1)}
+           "seconds": round(seconds, 3), "input_tokens": in_tokens, "output_tokens": out_tokens,
+           "request_per_s": round(len(ok) / seconds, 3), "output_tok_per_s": round(out_tokens / seconds, 1),
+           "total_tok_per_s": round((out_tokens + in_tokens) / seconds, 1)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         row[f"{name}_mean_ms"] = round(1000 * statistics.fmean(xs), 2) if xs else None
         row[f"{name}_p50_ms"] = round(1000 * _pct(xs, 50), 2) if xs else None
