@@ -46,7 +46,8 @@ from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
 from moemesh.protocol import (MAX_KV_BLOCKS, PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment,
-                              ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register, Repoint, RequestOutput,
+                              ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register,
+                              Repoint, RequestOutput,
                               ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
                               StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes,
                               max_result_bytes, worker_message_bytes)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moemesh.config import DTYPES, MOE_BACKENDS, QUANTIZATIONS
+from moemesh.protocol import MAX_KV_BLOCKS
 
 
 # -- flag types ---------------------------------------------------------------------------------
@@ -416,8 +417,6 @@ class WorkerResources(Settings):
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all
         layers, one pool): the blocks that kv_memory holds, at least one."""
-        from moemesh.protocol import MAX_KV_BLOCKS
-
         return min(MAX_KV_BLOCKS, self.num_kv_blocks or max(1, self.kv_memory // bytes_per_block))
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from moemesh.config import ModelConfig
-from moemesh.settings import host_memory
 from moemesh.errors import ConfigError
+from moemesh.settings import host_memory
 from stage_worker.context import build_context, forward_context
 from stage_worker.fused_decode import FusedDecode
 from stage_worker.layers.attention import PagedAttention

@@ -849,23 +849,24 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
                         int nthreads) {
     const int64_t G = h / kvh, DV = D / VW * VW; /* DV: the part of a head a whole number of vectors covers */
-    int64_t max_len = 1;
-    for (int64_t s = 0; s < S; s++) max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
+    if (S <= 0) return 0;
+    int64_t max_len = 1, total = 0;
+    for (int64_t s = 0; s < S; s++) {
+        max_len = kv_len[s] > max_len ? kv_len[s] : max_len;
+        total += kv_len[s];
+    }
     const int es = kv_type == W_F32 ? 4 : 2;
     const int64_t row = kvh * D * es; /* bytes between two keys' (or values') rows: every kv head */
-    if (S <= 0) return 0;
     /* kv heads per item: all of them, unless several threads would get fewer than 4 items each, or
      * one sequence holds more than a quarter of a thread's share of the keys */
     int64_t want = 1;
     if (nthreads > 1) {
-        int64_t total = 0;
-        for (int64_t s = 0; s < S; s++) total += kv_len[s];
         const int64_t by_count = (4 * nthreads + S - 1) / S;
         const int64_t by_keys = total > 0 ? (4 * nthreads * max_len + total - 1) / total : 1;
         want = by_count > by_keys ? by_count : by_keys;
     }
-    const int64_t parts = want < kvh ? want : kvh;
-    const int64_t per = (kvh + parts - 1) / parts, items = S * ((kvh + per - 1) / per);
+    const int64_t parts = want < kvh ? want : kvh, per = (kvh + parts - 1) / parts; /* kv heads an item */
+    const int64_t nparts = (kvh + per - 1) / per, items = S * nparts; /* (parts rounded by per) */
     int rc = 0;
 #pragma omp parallel num_threads(nthreads < items ? nthreads : (int)items) if (nthreads > 1 && items > 1)
     {
@@ -879,7 +880,7 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!sc) continue;
-            const int64_t s = item / (items / S), kh0 = item % (items / S) * per;
+            const int64_t s = item / nparts, kh0 = item % nparts * per;
             const int64_t kh1 = kh0 + per < kvh ? kh0 + per : kvh;
             const int64_t L = kv_len[s];
             const int64_t *bt = block_tables + s * max_blocks;

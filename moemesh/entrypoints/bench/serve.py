@@ -10,8 +10,9 @@ connection (a server may close a kept-alive one between requests, and a reused d
 would count as a failed request), and a server that sends no usage counts one token per streamed
 chunk with choices (its text may be empty; a last chunk with no text and only a finish_reason is
 none). Per request it records the time to the first token (TTFT), the time per output token after
-the first (TPOT), and every gap between those chunks (ITL). Several concurrency levels (`--concurrency 1,8,64`) give the points of a
-latency-vs-throughput curve, which `--plot FILE.png` draws.
+the first (TPOT), and every gap between those chunks (ITL). Several concurrency levels
+(`--concurrency 1,8,64`) give the points of a latency-vs-throughput curve, which `--plot FILE.png`
+draws.
 """
 
 from __future__ import annotations
