@@ -8,7 +8,8 @@ The C source is compiled on first use for the machine it runs on (`cc -O3 -march
 -fopenmp`, about a second) and cached under ~/.cache/moemesh/kernels, keyed by the source, the
 compiler and the CPU's feature flags; it is loaded with ctypes (no torch headers to compile, and
 ctypes releases the GIL for the call, so a worker's asyncio thread keeps running). Where no C
-compiler is present `native()` is None and the layers keep torch's path.
+compiler is present `native()` is None and the layers keep torch's path. A C++ compiler, where there
+is one, adds csrc/topk_order.cpp: torch.topk's choice among exactly tied router scores.
 
 Weights are packed once after loading (`pack`): [N, K] -> [ceil(N / NR), K, NR], each panel the
 K x NR block the kernel's register tile streams through, in float32, bfloat16 or int8 (with a
@@ -40,6 +41,8 @@ log = logging.getLogger("moemesh.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemm.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno")
+ORDER_SOURCE = SOURCE.parent / "topk_order.cpp"
+CXXFLAGS = ("-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-fvisibility=hidden", "-c")
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
@@ -126,6 +129,7 @@ class _Lib:
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         lib.mm_bf16_pairs.restype = i32
+        lib.mm_torch_tie_order.restype = i32
         self.lib = lib
         self.path = path
         self.simd_width = lib.mm_simd_width()
@@ -133,20 +137,32 @@ class _Lib:
         self.tile_rows = lib.mm_tile_rows()
         self.bf16_pairs = bool(lib.mm_bf16_pairs())  # bfloat16 panels paired for vdpbf16ps (AVX512-BF16)
         self.few_rows = lib.mm_few_rows()  # products with up to this many rows read weights as streams
+        self.torch_tie_order = bool(lib.mm_torch_tie_order())  # tied router scores broken as torch.topk does
+
+
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def build(cache: Path | None = None) -> Path:
     """Compiles the kernels for this machine (or finds them compiled) and returns the library's path.
-    Raises RuntimeError when there is no compiler or the build fails."""
+    Raises RuntimeError when there is no compiler or the build fails. A C++ compiler, where there is
+    one, adds torch's order among tied router scores (csrc/topk_order.cpp); without it ties go to
+    the lower expert (logged)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = _version(cc)
     except OSError as e:
         raise RuntimeError(f"C compiler {cc!r} does not run: {e}") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    try:
+        cxx_version = _version(cxx) if cxx else ""
+    except (OSError, subprocess.SubprocessError):
+        cxx, cxx_version = None, ""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags(), platform.machine(),
+                                    ORDER_SOURCE.read_text(), " ".join(CXXFLAGS), cxx_version]).encode()).hexdigest()[:16]
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"moemesh_cpu_{key}.so"
@@ -156,17 +172,31 @@ def build(cache: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
             return target
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        with tempfile.TemporaryDirectory(dir=cache) as work:
+            tmp = os.path.join(work, "lib.so")
+            order = []
+            if cxx is None:
+                log.warning("no C++ compiler (c++, g++ or clang++): tied router scores go to the lower expert, "
+                            "not where torch.topk puts them")
+            else:
+                obj = os.path.join(work, "topk_order.o")
+                r = subprocess.run([cxx, *CXXFLAGS, "-o", obj, str(ORDER_SOURCE)], capture_output=True, text=True,
+                                   timeout=300)
+                if r.returncode == 0:
+                    order = ["-DMM_TORCH_ORDER", obj]
+                else:
+                    log.warning("%s failed on topk_order.cpp, tied router scores go to the lower expert: %s", cxx,
+                                r.stderr.strip()[-2000:])
+            r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *order], capture_output=True, text=True,
+                               timeout=300)
+            if r.returncode != 0 and order:  # (a C library that cannot take the C++ object)
+                log.warning("linking topk_order.cpp's object failed, tied router scores go to the lower expert: %s",
+                            r.stderr.strip()[-2000:])
+                r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-            os.chmod(tmp, 0o755 & ~_umask())  # (mkstemp made it 0600: a cache shared by users must be readable)
+            os.chmod(tmp, 0o755 & ~_umask())  # (a cache shared by users must be readable)
             os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
     log.info("built CPU kernels %s", target)
     return target
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_gemm
 from kernels.backend import BackendError, resolve_backend
-from kernels.moe_torch import fused_experts
+from kernels.moe_torch import fused_experts, select_experts
 from reference_moe import reference_moe
 
 lib = cpu_gemm.native()
@@ -306,13 +306,40 @@ def test_rms_norm_and_rotary_match_torch():
 
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_topk_softmax_matches_torch(renormalize):
-    from kernels.moe_torch import select_experts
-
     logits = torch.randn(50, 9, generator=torch.Generator().manual_seed(1)) * 3
     want_w, want_ids = select_experts(logits, 3, renormalize)
     got_w, got_ids = cpu_gemm.topk_softmax(logits, 3, renormalize, lib)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("E,K", [(4, 2), (6, 2), (8, 2), (9, 3), (60, 4), (64, 6), (128, 8), (64, 1), (256, 2)])
+def test_tied_router_scores_go_where_torch_topk_puts_them(E, K):
+    """Rows full of exact ties (a few distinct logits, bfloat16-rounded ones): the experts chosen are
+    torch.topk's over the softmax, as transformers chooses them, in both of torch's algorithms
+    (nth_element; partial_sort where K * 64 <= E), and the weights are theirs."""
+    if not lib.torch_tie_order:
+        pytest.skip("no C++ compiler: ties go to the lower expert (kernels/README.md)")
+    g = torch.Generator().manual_seed(E * 100 + K)
+    rows = [torch.randint(0, levels, (40, E), generator=g).float() for levels in (1, 2, 3)]
+    rows.append(torch.randn(40, E, generator=g).bfloat16().float() * 0.05)  # (bfloat16 logits tie often)
+    logits = torch.cat(rows)
+    for renormalize in (False, True):
+        want_w, want_ids = select_experts(logits, K, renormalize)
+        got_w, got_ids = cpu_gemm.topk_softmax(logits, K, renormalize, lib)
+        got_ids, order = got_ids.sort(dim=-1)  # (the set decides the output; its order does not)
+        want_ids, want_order = want_ids.sort(dim=-1)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order), rtol=1e-6, atol=1e-7)
+
+
+def test_without_a_cxx_compiler_ties_go_to_the_lower_expert(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-cxx"))
+    with caplog.at_level("WARNING", logger="moemesh.kernels"):
+        plain = cpu_gemm._Lib(cpu_gemm.build(tmp_path))
+    assert not plain.torch_tie_order and "no C++ compiler" in caplog.text
+    _, ids = cpu_gemm.topk_softmax(torch.zeros(3, 8), 2, False, plain)
+    assert ids.tolist() == [[0, 1]] * 3
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "llama"])

@@ -106,6 +106,39 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_greedy_matches_transformers_with_tied_routers(tmp_path, arch):
+    """Routers whose scores tie exactly (the first layer's all zero, as a zero-initialised router;
+    the others with two pairs of equal rows, as an upcycled one): the experts among the tied ones are
+    the ones torch.topk picks, so greedy tokens stay transformers', step by step and in bursts
+    (kernels/README.md)."""
+    from kernels import cpu_gemm
+
+    hf = build_hf_model(arch)
+    tied = 0
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            router = getattr(layer.mlp, "gate", None)
+            if getattr(router, "weight", None) is None or router.weight.shape[0] < 4:
+                continue  # (a dense layer)
+            if i == 0:
+                router.weight.zero_()
+            else:
+                router.weight[1] = router.weight[0]
+                router.weight[3] = router.weight[2]
+            tied += 1
+    assert tied >= 2
+    hf.save_pretrained(tmp_path)
+    lib = cpu_gemm.native()
+    if lib is not None and not lib.torch_tie_order:
+        pytest.skip("no C++ compiler: the native kernels break ties toward the lower expert")
+    for cfg in (dict(block_size=16, num_kv_blocks=64), dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5)):
+        engine = LLMEngine(EngineSettings(model=str(tmp_path), **cfg), progress=False)
+        outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.token_ids == hf_greedy(hf, prompt, 16), (cfg, prompt)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("stages", [(2, 2), (1, 3), (1, 1, 2)], ids=lambda s: "+".join(map(str, s)))
 def test_stage_split_matches_unsplit(tmp_path, arch, stages):

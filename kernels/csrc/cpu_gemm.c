@@ -1019,9 +1019,24 @@ __attribute__((optimize("fp-contract=off"))) void mm_rotary(int64_t T, int64_t h
     }
 }
 
-/* MoE routing: per token, softmax over the E router logits (float32), the K largest (ties: lower
- * expert first), renormalised to sum 1 when asked. logits [T, E] rows ld apart; weights [T, K]
- * float32, ids [T, K] int64. */
+#ifdef MM_TORCH_ORDER
+int mm_torch_topk_order(const float *v, int64_t n, int64_t k, int64_t *ids); /* topk_order.cpp */
+#endif
+
+/* 1 where exact ties among router logits are broken as torch.topk breaks them (a C++ compiler
+ * built topk_order.cpp in), 0 where they go to the lower expert */
+int mm_torch_tie_order(void) {
+#ifdef MM_TORCH_ORDER
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* MoE routing: per token, softmax over the E router logits (float32), the K largest, renormalised
+ * to sum 1 when asked. Ties: the lower expert first, unless the K-th is tied with an expert left
+ * out, where the choice is torch.topk's (with topk_order.cpp built in). logits [T, E] rows ld
+ * apart; weights [T, K] float32, ids [T, K] int64. */
 void mm_topk_softmax(int64_t T, int64_t E, const float *logits, int64_t ld, int64_t K, int renormalize,
                      float *weights, int64_t *ids) {
     for (int64_t t = 0; t < T; t++) {
@@ -1040,8 +1055,21 @@ void mm_topk_softmax(int64_t T, int64_t E, const float *logits, int64_t ld, int6
                 if (!taken && (best < 0 || l[e] > l[best])) best = e;
             }
             id[k] = best;
-            w[k] = __builtin_expf(l[best] - m) / sum;
         }
+#ifdef MM_TORCH_ORDER
+        /* the K-th logit tied with one left out (or a NaN): which of the tied experts torch.topk
+         * takes (topk_order.cpp) */
+        const float kth = l[id[K - 1]];
+        int64_t tied = 0, tied_in = 0;
+        int nan = 0;
+        for (int64_t e = 0; e < E; e++) {
+            nan |= l[e] != l[e];
+            tied += l[e] == kth;
+        }
+        for (int64_t k = 0; k < K; k++) tied_in += l[id[k]] == kth;
+        if (nan || tied > tied_in) mm_torch_topk_order(l, E, K, id);
+#endif
+        for (int64_t k = 0; k < K; k++) w[k] = __builtin_expf(l[id[k]] - m) / sum;
         if (renormalize) {
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s += w[k];
