@@ -119,11 +119,11 @@ class _Lib:
                                            i32]
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
-        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr, i32]
+        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i32, ptr, i32]
         lib.mm_screened_argmax.restype = None
         lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
-                                         i32, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64,
-                                         ptr, i32]
+                                         i32, ptr, i64, i64, ptr, i32, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64,
+                                         i64, i64, ptr, i32]
         lib.mm_greedy_decode.restype = i32
         lib.mm_argmax_rows.restype = None
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
@@ -474,60 +474,81 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
     return out
 
 
-def screen_pays(lib: _Lib | None) -> bool:
-    """Whether a float32 lm_head's greedy tokens are cheaper through `ScreenedHead` here: where the
-    kernels multiply bfloat16 with AVX512-BF16 (1.6x a 64-row head on Zen 4, docs/benchmarks.md).
-    Elsewhere a bfloat16 product of many rows widens its weights and gains little."""
-    return lib is not None and lib.bf16_pairs
+def screen_pays(lib: _Lib | None, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether an lm_head of `dtype` samples greedy tokens cheaper through `ScreenedHead` here. A float32
+    head's bfloat16 copy: where the kernels multiply bfloat16 with AVX512-BF16 (1.6x a 64-row head on
+    Zen 4, docs/benchmarks.md); elsewhere a bfloat16 product of many rows widens its weights and gains
+    little. A bfloat16 head's int8 copy, read only for up to FEW_ROWS rows, where a product is bound
+    by reading its weights: half the bytes, wherever the kernels are built."""
+    if lib is None:
+        return False
+    return lib.bf16_pairs if dtype == torch.float32 else dtype == torch.bfloat16
 
 
 class ScreenedHead:
-    """Greedy tokens from a float32 lm_head at about half its cost, exactly: the logits of a bfloat16
-    copy of the head (half the bytes, and vdpbf16ps on a CPU with AVX512-BF16), a bound on how far
-    each can be from the float32 logit, and the float32 logits of only the few columns whose
-    interval reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum
-    of those float32 logits: the one the full float32 product picks, up to the order float32 sums
-    are added in (which already differs between this machine's kernels and torch's). A row with
-    more than 64 candidates (or more than 256 still in reach when the kernel's buffer fills), a value
-    that is not finite, or |x| times the largest column norm at or above 2^126 takes the full product.
+    """Greedy tokens from an lm_head at about half its cost, exactly: the logits of a copy of the head
+    in half the bytes (a float32 head's in bfloat16, read with vdpbf16ps on a CPU with AVX512-BF16; a
+    bfloat16 head's in int8, with a scale per column, for up to `max_rows` rows), a bound on how far
+    each can be from the head's logit, and the float32 logits of only the few columns whose interval
+    reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum of those
+    logits: the one the full product picks, up to the order float32 sums are added in (which already
+    differs between this machine's kernels and torch's). A row with more than 64 candidates (or more
+    than 256 still in reach when the kernel's buffer fills), a value that is not finite, or |x| times
+    the largest column norm at or above 2^126 takes the full product, and so do all rows of a product
+    with more than `max_rows`.
 
-    The bound, for a row x and column j (w the float32 column, w' its bfloat16 rounding, u = 2^-8
-    bfloat16's unit roundoff, g = K 2^-24 / (1 - K 2^-24) float32's for a sum of K products, and
-    x' the row as the product reads it: x, or x rounded to bfloat16 with |x - x'| <= u |x|):
+    The bound, for a row x and column j (w the head's column, w' the copy's, u = 2^-8 bfloat16's unit
+    roundoff, g = K 2^-24 / (1 - K 2^-24) float32's for a sum of K products, and x' the row as the
+    copy's product reads it: x, or x rounded to bfloat16 with |x - x'| <= u |x|):
 
         |x.w - x'.w'| <= |x.(w - w')| + |(x - x').w'| <= |x| (|w - w'| + u |w'|)     (Cauchy-Schwarz)
 
     plus g |x'| |w'| <= g (1 + u) |x| |w'| for the sum that computes x'.w', and g |x| |w| for the one
-    that computes the float32 logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
-    (u + g (1 + u)) |w'| + g |w|, computed in float64 and widened by 2^-10 (which also covers the
-    float32 arithmetic of the comparisons, each within 2^-23 of values at most 2^9 radii). It assumes
-    nothing overflows: rows with |x| times the largest column norm at or above 2^126 take the full
-    product. Denormals that the bfloat16 instructions flush (activations and products below 2^-126)
-    move a logit by under 2^-126 sqrt(K) times the column's norm: the comparisons allow 1e-30."""
+    that computes the head's logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
+    (u + g (1 + u)) |w'| + g |w|. The int8 copy's product reads x as it is (u = 0: a bfloat16 head
+    widens its weights for up to FEW_ROWS rows, and so does int8) and multiplies its sum by the
+    column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. Computed in float64
+    and widened by 2^-10 (which also covers the float32 arithmetic of the comparisons, each within
+    2^-23 of values at most 2^9 radii). It assumes nothing overflows: rows with |x| times the largest
+    column norm at or above 2^126 take the full product. Denormals that the bfloat16 instructions flush
+    (activations and products below 2^-126) move a logit by under 2^-126 sqrt(K) times the column's
+    norm: the comparisons allow 1e-30."""
 
     def __init__(self, head: PackedWeight, vocab: int, lib: _Lib):
-        assert head.data.dtype == torch.float32 and head.scale is None and 0 < vocab <= head.n
+        assert head.data.dtype in (torch.float32, torch.bfloat16) and head.scale is None and 0 < vocab <= head.n
         assert head.data.dim() == 3
         self.head, self.vocab, self.lib = head, vocab, lib
-        # the copy, panel for panel (every column of the head, as the full product has them:
-        # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's
-        data = head.data.to(torch.bfloat16)
-        if lib.bf16_pairs:
-            data = data[..., pair_columns(data.shape[-1])]
-        self.copy = PackedWeight(data.contiguous(), None, head.n, head.k, pairs=lib.bf16_pairs)
         K, NR = head.k, head.data.shape[-1]
-        u, g = 2.0 ** -8, K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
+        g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
+        if head.data.dtype == torch.float32:
+            # the copy, panel for panel (every column of the head, as the full product has them:
+            # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's
+            data = head.data.to(torch.bfloat16)
+            if lib.bf16_pairs:
+                data = data[..., pair_columns(data.shape[-1])]
+            self.copy = PackedWeight(data.contiguous(), None, head.n, head.k, pairs=lib.bf16_pairs)
+            self.max_rows = None
+            u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
+        else:
+            # (a bfloat16 head's product of more rows rounds x to bfloat16 and pairs it: not this copy's)
+            self.copy = pack(head.unpack(), NR, torch.int8)
+            self.max_rows = lib.few_rows
+            u, g_copy = 0.0, g + 2.0 ** -24 * (1 + g)
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         step = max(1, (1 << 22) // (NR * K))  # panels at a time: float64 slices of 32 MiB, never the whole head
         for p in range(0, -(-vocab // NR), step):
-            w = head.data[p:p + step].transpose(-1, -2).reshape(-1, K)[:vocab - p * NR].double()
-            rounded = w.to(torch.bfloat16).double()
-            norm, rounded_norm = w.norm(dim=1), rounded.norm(dim=1)
-            radius[p * NR:p * NR + len(w)] = (w - rounded).norm(dim=1) + (u + g * (1 + u)) * rounded_norm + g * norm
-            wn_max = torch.maximum(wn_max, torch.maximum(norm.max(), rounded_norm.max()))  # (NaN stays NaN)
+            w = _columns(head, p, step, vocab)
+            copy = _columns(self.copy, p, step, vocab)
+            norm, copy_norm = w.norm(dim=1), copy.norm(dim=1)
+            radius[p * NR:p * NR + len(w)] = (w - copy).norm(dim=1) + (u + g_copy) * copy_norm + g * norm
+            wn_max = torch.maximum(wn_max, torch.maximum(norm.max(), copy_norm.max()))  # (NaN stays NaN)
         self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
         # NaN or inf where a weight is: mm_screened_argmax's guard then decides no row here
         self.wn_max = float((wn_max * (1 + 2.0 ** -10)).float())
+
+    def screens(self, rows: int) -> bool:
+        """Whether a product of `rows` rows goes through the copy (else the full product)."""
+        return self.max_rows is None or rows <= self.max_rows
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""
@@ -536,14 +557,30 @@ class ScreenedHead:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         if not x.shape[0]:
             return out
+        if not self.screens(x.shape[0]):
+            return argmax_rows(gemm(x, self.head, self.lib)[:, :self.vocab], self.lib)
         approx = gemm(x, self.copy, self.lib)
         self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
                                         x.data_ptr(), x.stride(0), self.radius.data_ptr(), self.wn_max,
-                                        self.head.data.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                        self.head.data.data_ptr(), self.head.weight_type, out.data_ptr(),
+                                        torch.get_num_threads())
         full = (out < 0).nonzero().flatten()
         if len(full):
             out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)
         return out
+
+
+def _columns(w: PackedWeight, p: int, step: int, vocab: int) -> torch.Tensor:
+    """Columns [p * NR, (p + step) * NR) of a packed weight below `vocab`, float64 [cols, K], as its
+    kernels read them (in column order, int8 times its scales)."""
+    NR = w.data.shape[-1]
+    data = w.data[p:p + step]
+    if w.pairs:
+        data = data[..., torch.argsort(pair_columns(NR))]
+    cols = data.transpose(-1, -2).reshape(-1, w.k)[:vocab - p * NR].double()
+    if w.scale is not None:
+        cols = cols * w.scale[p * NR:p * NR + len(cols)].double().unsqueeze(1)
+    return cols
 
 
 def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, eps: float, head: PackedWeight,
@@ -564,6 +601,8 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
         assert t.dtype == torch.int64 and t.is_contiguous()
     assert positions.shape == (S,) and block_table.dim() == 2 and block_table.shape[0] == S
     check_layout(head, lib)
+    if screen is not None and not screen.screens(S):
+        screen = None
     if screen is not None:
         assert screen.head is head and screen.vocab == vocab
         check_layout(screen.copy, lib)
@@ -572,6 +611,8 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
         rc = lib.lib.mm_greedy_decode(descs, len(descs), S, H, embed.data_ptr(), WEIGHT_TYPES[embed.dtype],
                                       norm.data_ptr(), eps, head.data.data_ptr(), head.weight_type, _ptr(head.scale),
                                       head.n, vocab, None if screen is None else screen.copy.data.data_ptr(),
+                                      0 if screen is None else screen.copy.weight_type,
+                                      None if screen is None else _ptr(screen.copy.scale),
                                       None if screen is None else screen.radius.data_ptr(),
                                       0.0 if screen is None else screen.wn_max,
                                       tokens.data_ptr(), positions.data_ptr(), block_table.data_ptr(),

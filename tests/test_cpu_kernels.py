@@ -562,23 +562,32 @@ def test_native_kernels_that_cannot_be_built_are_a_cli_error_with_the_reason(tmp
     assert path.stat().st_mode & 0o777 == 0o755 & ~umask
 
 
-def _screen_case(V: int, K: int, seed: int) -> tuple[cpu_gemm.PackedWeight, torch.Tensor]:
+def _screen_case(V: int, K: int, seed: int, dtype=torch.float32) -> tuple[cpu_gemm.PackedWeight, torch.Tensor]:
     """A head [V, K] with the hard columns at the front: an exact copy of column 0 (a tie, the lower
-    index wins), and columns that differ from column 2 by less than bfloat16 can tell apart (their
-    bfloat16 copies are equal, their float32 logits are not)."""
+    index wins), and columns that differ from column 2 by less than the copy can tell apart (a float32
+    head's: their bfloat16 copies are equal, their logits are not; a bfloat16 head's: by one
+    bfloat16 step in one weight, below the int8 copy's step)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(V, K, generator=g) * 0.05
     w[1] = w[0]
     for j in (3, 4, 5):
         w[j] = w[2] * (1 + (j - 2) * 2.0 ** -12)
-    return cpu_gemm.pack(w, lib.panel_width, torch.float32), w
+    if dtype == torch.bfloat16:
+        w = w.bfloat16().float()
+        for j in (3, 4, 5):
+            w[j, j] = w[j, j].bfloat16().view(torch.int16).add(j - 2).view(torch.bfloat16).float()
+    return cpu_gemm.pack(w, lib.panel_width, dtype), w
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
 @pytest.mark.parametrize("seed", range(3))
-def test_screened_head_picks_the_float32_first_maximum(rows, seed):
+def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype):
+    """A float32 head through its bfloat16 copy, a bfloat16 head through its int8 copy (up to three
+    rows; more go to the full product): the token is the full product's first maximum, and the bound
+    holds for every column of every row the copy decides."""
     V, K = 1003, 96
-    packed, w = _screen_case(V, K, seed)
+    packed, w = _screen_case(V, K, seed, dtype)
     screen = cpu_gemm.ScreenedHead(packed, V, lib)
     g = torch.Generator().manual_seed(100 + seed)
     x = torch.randn(rows, K, generator=g) * torch.rand(rows, 1, generator=g) * 40
@@ -588,10 +597,33 @@ def test_screened_head_picks_the_float32_first_maximum(rows, seed):
     exact = cpu_gemm.gemm(x, packed, lib)
     want = exact.max(dim=-1).indices
     assert torch.equal(screen.tokens(x), want)
+    if not screen.screens(rows):
+        assert dtype == torch.bfloat16 and rows > 3
+        return
     assert (_screened(screen, x) >= 0).all()  # every row decided by the screen, none by the full product
     # the bound the screen rests on holds for every column of every row
     approx = cpu_gemm.gemm(x, screen.copy, lib)[:, :V]
     assert ((approx - exact).abs() <= x.double().norm(dim=1, keepdim=True).float() * screen.radius).all()
+
+
+def test_a_bfloat16_heads_screen_recomputes_candidates_from_the_columns_it_names():
+    """The candidates' logits come from the packed bfloat16 head (paired where the kernels pair it):
+    a head whose largest logit sits in each lane of a panel in turn, the others a hair below it, so
+    that the candidates span the panel and reading a wrong lane picks a wrong token."""
+    NR, K = lib.panel_width, 64
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(K, generator=g).bfloat16().float()
+    for top in range(2 * NR):
+        w = base.repeat(2 * NR, 1)
+        w[:, 0] -= torch.arange(2 * NR).float() % 7 * 2.0 ** -8 * base[0].abs()  # columns a little apart
+        w = w.bfloat16().float()
+        w[top, 1] = w[top, 1].bfloat16().view(torch.int16).add(1 if base[1] > 0 else -1).view(torch.bfloat16).float()
+        packed = cpu_gemm.pack(w, NR, torch.bfloat16)
+        screen = cpu_gemm.ScreenedHead(packed, 2 * NR, lib)  # (every column a candidate: at most 64)
+        x = base.unsqueeze(0).clone()
+        want = cpu_gemm.gemm(x, packed, lib).max(dim=-1).indices
+        got = _screened(screen, x)
+        assert got.tolist() == want.tolist() and got[0] >= 0, top
 
 
 def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
@@ -600,8 +632,23 @@ def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
     approx = cpu_gemm.gemm(x, screen.copy, lib)
     lib.lib.mm_screened_argmax(x.shape[0], screen.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
                                x.data_ptr(), x.stride(0), screen.radius.data_ptr(), screen.wn_max,
-                               screen.head.data.data_ptr(), out.data_ptr(), 1)
+                               screen.head.data.data_ptr(), screen.head.weight_type, out.data_ptr(), 1)
     return out
+
+
+def test_a_bfloat16_heads_copy_is_int8_and_its_radius_the_formulas():
+    w = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    packed = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
+    screen = cpu_gemm.ScreenedHead(packed, 290, lib)
+    want = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    assert torch.equal(screen.copy.data, want.data) and torch.equal(screen.copy.scale, want.scale)
+    assert screen.max_rows == lib.few_rows and screen.screens(lib.few_rows) and not screen.screens(lib.few_rows + 1)
+    w64, q64 = w[:290].double(), (want.unpack()[:290].double() / want.scale[:290].double().unsqueeze(1)).round()
+    c64 = q64 * want.scale[:290].double().unsqueeze(1)  # (the copy's columns, scale times int8, exactly)
+    g = 40 * 2.0 ** -24 / (1 - 40 * 2.0 ** -24)
+    radius = ((w64 - c64).norm(dim=1) + (g + 2.0 ** -24 * (1 + g)) * c64.norm(dim=1) + g * w64.norm(dim=1)) \
+        * (1 + 2.0 ** -10)
+    assert torch.equal(screen.radius, radius.float())
 
 
 def test_screened_head_copy_and_radius_are_the_packed_heads():
@@ -677,15 +724,15 @@ def test_screened_head_leaves_overflowing_rows_and_nan_weights_to_the_full_produ
     assert torch.equal(screen.tokens(x), torch.full((5,), 20))  # NaN counts as the maximum
 
 
-def test_screened_head_is_built_only_for_a_float32_head_where_it_pays(monkeypatch):
+def test_screened_head_is_built_only_for_a_float32_or_bfloat16_head_where_it_pays(monkeypatch):
     from stage_worker.layers.parallel import TPGroup
     from stage_worker.layers.vocab import ParallelLMHead
 
     head = ParallelLMHead(100, 32, TPGroup())
     head.weight.data.normal_()
     for dtype, pays, built in ((torch.float32, True, True), (torch.float32, False, False),
-                               (torch.bfloat16, True, False), (torch.int8, True, False)):
-        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, pays=pays: pays)
+                               (torch.bfloat16, True, True), (torch.bfloat16, False, False), (torch.int8, True, False)):
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None, pays=pays: pays)
         head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)
         head.screen_packed()
         assert (head.screen is not None) == built, (dtype, pays)

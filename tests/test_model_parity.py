@@ -93,7 +93,7 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
 
         if cpu_gemm.native() is None:
             pytest.skip("no C compiler: the native kernels cannot be built here")
-        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib: screened)
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None: screened)
         calls, tokens = [], cpu_gemm.ScreenedHead.tokens
         monkeypatch.setattr(cpu_gemm.ScreenedHead, "tokens", lambda self, x: calls.append(len(x)) or tokens(self, x))
     engine = LLMEngine(EngineSettings(model=str(reference.path), **cfg), progress=False)

@@ -270,7 +270,7 @@ def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(mod
     params = [SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)] * len(PROMPTS)
 
     def run(screened: bool, cut: float | None = None):
-        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib: screened)
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None: screened)
         eng = engine(model_dir, 5)
         model = eng.stages[0].runner.model
         model.model.norm.weight.data.copy_(torch.linspace(0.2, 3.0, model.config.hidden_size))  # (the burst's too)
@@ -292,6 +292,38 @@ def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(mod
     assert seen.max() > seen.min() * 1.01  # rows of different norms: a cut between them splits a step
     assert run(True, float(seen.median()))[0] == full
     assert run(True, float(seen.min()) / 2)[0] == full
+
+
+@pytest.mark.parametrize("num_steps", [1, 5])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, monkeypatch, num_steps, batch):
+    """A bfloat16 model's lm_head screened through its int8 copy (kernels/cpu_gemm.py ScreenedHead),
+    step by step and in native bursts: the copy decides products of up to three rows (batch 1 and 3)
+    and hands larger ones to the full head (batch 6); the tokens are the full head's throughout."""
+    from kernels import cpu_gemm
+
+    if cpu_gemm.native() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * batch
+    decided = []
+
+    def run(screened: bool):
+        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None: screened and dtype == torch.bfloat16)
+        eng = engine(model_dir, num_steps, dtype="bfloat16")
+        model = eng.stages[0].runner.model
+        assert model.can_screen == screened
+        if screened:
+            assert model.lm_head.screen.copy.data.dtype == torch.int8 and model.lm_head.screen.max_rows == 3
+            tokens = model.lm_head.screen.tokens
+            model.lm_head.screen.tokens = lambda x: decided.append(len(x)) or tokens(x)
+        seqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS[:batch], params)]
+        while eng.core.has_work():
+            eng.step()
+        return [s.output_ids for s in seqs]
+
+    assert run(True) == run(False)
+    if num_steps == 1:  # (a burst screens inside mm_greedy_decode, not through the Python call)
+        assert decided and max(decided) == batch
 
 
 def test_a_stop_token_mid_burst_on_the_native_path_ends_the_row_there(model_dir):

@@ -1283,12 +1283,13 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
     }
 }
 
-/* Greedy sampling through a screened head (a float32 lm_head with a bfloat16 copy; kernels/cpu_gemm.py
- * `ScreenedHead` derives the bound). approx [R, n] (rows lda apart): row r's logits from the copy, each
- * within xn_r * radius[j] of the float32 logit (xn_r = |x_r|, the row's Euclidean norm). A row's
- * candidates are the j whose interval reaches the largest lower end of any: no other j can hold the
- * float32 maximum. Their float32 logits are recomputed from x [R, K] (rows ldx apart) and the packed
- * float32 head w, and out[r] is the first maximum among them. out[r] = -1 where that cannot be
+/* Greedy sampling through a screened head (a float32 lm_head with a bfloat16 copy, or a bfloat16 one
+ * with an int8 copy; kernels/cpu_gemm.py `ScreenedHead` derives the bound). approx [R, n] (rows lda
+ * apart): row r's logits from the copy, each within xn_r * radius[j] of the head's logit (xn_r = |x_r|,
+ * the row's Euclidean norm). A row's candidates are the j whose interval reaches the largest lower end
+ * of any: no other j can hold the maximum. Their logits are recomputed in float32 from x [R, K] (rows
+ * ldx apart) and the packed head w of type wt (float32, or bfloat16 widened), and out[r] is the first
+ * maximum among them. out[r] = -1 where that cannot be
  * decided here (more than SCREEN_CAP candidates, or SCREEN_BUF still in reach when the buffer
  * fills; a value that is not finite; |x_r| wn_max at or above 2^126, where a sum could overflow):
  * the caller computes that row's logits in full. */
@@ -1315,7 +1316,9 @@ INLINE float vmax_lanes(vf v) {
 }
 
 void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, int64_t lda, const float *x,
-                        int64_t ldx, const float *radius, float wn_max, const float *w, int64_t *out, int nthreads) {
+                        int64_t ldx, const float *radius, float wn_max, const void *w, int wt, int64_t *out,
+                        int nthreads) {
+    const int es = elem_size(wt);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
         const float *a = approx + r * lda, *xr = x + r * ldx;
@@ -1383,14 +1386,16 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
         for (int c = 0; c < count; c++)
             if (upper[c] >= floor_) cand[kept++] = cand[c];
         if (kept > SCREEN_CAP) continue;
-        /* the candidates' float32 logits, from the packed head: column j is lane j % NR of panel j / NR */
+        /* the candidates' logits, from the packed head: column j is lane j % NR of panel j / NR (in a
+         * paired bfloat16 panel at the position q with col(q) = j % NR) */
         float best = -INFINITY_F;
         int64_t arg = -1;
         for (int c = 0; c < kept; c++) {
-            const int64_t j = cand[c];
-            const float *col = w + (j / NR) * K * NR + j % NR;
+            const int64_t j = cand[c], cj = j % NR, half = cj % (NR / 2);
+            const int64_t q = PAIRED(wt) ? half / 4 * 8 + (cj < NR / 2 ? 0 : 4) + half % 4 : cj;
+            const char *col = (const char *)w + ((j / NR) * K * NR + q) * es;
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], col[k * NR], s);
+            for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], load_w1(col, k * NR, wt), s);
             if (!(s - s == 0.0f)) { /* (not finite: unreachable under the guard above) */
                 arg = -1;
                 break;
@@ -1413,14 +1418,16 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
  * caller has checked those, and the tokens against the embedding's rows (vocab <= its rows).
  * embed: [rows, H] of type et (float32 or bfloat16); norm: the final RMSNorm's weight (float32);
  * head: the packed lm_head, head_n >= vocab columns of type ht with its scale (or NULL).
- * screen, radius, screen_wn_max: a float32 head's bfloat16 copy (packed as head, head_n columns) and
- * its bound, to sample through mm_screened_argmax (the rows it cannot decide take the full product,
- * together); screen NULL: none.
+ * screen (type st, scales screen_scale or NULL), radius, screen_wn_max: the head's copy (packed as
+ * head, head_n columns: bfloat16 for a float32 head, int8 for a bfloat16 one) and its bound, to sample
+ * through mm_screened_argmax (the rows it cannot decide take the full product, together); screen
+ * NULL: none.
  * out [steps, S]: the tokens sampled, each the first maximum of its row's first vocab logits.
  * Returns -1 when out of memory. */
 int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const void *embed, int et,
                      const float *norm, float eps, const void *head, int ht, const float *head_scale,
-                     int64_t head_n, int64_t vocab, const void *screen, const float *radius, float screen_wn_max,
+                     int64_t head_n, int64_t vocab, const void *screen, int st, const float *screen_scale,
+                     const float *radius, float screen_wn_max,
                      const int64_t *tokens,
                      const int64_t *positions, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
                      int64_t steps, int64_t *out, int nthreads) {
@@ -1452,11 +1459,12 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
         mm_rmsnorm(S, H, hidden, H, residual, H, summed, norm, eps, normed, nthreads);
         int64_t *sampled = out + s * S;
         if (screen) {
-            if (mm_gemm(S, head_n, H, normed, H, screen, W_BF16, NULL, logits, head_n, nthreads)) {
+            if (mm_gemm(S, head_n, H, normed, H, screen, st, screen_scale, logits, head_n, nthreads)) {
                 rc = -1;
                 goto done;
             }
-            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, screen_wn_max, head, sampled, nthreads);
+            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, screen_wn_max, head, ht, sampled,
+                               nthreads);
             int64_t left = 0; /* the undecided rows, gathered into `summed` (free until the next step) */
             for (int64_t i = 0; i < S; i++)
                 if (sampled[i] < 0) memcpy(summed + left++ * H, normed + i * H, sizeof(float) * H);

@@ -56,9 +56,10 @@ class ParallelLMHead(VocabParallel):
         return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
 
     def screen_packed(self) -> None:
-        """Builds `screen` where it pays: a float32 head packed whole on this rank (one tensor rank),
-        on a CPU whose kernels multiply bfloat16 with AVX512-BF16 (`cpu_gemm.screen_pays`)."""
+        """Builds `screen` where it pays (`cpu_gemm.screen_pays`): a float32 or bfloat16 head packed whole
+        on this rank (one tensor rank); a float32 one on a CPU whose kernels multiply bfloat16 with
+        AVX512-BF16, a bfloat16 one (its int8 copy, for up to three rows) on any."""
         self.screen = None
-        if (self.packed is not None and self.packed.data.dtype == torch.float32 and self.tp.size == 1
-                and cpu_gemm.screen_pays(cpu_gemm.native())):
+        if (self.packed is not None and self.packed.scale is None and self.tp.size == 1
+                and cpu_gemm.screen_pays(cpu_gemm.native(), self.packed.data.dtype)):
             self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native())
