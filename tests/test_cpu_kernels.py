@@ -213,7 +213,7 @@ def test_backend_resolution():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (4, 4, 24), (6, 1, 20), (3, 3, 19)])
+@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (16, 4, 128), (4, 4, 24), (6, 1, 20), (3, 3, 19)])
 def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
     g = torch.Generator().manual_seed(h * 100 + D)
     block_size, num_blocks = 4, 48
@@ -229,6 +229,32 @@ def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
         values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
         want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
                                               enable_gqa=True).squeeze(1)  # [h, D]
+        torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 128, 40])
+def test_decode_attention_over_many_blocks_with_a_rising_maximum(kv_dtype, D):
+    """One pass with a running softmax (kernels/csrc/cpu_gemm.c mm_decode_attention): long contexts
+    of 16-key blocks in scattered order, scores over a wide range whose maximum rises block after
+    block (each raise rescales what was summed before), a last block cut short; against SDPA."""
+    g = torch.Generator().manual_seed(D)
+    h, kvh, block_size, num_blocks = 8, 2, 16, 80
+    k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g)
+    ramp = torch.linspace(0, 3, num_blocks * block_size).view(num_blocks, block_size, 1, 1)
+    k_cache = (k_cache + ramp).to(kv_dtype)  # (keys drift toward q: later blocks score higher)
+    v_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)
+    kv_len = torch.tensor([300, 1, 16, 17, 640])
+    tables = torch.stack([torch.arange(40) if s == 4 else torch.randperm(num_blocks, generator=g)[:40]
+                          for s in range(5)])
+    q = torch.ones(5, h, D) + 0.1 * torch.randn(5, h, D, generator=g)
+    got = cpu_gemm.decode_attention(q, k_cache, v_cache, tables, kv_len, 2 * D ** -0.5, lib)
+    for s in range(5):
+        L = int(kv_len[s])
+        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
+        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
+        want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              scale=2 * D ** -0.5, enable_gqa=True).squeeze(1)
         torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
 
 

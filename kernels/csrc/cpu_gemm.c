@@ -815,10 +815,101 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
     return total;
 }
 
-/* Every cache line of [p, p + len) into L1. */
-INLINE void prefetch_range(const char *p, int64_t len) {
-    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + len;
-    for (uintptr_t l = a; l < end; l += 64) __builtin_prefetch((const char *)l, 0, 3);
+/* What decode attention fetches ahead: the next block's key rows, then its value rows (rows of len
+ * bytes, row bytes apart), a few cache lines (step) for every key any head of the item scores, so
+ * that the fetches spread over the whole block's work. Into L2 (prefetcht2): with a whole block's
+ * lines in flight, fetching into L1 stalled on its few miss buffers (docs/benchmarks.md, "Decode
+ * attention in one pass"). */
+typedef struct {
+    const char *k, *v;
+    int64_t row, len, rows, step;
+    int64_t at, line; /* the row the next fetch is in (rows of keys, then rows of values), its line */
+} fetcher;
+
+INLINE void fetch_some(fetcher *f) {
+    for (int64_t c = 0; c < f->step && f->at < 2 * f->rows; c++) {
+        const char *start = (f->at < f->rows ? f->k + f->at * f->row : f->v + (f->at - f->rows) * f->row);
+        const uintptr_t first = (uintptr_t)start & ~(uintptr_t)63;
+        __builtin_prefetch((const char *)(first + 64 * f->line), 0, 1);
+        if (first + 64 * ++f->line >= (uintptr_t)start + f->len) {
+            f->at++;
+            f->line = 0;
+        }
+    }
+}
+
+/* Decode attention's scores for one head over the n keys of a block: out[o] = q . k_o * scale, with
+ * k_o at k + o * row (D elements of kv_type). Two partial sums per key, added before the lane sum.
+ * Each key fetches a few lines ahead (f). */
+INLINE void att_scores_t(const int kv_type, const int64_t D, const float *restrict qj, const char *k, int64_t row,
+                         int64_t n, float scale, float *restrict out, fetcher *f) {
+    const int64_t DV = D / VW * VW;
+    for (int64_t o = 0; o < n; o++) {
+        fetch_some(f);
+        const char *kp = k + o * row;
+        vf a = {0}, b = {0};
+        int64_t d = 0;
+        for (; d + 2 * VW <= DV; d += 2 * VW) {
+            a += load_f(qj + d) * load_w(kp, d, kv_type);
+            b += load_f(qj + d + VW) * load_w(kp, d + VW, kv_type);
+        }
+        if (d < DV) a += load_f(qj + d) * load_w(kp, d, kv_type);
+        float dot = hsum(a + b);
+        for (d = DV; d < D; d++) dot += qj[d] * load_w1(kp, d, kv_type);
+        out[o] = dot * scale;
+    }
+}
+
+/* ... specialised for the common cases (the type and head size known: the loops unroll, nothing is
+ * dispatched per key) */
+static void att_scores(int kv_type, int64_t D, const float *qj, const char *k, int64_t row, int64_t n, float scale,
+                       float *out, fetcher *f) {
+#define ATT_SCORES(T, DD) att_scores_t(T, DD, qj, k, row, n, scale, out, f)
+    if (kv_type == W_F32 && D == 64) ATT_SCORES(W_F32, 64);
+    else if (kv_type == W_F32 && D == 128) ATT_SCORES(W_F32, 128);
+    else if (kv_type == W_BF16 && D == 64) ATT_SCORES(W_BF16, 64);
+    else if (kv_type == W_BF16 && D == 128) ATT_SCORES(W_BF16, 128);
+    else if (kv_type == W_F32) ATT_SCORES(W_F32, D);
+    else ATT_SCORES(W_BF16, D);
+#undef ATT_SCORES
+}
+
+/* acc[d] += sum_o p[o] v_o[d] over the n value rows of a block (v_o at v + o * row, D elements of
+ * kv_type): up to 4 vectors of d at a time held in registers across the block's keys, in key
+ * order, then added to acc. */
+INLINE void att_values_t(const int kv_type, const int64_t D, const float *restrict p, const char *v, int64_t row,
+                         int64_t n, float *restrict acc) {
+    const int64_t DV = D / VW * VW;
+    for (int64_t d = 0; d < DV; d += 4 * VW) {
+        const int64_t m = DV - d < 4 * VW ? (DV - d) / VW : 4;
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t o = 0; o < n; o++) {
+            const vf po = splat(p[o]);
+            const char *vp = v + o * row;
+            a0 += po * load_w(vp, d, kv_type);
+            if (m > 1) a1 += po * load_w(vp, d + VW, kv_type);
+            if (m > 2) a2 += po * load_w(vp, d + 2 * VW, kv_type);
+            if (m > 3) a3 += po * load_w(vp, d + 3 * VW, kv_type);
+        }
+        store_f(acc + d, load_f(acc + d) + a0);
+        if (m > 1) store_f(acc + d + VW, load_f(acc + d + VW) + a1);
+        if (m > 2) store_f(acc + d + 2 * VW, load_f(acc + d + 2 * VW) + a2);
+        if (m > 3) store_f(acc + d + 3 * VW, load_f(acc + d + 3 * VW) + a3);
+    }
+    for (int64_t d = DV; d < D; d++) {
+        float t = 0.0f;
+        for (int64_t o = 0; o < n; o++) t += p[o] * load_w1(v + o * row, d, kv_type);
+        acc[d] += t;
+    }
+}
+
+static void att_values(int kv_type, int64_t D, const float *p, const char *v, int64_t row, int64_t n, float *acc) {
+    if (kv_type == W_F32 && D == 64) att_values_t(W_F32, 64, p, v, row, n, acc);
+    else if (kv_type == W_F32 && D == 128) att_values_t(W_F32, 128, p, v, row, n, acc);
+    else if (kv_type == W_BF16 && D == 64) att_values_t(W_BF16, 64, p, v, row, n, acc);
+    else if (kv_type == W_BF16 && D == 128) att_values_t(W_BF16, 128, p, v, row, n, acc);
+    else if (kv_type == W_F32) att_values_t(W_F32, D, p, v, row, n, acc);
+    else att_values_t(W_BF16, D, p, v, row, n, acc);
 }
 
 /* Decode attention over the paged KV cache: one query token per sequence.
@@ -833,22 +924,24 @@ INLINE void prefetch_range(const char *p, int64_t len) {
  * at slot i % block_size. kv_len [S]: L_s.
  *
  * For each sequence (the parallel work items; with several threads and few sequences, each
- * sequence's kv heads in parts, so that every thread has a few items), walking its keys block by
- * block: scores[j][i] = q_j . k_i * scale for every head j of the item (each key's row read once,
- * one lane sum per score), softmax over i (max-subtracted, vectorised exp), then out_j =
- * sum_i p[j][i] v_i (each value row read once; the h x D sums stay in cache). Scores (every head's,
- * the longest L rounded up to whole vectors) and sums live in a per-thread buffer.
+ * sequence's kv heads in parts, so that every thread has a few items), one pass over its blocks
+ * with a running softmax (as flash-decoding does): per block and head j, scores q_j . k_i * scale
+ * for the block's keys (each key row read once for every head of the item, one lane sum per
+ * score), the running maximum raised where the block's is higher (the sums so far scaled by
+ * exp(old - new)), p_i = exp(score_i - max) added to the running total and p_i v_i to the head's
+ * sums; out_j = sums / total at the end. Each block's keys and values are read once, one after the
+ * other, and the per-thread scratch is a block's scores and the sums (h x (block_size + D)).
  *
  * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
- * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key row
- * o of the next block and value row o of this one are fetched, and while the values are summed, the
- * next sequence's first keys (with one thread, the next item; docs/benchmarks.md, "The next panel
- * prefetched, and decode attention that fetches ahead"). Returns 0, or -1 when memory runs out. */
+ * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key and
+ * value row o of the next block are fetched (after a sequence's last block, the next sequence's
+ * first, which with one thread is the next item; docs/benchmarks.md, "Decode attention in one
+ * pass"). Returns 0, or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
                         int nthreads) {
-    const int64_t G = h / kvh, DV = D / VW * VW; /* DV: the part of a head a whole number of vectors covers */
+    const int64_t G = h / kvh;
     if (S <= 0) return 0;
     int64_t max_len = 1, total = 0;
     for (int64_t s = 0; s < S; s++) {
@@ -867,12 +960,12 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
     }
     const int64_t parts = want < kvh ? want : kvh, per = (kvh + parts - 1) / parts; /* kv heads an item */
     const int64_t nparts = (kvh + per - 1) / per, items = S * nparts; /* (parts rounded by per) */
+    const int64_t bsv = (block_size + VW - 1) / VW * VW; /* a head's block of scores, padded to whole vectors */
     int rc = 0;
 #pragma omp parallel num_threads(nthreads < items ? nthreads : (int)items) if (nthreads > 1 && items > 1)
     {
-        /* scores, padded to whole vectors; then the h x D sums of the values */
-        const int64_t stride = (max_len + VW - 1) / VW * VW;
-        float *sc = calloc(h * (stride + D), sizeof(float)); /* (zeros: the vector tails past L are read) */
+        /* a block's scores for every head, the heads' sums, running maxima and totals */
+        float *sc = malloc(sizeof(float) * h * (bsv + D + 2));
         if (!sc) {
 #pragma omp atomic write
             rc = -1;
@@ -882,85 +975,68 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
             if (!sc) continue;
             const int64_t s = item / nparts, kh0 = item % nparts * per;
             const int64_t kh1 = kh0 + per < kvh ? kh0 + per : kvh;
-            const int64_t L = kv_len[s];
+            const int64_t L = kv_len[s], j0 = kh0 * G, j1 = kh1 * G;
             const int64_t *bt = block_tables + s * max_blocks;
             const float *qs = q + s * ldq;
-            float *acc = sc + h * stride;
+            float *acc = sc + h * bsv, *run_max = acc + h * D, *run_sum = run_max + h;
+            memset(acc + j0 * D, 0, sizeof(float) * (j1 - j0) * D);
+            for (int64_t j = j0; j < j1; j++) {
+                run_max[j] = -INFINITY_F;
+                run_sum[j] = 0.0f;
+            }
             /* the item's part of a row: its kv heads' bytes */
             const int64_t part0 = kh0 * D * es, part_len = (kh1 - kh0) * D * es;
-            /* scores: key i against every head */
+            /* after the last block: the next sequence's first (the same kv heads: its item with one
+             * thread, and a block's worth of work either way) */
+            const int64_t nx_len = s + 1 < S ? kv_len[s + 1] : 0;
             for (int64_t b0 = 0; b0 < L; b0 += block_size) {
                 const int64_t blk = bt[b0 / block_size];
                 const char *kb = (const char *)k_cache + blk * block_size * row;
                 const char *vb = (const char *)v_cache + blk * block_size * row;
                 const int64_t n = L - b0 < block_size ? L - b0 : block_size;
-                const int64_t nn = L - b0 - n < block_size ? L - b0 - n : block_size; /* keys of the next block */
-                const char *kb_next = nn > 0 ? (const char *)k_cache + bt[b0 / block_size + 1] * block_size * row : NULL;
-                for (int64_t o = 0; o < n; o++) {
-                    if (o < nn) prefetch_range(kb_next + o * row + part0, part_len);
-                    prefetch_range(vb + o * row + part0, part_len);
-                    for (int64_t kh = kh0; kh < kh1; kh++) {
-                        const char *kp = kb + o * row + kh * D * es;
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t j = kh * G + g;
-                            vf part = {0};
-                            for (int64_t d = 0; d < DV; d += VW) part += load_f(qs + j * D + d) * load_w(kp, d, kv_type);
-                            float dot = hsum(part);
-                            for (int64_t d = DV; d < D; d++) dot += qs[j * D + d] * load_w1(kp, d, kv_type);
-                            sc[j * stride + b0 + o] = dot * scale;
-                        }
-                    }
+                const int64_t left = L - b0 - n;
+                const int64_t nblk = left > 0 ? bt[b0 / block_size + 1] : nx_len > 0 ? block_tables[(s + 1) * max_blocks]
+                                                                                     : -1;
+                const int64_t nn = left > 0 ? (left < block_size ? left : block_size)
+                                            : (nx_len < block_size ? nx_len : block_size); /* its rows */
+                fetcher f = {0};
+                if (nblk >= 0) {
+                    f.k = (const char *)k_cache + nblk * block_size * row + part0;
+                    f.v = (const char *)v_cache + nblk * block_size * row + part0;
+                    f.row = row, f.len = part_len, f.rows = nn;
+                    const int64_t lines = 2 * nn * ((part_len + 63) / 64 + 1), keys = (j1 - j0) * n;
+                    f.step = 2 * ((lines + keys - 1) / keys);
                 }
-            }
-            /* softmax of each head's scores, the 1 / sum folded into them */
-            for (int64_t j = kh0 * G; j < kh1 * G; j++) {
-                float *p = sc + j * stride;
-                float m = p[0];
-                for (int64_t i = 1; i < L; i++) m = p[i] > m ? p[i] : m;
-                vf total = {0};
-                for (int64_t i = 0; i < L; i += VW) {
-                    vf e = vexp(load_f(p + i) - splat(m));
-                    if (i + VW > L) /* the tail past the last key: masked by index (a NaN score stays NaN) */
-                        for (int64_t t = L - i; t < VW; t++) e[t] = 0.0f;
-                    store_f(p + i, e);
-                    total += e;
-                }
-                const float inv = 1.0f / hsum(total);
-                for (int64_t i = 0; i < L; i++) p[i] *= inv;
-            }
-            /* out_j = sum_i p[j][i] v_i; meanwhile the next sequence's first keys are fetched, a row
-             * per value row read (with one thread, its next item) */
-            memset(acc + kh0 * G * D, 0, sizeof(float) * (kh1 - kh0) * G * D);
-            const int64_t nx_len = kh1 == kvh && s + 1 < S ? kv_len[s + 1] : 0;
-            const char *kn = nx_len > 0 ? (const char *)k_cache + block_tables[(s + 1) * max_blocks] * block_size * row
-                                        : NULL;
-            const int64_t kn_rows = nx_len < block_size ? nx_len : block_size;
-            int64_t fetched = 0;
-            for (int64_t b0 = 0; b0 < L; b0 += block_size) {
-                const char *vb = (const char *)v_cache + bt[b0 / block_size] * block_size * row;
-                const int64_t n = L - b0 < block_size ? L - b0 : block_size;
-                for (int64_t o = 0; o < n; o++) {
-                    if (kn && fetched < kn_rows) {
-                        prefetch_range(kn + fetched * row, row);
-                        fetched++;
-                    }
-                    for (int64_t kh = kh0; kh < kh1; kh++) {
-                        const char *vp = vb + o * row + kh * D * es;
-                        float *ak = acc + kh * G * D;
-                        const float *pk = sc + kh * G * stride + b0 + o;
-                        for (int64_t d = 0; d < DV; d += VW) {
-                            const vf val = load_w(vp, d, kv_type);
-                            for (int64_t g = 0; g < G; g++)
-                                store_f(ak + g * D + d, load_f(ak + g * D + d) + splat(pk[g * stride]) * val);
+                for (int64_t kh = kh0; kh < kh1; kh++)
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t j = kh * G + g;
+                        float *p = sc + j * bsv;
+                        att_scores(kv_type, D, qs + j * D, kb + kh * D * es, row, n, scale, p, &f);
+                        /* the running softmax: a higher maximum scales what was summed before it */
+                        float m = run_max[j];
+                        for (int64_t i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
+                        if (m > run_max[j]) {
+                            const float f = __builtin_expf(run_max[j] - m); /* (0 for the first block) */
+                            run_sum[j] *= f;
+                            for (int64_t d = 0; d < D; d++) acc[j * D + d] *= f;
+                            run_max[j] = m;
                         }
-                        for (int64_t d = DV; d < D; d++) {
-                            const float val = load_w1(vp, d, kv_type);
-                            for (int64_t g = 0; g < G; g++) ak[g * D + d] += pk[g * stride] * val;
+                        vf block_sum = {0};
+                        for (int64_t i = 0; i < n; i += VW) {
+                            vf e = vexp(load_f(p + i) - splat(m));
+                            if (i + VW > n) /* the tail past the block's last key: masked by index (a NaN stays NaN) */
+                                for (int64_t t = n - i; t < VW; t++) e[t] = 0.0f;
+                            store_f(p + i, e);
+                            block_sum += e;
                         }
+                        run_sum[j] += hsum(block_sum);
+                        att_values(kv_type, D, p, vb + kh * D * es, row, n, acc + j * D);
                     }
-                }
             }
-            memcpy(out + s * ldo + kh0 * G * D, acc + kh0 * G * D, sizeof(float) * (kh1 - kh0) * G * D);
+            for (int64_t j = j0; j < j1; j++) {
+                const float inv = 1.0f / run_sum[j];
+                for (int64_t d = 0; d < D; d++) out[s * ldo + j * D + d] = acc[j * D + d] * inv;
+            }
         }
         free(sc);
     }
