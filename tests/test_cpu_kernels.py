@@ -213,8 +213,11 @@ def test_backend_resolution():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (16, 4, 128), (4, 4, 24), (6, 1, 20), (3, 3, 19)])
+@pytest.mark.parametrize("h,kvh,D", [(8, 2, 64), (16, 4, 128), (8, 8, 128), (16, 8, 64), (12, 2, 128), (16, 2, 64),
+                                     (24, 2, 64), (10, 2, 128), (4, 4, 24), (6, 1, 20), (3, 3, 19), (18, 1, 24)])
 def test_decode_attention_matches_sdpa(kv_dtype, h, kvh, D):
+    """Every specialised shape (head sizes 64 and 128 with 1, 2, 4, 6 or 8 heads per kv head, and
+    more than 8 in groups of 8) and the general code (other sizes and counts)."""
     g = torch.Generator().manual_seed(h * 100 + D)
     block_size, num_blocks = 4, 48
     k_cache = torch.randn(num_blocks, block_size, kvh, D, generator=g).to(kv_dtype)

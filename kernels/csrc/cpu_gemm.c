@@ -838,79 +838,119 @@ INLINE void fetch_some(fetcher *f) {
     }
 }
 
-/* Decode attention's scores for one head over the n keys of a block: out[o] = q . k_o * scale, with
- * k_o at k + o * row (D elements of kv_type). Two partial sums per key, added before the lane sum.
- * Each key fetches a few lines ahead (f). */
-INLINE void att_scores_t(const int kv_type, const int64_t D, const float *restrict qj, const char *k, int64_t row,
-                         int64_t n, float scale, float *restrict out, fetcher *f) {
+/* Decode attention's scores for the gc (<= 8) query heads that share one kv head, over the n keys of
+ * a block: out[g * ld + o] = q_g . k_o * scale, with q_g at q + g * D and k_o at k + o * row (D
+ * elements of kv_type). Each key's row is read (and widened) once for all gc heads. Each key fetches
+ * a few lines ahead (f). */
+INLINE void att_scores_t(const int kv_type, const int64_t D, const int64_t gc, const float *restrict q,
+                         const char *k, int64_t row, int64_t n, float scale, float *restrict out, int64_t ld,
+                         fetcher *f) {
     const int64_t DV = D / VW * VW;
     for (int64_t o = 0; o < n; o++) {
         fetch_some(f);
         const char *kp = k + o * row;
-        vf a = {0}, b = {0};
-        int64_t d = 0;
-        for (; d + 2 * VW <= DV; d += 2 * VW) {
-            a += load_f(qj + d) * load_w(kp, d, kv_type);
-            b += load_f(qj + d + VW) * load_w(kp, d + VW, kv_type);
+        vf a[8];
+        for (int g = 0; g < 8; g++)
+            if (g < gc) a[g] = (vf){0};
+        for (int64_t d = 0; d < DV; d += VW) {
+            const vf kv = load_w(kp, d, kv_type);
+            for (int g = 0; g < 8; g++)
+                if (g < gc) a[g] += load_f(q + g * D + d) * kv;
         }
-        if (d < DV) a += load_f(qj + d) * load_w(kp, d, kv_type);
-        float dot = hsum(a + b);
-        for (d = DV; d < D; d++) dot += qj[d] * load_w1(kp, d, kv_type);
-        out[o] = dot * scale;
+        for (int g = 0; g < 8; g++)
+            if (g < gc) {
+                float dot = hsum(a[g]);
+                for (int64_t d = DV; d < D; d++) dot += q[g * D + d] * load_w1(kp, d, kv_type);
+                out[g * ld + o] = dot * scale;
+            }
     }
 }
 
-/* ... specialised for the common cases (the type and head size known: the loops unroll, nothing is
- * dispatched per key) */
-static void att_scores(int kv_type, int64_t D, const float *qj, const char *k, int64_t row, int64_t n, float scale,
-                       float *out, fetcher *f) {
-#define ATT_SCORES(T, DD) att_scores_t(T, DD, qj, k, row, n, scale, out, f)
-    if (kv_type == W_F32 && D == 64) ATT_SCORES(W_F32, 64);
-    else if (kv_type == W_F32 && D == 128) ATT_SCORES(W_F32, 128);
-    else if (kv_type == W_BF16 && D == 64) ATT_SCORES(W_BF16, 64);
-    else if (kv_type == W_BF16 && D == 128) ATT_SCORES(W_BF16, 128);
-    else if (kv_type == W_F32) ATT_SCORES(W_F32, D);
-    else ATT_SCORES(W_BF16, D);
-#undef ATT_SCORES
-}
-
-/* acc[d] += sum_o p[o] v_o[d] over the n value rows of a block (v_o at v + o * row, D elements of
- * kv_type): up to 4 vectors of d at a time held in registers across the block's keys, in key
- * order, then added to acc. */
-INLINE void att_values_t(const int kv_type, const int64_t D, const float *restrict p, const char *v, int64_t row,
-                         int64_t n, float *restrict acc) {
+/* acc_g[d] += sum_o p_g[o] v_o[d] for the gc (<= 8) heads that share one kv head (p_g at p + g * ld,
+ * acc_g at acc + g * D), over the n value rows of a block (v_o at v + o * row, D elements of
+ * kv_type): a few vectors of d for every head held in registers across the block's keys, in key
+ * order, then added to acc; each value vector is read (and widened) once for all gc heads. */
+INLINE void att_values_t(const int kv_type, const int64_t D, const int64_t gc, const float *restrict p, int64_t ld,
+                         const char *v, int64_t row, int64_t n, float *restrict acc) {
     const int64_t DV = D / VW * VW;
-    for (int64_t d = 0; d < DV; d += 4 * VW) {
-        const int64_t m = DV - d < 4 * VW ? (DV - d) / VW : 4;
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    const int cw = VW == 16 ? (gc > 4 ? 2 : 4) : (gc > 4 ? 1 : 2); /* vectors of d at a time (registers) */
+    for (int64_t d = 0; d < DV; d += cw * VW) {
+        const int64_t m = DV - d < cw * VW ? (DV - d) / VW : cw;
+        vf a[8][4];
+        for (int g = 0; g < 8; g++)
+            for (int c = 0; c < 4; c++)
+                if (g < gc && c < m) a[g][c] = (vf){0};
         for (int64_t o = 0; o < n; o++) {
-            const vf po = splat(p[o]);
             const char *vp = v + o * row;
-            a0 += po * load_w(vp, d, kv_type);
-            if (m > 1) a1 += po * load_w(vp, d + VW, kv_type);
-            if (m > 2) a2 += po * load_w(vp, d + 2 * VW, kv_type);
-            if (m > 3) a3 += po * load_w(vp, d + 3 * VW, kv_type);
+            vf val[4];
+            for (int c = 0; c < 4; c++)
+                if (c < m) val[c] = load_w(vp, d + c * VW, kv_type);
+            for (int g = 0; g < 8; g++)
+                if (g < gc) {
+                    const vf pg = splat(p[g * ld + o]);
+                    for (int c = 0; c < 4; c++)
+                        if (c < m) a[g][c] += pg * val[c];
+                }
         }
-        store_f(acc + d, load_f(acc + d) + a0);
-        if (m > 1) store_f(acc + d + VW, load_f(acc + d + VW) + a1);
-        if (m > 2) store_f(acc + d + 2 * VW, load_f(acc + d + 2 * VW) + a2);
-        if (m > 3) store_f(acc + d + 3 * VW, load_f(acc + d + 3 * VW) + a3);
+        for (int g = 0; g < 8; g++)
+            for (int c = 0; c < 4; c++)
+                if (g < gc && c < m) store_f(acc + g * D + d + c * VW, load_f(acc + g * D + d + c * VW) + a[g][c]);
     }
-    for (int64_t d = DV; d < D; d++) {
-        float t = 0.0f;
-        for (int64_t o = 0; o < n; o++) t += p[o] * load_w1(v + o * row, d, kv_type);
-        acc[d] += t;
-    }
+    for (int64_t d = DV; d < D; d++)
+        for (int g = 0; g < gc; g++) {
+            float t = 0.0f;
+            for (int64_t o = 0; o < n; o++) t += p[g * ld + o] * load_w1(v + o * row, d, kv_type);
+            acc[g * D + d] += t;
+        }
 }
 
-static void att_values(int kv_type, int64_t D, const float *p, const char *v, int64_t row, int64_t n, float *acc) {
-    if (kv_type == W_F32 && D == 64) att_values_t(W_F32, 64, p, v, row, n, acc);
-    else if (kv_type == W_F32 && D == 128) att_values_t(W_F32, 128, p, v, row, n, acc);
-    else if (kv_type == W_BF16 && D == 64) att_values_t(W_BF16, 64, p, v, row, n, acc);
-    else if (kv_type == W_BF16 && D == 128) att_values_t(W_BF16, 128, p, v, row, n, acc);
-    else if (kv_type == W_F32) att_values_t(W_F32, D, p, v, row, n, acc);
-    else att_values_t(W_BF16, D, p, v, row, n, acc);
+/* ... specialised where the type, the head size (64 or 128: every model here but the tests' tiny ones)
+ * and the heads sharing a kv head (1, 2, 4, 6 or 8, up to 8 at a time) are known, so that the loops
+ * unroll and the sums stay in registers; other shapes run the same code with them as variables */
+#define ATT_GROUPS(CALL, T, DD)                                                                           \
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {                                                              \
+        const int64_t gc = G - g0 < 8 ? G - g0 : 8;                                                      \
+        switch (gc) {                                                                                    \
+        case 1: CALL(T, DD, 1); break;                                                                   \
+        case 2: CALL(T, DD, 2); break;                                                                   \
+        case 4: CALL(T, DD, 4); break;                                                                   \
+        case 6: CALL(T, DD, 6); break;                                                                   \
+        case 8: CALL(T, DD, 8); break;                                                                   \
+        default: CALL(T, DD, gc);                                                                        \
+        }                                                                                                \
+    }
+#define ATT_SHAPES(CALL, T)                                                                               \
+    if (D == 64) {                                                                                       \
+        ATT_GROUPS(CALL, T, 64)                                                                          \
+    } else if (D == 128) {                                                                               \
+        ATT_GROUPS(CALL, T, 128)                                                                         \
+    } else {                                                                                             \
+        for (int64_t g0 = 0; g0 < G; g0 += 8) CALL(T, D, G - g0 < 8 ? G - g0 : 8);                       \
+    }
+
+static void att_scores(int kv_type, int64_t D, int64_t G, const float *q, const char *k, int64_t row, int64_t n,
+                       float scale, float *out, int64_t ld, fetcher *f) {
+#define SCORES(T, DD, GG) att_scores_t(T, DD, GG, q + g0 * D, k, row, n, scale, out + g0 * ld, ld, f)
+    if (kv_type == W_F32) {
+        ATT_SHAPES(SCORES, W_F32);
+    } else {
+        ATT_SHAPES(SCORES, W_BF16);
+    }
+#undef SCORES
 }
+
+static void att_values(int kv_type, int64_t D, int64_t G, const float *p, int64_t ld, const char *v, int64_t row,
+                       int64_t n, float *acc) {
+#define VALUES(T, DD, GG) att_values_t(T, DD, GG, p + g0 * ld, ld, v, row, n, acc + g0 * D)
+    if (kv_type == W_F32) {
+        ATT_SHAPES(VALUES, W_F32);
+    } else {
+        ATT_SHAPES(VALUES, W_BF16);
+    }
+#undef VALUES
+}
+#undef ATT_SHAPES
+#undef ATT_GROUPS
 
 /* Decode attention over the paged KV cache: one query token per sequence.
  *
@@ -1004,14 +1044,16 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                     f.k = (const char *)k_cache + nblk * block_size * row + part0;
                     f.v = (const char *)v_cache + nblk * block_size * row + part0;
                     f.row = row, f.len = part_len, f.rows = nn;
-                    const int64_t lines = 2 * nn * ((part_len + 63) / 64 + 1), keys = (j1 - j0) * n;
+                    /* (spread over the first half of the block's keys) */
+                    const int64_t lines = 2 * nn * ((part_len + 63) / 64 + 1), keys = (kh1 - kh0) * n;
                     f.step = 2 * ((lines + keys - 1) / keys);
                 }
-                for (int64_t kh = kh0; kh < kh1; kh++)
+                for (int64_t kh = kh0; kh < kh1; kh++) {
+                    att_scores(kv_type, D, G, qs + kh * G * D, kb + kh * D * es, row, n, scale, sc + kh * G * bsv, bsv,
+                               &f);
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t j = kh * G + g;
                         float *p = sc + j * bsv;
-                        att_scores(kv_type, D, qs + j * D, kb + kh * D * es, row, n, scale, p, &f);
                         /* the running softmax: a higher maximum scales what was summed before it */
                         float m = run_max[j];
                         for (int64_t i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
@@ -1030,8 +1072,9 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                             block_sum += e;
                         }
                         run_sum[j] += hsum(block_sum);
-                        att_values(kv_type, D, p, vb + kh * D * es, row, n, acc + j * D);
                     }
+                    att_values(kv_type, D, G, sc + kh * G * bsv, bsv, vb + kh * D * es, row, n, acc + kh * G * D);
+                }
             }
             for (int64_t j = j0; j < j1; j++) {
                 const float inv = 1.0f / run_sum[j];
