@@ -326,6 +326,36 @@ def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, mon
         assert decided and max(decided) == batch
 
 
+def test_a_bfloat16_models_screened_tokens_are_its_rounded_logits_first_maximum(model_dir, monkeypatch):
+    """A bfloat16 model's op-by-op head (a prompt's last row) rounds its logits to bfloat16: two that
+    round to one value are tied there, where the screen's float32 logits are not. compute_tokens
+    gives compute_logits' first maximum all the same."""
+    from kernels import cpu_gemm
+
+    if cpu_gemm.native() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None: dtype == torch.bfloat16)
+    model = engine(model_dir, 1, dtype="bfloat16").stages[0].runner.model
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(model.lm_head.vocab_size, H, generator=g).bfloat16()
+    hidden = (w[:1].float() * 3 + 0.01 * torch.randn(24, H, generator=g)).bfloat16()
+    normed = model._final_norm(hidden, None).float()
+    # column 1: column 0 with one weight a bfloat16 step further along the rows (a float32 logit a
+    # hair above column 0's, the same once rounded to bfloat16)
+    j = int(normed[0].abs().argmax())
+    up = 1 if (normed[0, j] > 0) == (w[0, j] > 0) else -1
+    w[1] = w[0]
+    w[1, j] = w[0, j].view(torch.int16).add(up).view(torch.bfloat16)
+    model.lm_head.packed = cpu_gemm.pack(w.float(), cpu_gemm.native().panel_width, torch.bfloat16)
+    model.lm_head.screen_packed()
+    want = model.compute_logits(hidden, None).max(dim=-1).indices
+    assert set(want.tolist()) <= {0, 1}
+    screened = torch.cat([model.lm_head.screen.tokens(normed[i:i + 3]) for i in range(0, 24, 3)])
+    assert (screened == 1).all() and (want == 0).any()  # (rows the float32 first maximum gets wrong)
+    assert torch.equal(model.compute_tokens(hidden, None), want)
+
+
 def test_a_stop_token_mid_burst_on_the_native_path_ends_the_row_there(model_dir):
     plain = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     greedy = generate(engine(model_dir, 1), [plain] * len(PROMPTS))

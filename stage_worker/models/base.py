@@ -69,9 +69,14 @@ class CausalLM(nn.Module):
 
     def compute_tokens(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows sampled greedily, with nothing to edit or report: [N, H] (with their residual) -> [N]
-        int64, each row's first maximum of its logits; through the lm_head's `screen` (which needs
-        `can_screen`), not every logit."""
-        return self.lm_head.screen.tokens(self._final_norm(hidden, residual).float())
+        int64, each row's first maximum of its logits (compute_logits'); through the lm_head's
+        `screen` (which needs `can_screen`), not every logit. Where the model's dtype is not float32
+        its logits here are rounded to it, and two that round to one value tie where the screen's
+        float32 ones do not: those rows take the logits' own first maximum."""
+        normed = self._final_norm(hidden, residual)
+        if normed.dtype != torch.float32:
+            return self.lm_head(normed).float().max(dim=-1).indices
+        return self.lm_head.screen.tokens(normed)
 
     def _final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
