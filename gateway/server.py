@@ -645,7 +645,9 @@ class Gateway:
             raw = await request.read()  # (as sent: the runner leaves Content-Encoding to decoded_body)
         except web.RequestPayloadError as e:  # (a body that ends early)
             raise HTTPError(400, f"could not read the request body: {e}") from None
-        raw = decoded_body(raw, request.headers.getall("Content-Encoding", []), self.cfg.max_body_bytes)
+        encodings = request.headers.getall("Content-Encoding", [])
+        if encodings:  # (decoding takes a pass over the body: off the event loop)
+            raw = await asyncio.to_thread(decoded_body, raw, encodings, self.cfg.max_body_bytes)
         try:
             try:
                 value = msgspec.json.decode(raw)
@@ -931,42 +933,52 @@ def listen_sockets(cfg: GatewaySettings) -> list[socket.socket]:
 
 
 CONTENT_CODINGS = ("gzip", "deflate")  # (and identity, and x-gzip for gzip)
+MAX_CODINGS, MAX_GZIP_MEMBERS = 2, 16  # (more is no client's doing: each costs a pass over the body)
 
 
 def decoded_body(raw: bytes, encodings: list[str], limit: int) -> bytes:
     """A request body under its Content-Encoding headers (RFC 9110 8.4: codings in the order they were
     applied, so undone last to first), at most `limit` bytes decoded. HTTPError: 415 for a coding
     this gateway does not decode (naming the ones it does), 400 for a body that does not decode as
-    its coding says, 413 past the limit. The gateway decodes bodies itself (its runner does not):
-    aiohttp answers a coding it lacks a library for in plain text, and passes one it does not know
-    on as if it were not encoded."""
+    its coding says (or ends early, or has bytes after a deflate stream, or more than MAX_CODINGS
+    codings or MAX_GZIP_MEMBERS gzip members), 413 past the limit. The gateway decodes bodies itself
+    (its runner does not): aiohttp answers a coding it lacks a library for in plain text, and passes
+    one it does not know on as if it were not encoded."""
     codings = [c.strip().lower() for value in encodings for c in value.split(",") if c.strip()]
     codings = ["gzip" if c == "x-gzip" else c for c in codings if c != "identity"]
     unknown = [c for c in codings if c not in CONTENT_CODINGS]
     if unknown:
         raise HTTPError(415, f"Content-Encoding {', '.join(unknown)} is not supported: send the body as it is, or "
                              f"{' or '.join(CONTENT_CODINGS)}", headers={"Accept-Encoding": ", ".join(CONTENT_CODINGS)})
+    if len(codings) > MAX_CODINGS:
+        raise HTTPError(400, f"could not read the request body: {len(codings)} content codings, at most {MAX_CODINGS}")
     for coding in reversed(codings):
         if coding == "gzip":
             wbits = 16 + zlib.MAX_WBITS
         else:  # deflate: the zlib format (RFC 9110), or the raw deflate stream some clients send
             wbits = zlib.MAX_WBITS if len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0 \
                 else -zlib.MAX_WBITS
-        out, rest = b"", raw
-        while True:  # (gzip: one member after another, RFC 1952)
+        out, rest = [], memoryview(raw)
+        size = 0
+        for member in range(MAX_GZIP_MEMBERS + 1):  # (gzip: one member after another, RFC 1952)
+            if member == MAX_GZIP_MEMBERS:
+                raise HTTPError(400, f"could not read the request body: more than {MAX_GZIP_MEMBERS} gzip members")
             inflate = zlib.decompressobj(wbits)
             try:
-                out += inflate.decompress(rest, limit + 1 - len(out))
+                out.append(inflate.decompress(rest, limit + 1 - size))
             except zlib.error as e:
                 raise HTTPError(400, f"could not read the request body: it does not decode as {coding}: {e}") from None
-            if len(out) > limit:
+            size += len(out[-1])
+            if size > limit:
                 raise HTTPError(413, f"request body larger than {limit} bytes (decoded from {coding})")
             if not inflate.eof:
                 raise HTTPError(400, f"could not read the request body: its {coding} stream ends early")
-            rest = inflate.unused_data
-            if coding != "gzip" or not rest:
+            rest = rest[len(rest) - len(inflate.unused_data):]
+            if not rest:
                 break
-        raw = out
+            if coding != "gzip":
+                raise HTTPError(400, f"could not read the request body: {len(rest)} bytes after its {coding} stream")
+        raw = b"".join(out)
     return raw
 
 
