@@ -457,6 +457,16 @@ def test_decode_attention_keeps_a_nan_and_refuses_blocks_outside_the_cache():
     assert torch.isnan(out).all()  # as SDPA: a NaN score poisons the softmax, it is not masked away
     out = cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 1]]), torch.tensor([6]), 0.25, lib)
     assert torch.isfinite(out).all()  # the NaN key is past this context
+    # a first block whose scores are all -inf weighs nothing (the running softmax starts at the next)
+    k = torch.randn(4, 4, 1, 16)
+    k[2] = -float("inf")
+    q = torch.rand(1, 2, 16) + 0.5
+    out = cpu_gemm.decode_attention(q, k, v, torch.tensor([[2, 0, 3]]), torch.tensor([10]), 0.25, lib)
+    keys, values = k[[2, 0, 3]].reshape(-1, 1, 16)[:10], v[[2, 0, 3]].reshape(-1, 1, 16)[:10]
+    want = F.scaled_dot_product_attention(q[0].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), scale=0.25,
+                                          enable_gqa=True).squeeze(1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="outside the KV cache"):
         cpu_gemm.decode_attention(q, k, v, torch.tensor([[0, 4]]), torch.tensor([6]), 0.25, lib)
     with pytest.raises(ValueError, match="outside the KV cache"):

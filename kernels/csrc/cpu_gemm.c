@@ -1057,6 +1057,12 @@ int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const floa
                         /* the running softmax: a higher maximum scales what was summed before it */
                         float m = run_max[j];
                         for (int64_t i = 0; i < n; i++) m = p[i] > m ? p[i] : m;
+                        if (m == -INFINITY_F) { /* every score so far -inf: each weighs 0 (a NaN stays NaN) */
+                            float t = 0.0f;
+                            for (int64_t i = 0; i < n; i++) t += p[i] = p[i] == p[i] ? 0.0f : p[i];
+                            run_sum[j] += t;
+                            continue;
+                        }
                         if (m > run_max[j]) {
                             const float f = __builtin_expf(run_max[j] - m); /* (0 for the first block) */
                             run_sum[j] *= f;
