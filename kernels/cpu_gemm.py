@@ -5,7 +5,7 @@ H = hidden, I = expert intermediate size (this rank's share), NR = columns of a 
 (2 SIMD registers: 16 floats with AVX2, 32 with AVX-512).
 
 The C source is compiled on first use for the machine it runs on (`cc -O3 -march=native
--fopenmp`, about a second) and cached under ~/.cache/moemesh/kernels, keyed by the source, the
+-fopenmp`, 10-15 seconds) and cached under ~/.cache/moemesh/kernels, keyed by the source, the
 compiler and the CPU's feature flags; it is loaded with ctypes (no torch headers to compile, and
 ctypes releases the GIL for the call, so a worker's asyncio thread keeps running). Where no C
 compiler is present `native()` is None and the layers keep torch's path. A C++ compiler, where there
@@ -161,8 +161,11 @@ def build(cache: Path | None = None) -> Path:
         cxx_version = _version(cxx) if cxx else ""
     except (OSError, subprocess.SubprocessError):
         cxx, cxx_version = None, ""
+    order_source = ORDER_SOURCE.read_text() if ORDER_SOURCE.is_file() else ""
+    if not order_source:
+        cxx = None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags(), platform.machine(),
-                                    ORDER_SOURCE.read_text(), " ".join(CXXFLAGS), cxx_version]).encode()).hexdigest()[:16]
+                                    order_source, " ".join(CXXFLAGS), cxx_version]).encode()).hexdigest()[:16]
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"moemesh_cpu_{key}.so"
@@ -176,8 +179,8 @@ def build(cache: Path | None = None) -> Path:
             tmp = os.path.join(work, "lib.so")
             order = []
             if cxx is None:
-                log.warning("no C++ compiler (c++, g++ or clang++): tied router scores go to the lower expert, "
-                            "not where torch.topk puts them")
+                log.warning("no C++ compiler (c++, g++ or clang++) or no %s: tied router scores go to the lower "
+                            "expert, not where torch.topk puts them", ORDER_SOURCE.name)
             else:
                 obj = os.path.join(work, "topk_order.o")
                 r = subprocess.run([cxx, *CXXFLAGS, "-o", obj, str(ORDER_SOURCE)], capture_output=True, text=True,
@@ -189,9 +192,9 @@ def build(cache: Path | None = None) -> Path:
                                 r.stderr.strip()[-2000:])
             r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *order], capture_output=True, text=True,
                                timeout=300)
-            if r.returncode != 0 and order:  # (a C library that cannot take the C++ object)
-                log.warning("linking topk_order.cpp's object failed, tied router scores go to the lower expert: %s",
-                            r.stderr.strip()[-2000:])
+            if order and (r.returncode != 0 or not _loads(tmp)):  # (an object that needs a C++ runtime library)
+                log.warning("the kernels with topk_order.cpp's object did not link or load, tied router scores go to "
+                            "the lower expert: %s", r.stderr.strip()[-2000:])
                 r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
@@ -199,6 +202,14 @@ def build(cache: Path | None = None) -> Path:
             os.replace(tmp, target)
     log.info("built CPU kernels %s", target)
     return target
+
+
+def _loads(path: str) -> bool:
+    try:
+        ctypes.CDLL(path)
+        return True
+    except OSError:
+        return False
 
 
 def _umask() -> int:
@@ -429,8 +440,9 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, ids [T, K] int64): softmax in float32, the K
-    largest (ties: the lower expert), optionally renormalised to sum 1: kernels.moe_torch.select_experts,
-    but for exact ties, where torch.topk picks in its own order (kernels/README.md)."""
+    largest, optionally renormalised to sum 1: kernels.moe_torch.select_experts. Where the K-th is
+    exactly tied with an expert left out, the experts torch.topk picks (with lib.torch_tie_order;
+    without it, the lower ones; kernels/README.md)."""
     logits = logits.float()
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -531,7 +543,7 @@ class ScreenedHead:
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
         else:
             # (a bfloat16 head's product of more rows rounds x to bfloat16 and pairs it: not this copy's)
-            self.copy = pack(head.unpack(), NR, torch.int8)
+            self.copy = _int8_copy(head)
             self.max_rows = lib.few_rows
             u, g_copy = 0.0, g + 2.0 ** -24 * (1 + g)
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
@@ -568,6 +580,22 @@ class ScreenedHead:
         if len(full):
             out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)
         return out
+
+
+def _int8_copy(head: PackedWeight) -> PackedWeight:
+    """pack(head.unpack(), NR, torch.int8), a slice of panels at a time (never the whole head in float32)."""
+    panels, K, NR = head.data.shape
+    data = torch.empty(panels, K, NR, dtype=torch.int8)
+    scale = torch.ones(panels * NR, dtype=torch.float32)  # (padding columns: scale 1, as pack's)
+    step = max(1, (1 << 22) // (NR * K))
+    for p in range(0, panels, step):
+        cols = _columns(head, p, step, head.n).float()
+        q, s = quantize_int8(cols)
+        chunk = torch.zeros(min(step, panels - p) * NR, K, dtype=torch.int8)
+        chunk[:len(q)] = q
+        data[p:p + step] = chunk.view(-1, NR, K).transpose(1, 2)
+        scale[p * NR:p * NR + len(s)] = s
+    return PackedWeight(data, scale, head.n, head.k, pairs=False)
 
 
 def _columns(w: PackedWeight, p: int, step: int, vocab: int) -> torch.Tensor:
