@@ -342,7 +342,7 @@ def test_topk_softmax_matches_torch(renormalize):
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("E,K", [(4, 2), (6, 2), (8, 2), (9, 3), (60, 4), (64, 6), (128, 8), (64, 1), (256, 2)])
+@pytest.mark.parametrize("E,K", [(4, 2), (6, 2), (8, 2), (9, 3), (60, 4), (64, 6), (128, 8), (64, 1), (256, 2), (512, 8)])
 def test_tied_router_scores_go_where_torch_topk_puts_them(E, K):
     """Rows full of exact ties (a few distinct logits, bfloat16-rounded ones): the experts chosen are
     torch.topk's over the softmax, as transformers chooses them, in both of torch's algorithms
