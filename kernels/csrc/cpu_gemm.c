@@ -816,10 +816,10 @@ float mm_read_sum(const float *p, int64_t n, int nthreads) {
 }
 
 /* What decode attention fetches ahead: the next block's key rows, then its value rows (rows of len
- * bytes, row bytes apart), a few cache lines (step) for every key any head of the item scores, so
- * that the fetches spread over the whole block's work. Into L2 (prefetcht2): with a whole block's
- * lines in flight, fetching into L1 stalled on its few miss buffers (docs/benchmarks.md, "Decode
- * attention in one pass"). */
+ * bytes, row bytes apart), a few cache lines (step) for every key each kv head of the item scores,
+ * so that the fetches spread over the first half of the block's work. Into L2 (prefetcht2): with a
+ * whole block's lines in flight, fetching into L1 stalled on its few miss buffers
+ * (docs/benchmarks.md, "Decode attention in one pass"). */
 typedef struct {
     const char *k, *v;
     int64_t row, len, rows, step;
@@ -966,17 +966,18 @@ static void att_values(int kv_type, int64_t D, int64_t G, const float *p, int64_
  * For each sequence (the parallel work items; with several threads and few sequences, each
  * sequence's kv heads in parts, so that every thread has a few items), one pass over its blocks
  * with a running softmax (as flash-decoding does): per block and head j, scores q_j . k_i * scale
- * for the block's keys (each key row read once for every head of the item, one lane sum per
- * score), the running maximum raised where the block's is higher (the sums so far scaled by
- * exp(old - new)), p_i = exp(score_i - max) added to the running total and p_i v_i to the head's
- * sums; out_j = sums / total at the end. Each block's keys and values are read once, one after the
- * other, and the per-thread scratch is a block's scores and the sums (h x (block_size + D)).
+ * for the block's keys (each key and value vector read and widened once for the heads that share
+ * its kv head, one lane sum per score), the running maximum raised where the block's is higher (the
+ * sums so far scaled by exp(old - new); a block whose scores are all -inf so far weighs 0),
+ * p_i = exp(score_i - max) added to the running total and p_i v_i to the head's sums; out_j = sums /
+ * total at the end. Each block's keys and values are read once, one after the other, and the
+ * per-thread scratch is a block's scores and the sums (h x (block_size + D)).
  *
  * A decode step's keys and values are rarely still in cache, and a sequence's blocks lie anywhere in
- * the pool, where no hardware prefetcher follows them: so while key row o of a block is read, key and
- * value row o of the next block are fetched (after a sequence's last block, the next sequence's
- * first, which with one thread is the next item; docs/benchmarks.md, "Decode attention in one
- * pass"). Returns 0, or -1 when memory runs out. */
+ * the pool, where no hardware prefetcher follows them: so while a block's keys are scored, the next
+ * block's key and value rows are fetched into L2 a few lines per key (after a sequence's last block,
+ * the next sequence's first, which with one thread is the next item; docs/benchmarks.md, "Decode
+ * attention in one pass"). Returns 0, or -1 when memory runs out. */
 int mm_decode_attention(int64_t S, int64_t h, int64_t kvh, int64_t D, const float *q, int64_t ldq, float *out,
                         int64_t ldo, const void *k_cache, const void *v_cache, int kv_type, int64_t block_size,
                         const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_len, float scale,
