@@ -183,13 +183,17 @@ def build(cache: Path | None = None) -> Path:
                             "expert, not where torch.topk puts them", ORDER_SOURCE.name)
             else:
                 obj = os.path.join(work, "topk_order.o")
-                r = subprocess.run([cxx, *CXXFLAGS, "-o", obj, str(ORDER_SOURCE)], capture_output=True, text=True,
-                                   timeout=300)
-                if r.returncode == 0:
+                try:
+                    r = subprocess.run([cxx, *CXXFLAGS, "-o", obj, str(ORDER_SOURCE)], capture_output=True, text=True,
+                                       timeout=300)
+                    failed = r.stderr.strip()[-2000:] if r.returncode else None
+                except (OSError, subprocess.SubprocessError) as e:
+                    failed = str(e)
+                if failed is None:
                     order = ["-DMM_TORCH_ORDER", obj]
                 else:
                     log.warning("%s failed on topk_order.cpp, tied router scores go to the lower expert: %s", cxx,
-                                r.stderr.strip()[-2000:])
+                                failed)
             r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), *order], capture_output=True, text=True,
                                timeout=300)
             if order and (r.returncode != 0 or not _loads(tmp)):  # (an object that needs a C++ runtime library)
