@@ -262,13 +262,14 @@ class PackedWeight:
     def weight_type(self) -> int:
         return WEIGHT_TYPES[self.data.dtype]
 
-    def unpack(self) -> torch.Tensor:
-        """The weight [..., N, K] in float32 (int8 times its scales): for tests and fallbacks."""
+    def unpack(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [..., N, K] in float32 (int8 times its scales), or in `dtype` (float64: the
+        products with the scales exact): for tests, fallbacks and the screened head's bounds."""
         lead = self.data.shape[:-3]
         data = self.data[..., torch.argsort(pair_columns(self.data.shape[-1]))] if self.pairs else self.data
-        w = data.float().transpose(-1, -2).reshape(*lead, -1, self.k)
+        w = data.to(dtype).transpose(-1, -2).reshape(*lead, -1, self.k)
         if self.scale is not None:
-            w = w * self.scale.unsqueeze(-1)
+            w = w * self.scale.to(dtype).unsqueeze(-1)
         return w[..., :self.n, :]
 
 
@@ -603,16 +604,12 @@ def _int8_copy(head: PackedWeight) -> PackedWeight:
 
 
 def _columns(w: PackedWeight, p: int, step: int, vocab: int) -> torch.Tensor:
-    """Columns [p * NR, (p + step) * NR) of a packed weight below `vocab`, float64 [cols, K], as its
-    kernels read them (in column order, int8 times its scales)."""
+    """Columns [p * NR, (p + step) * NR) of a 2-d packed weight below `vocab`, float64 [cols, K], as
+    its kernels read them (`unpack` of those panels)."""
     NR = w.data.shape[-1]
     data = w.data[p:p + step]
-    if w.pairs:
-        data = data[..., torch.argsort(pair_columns(NR))]
-    cols = data.transpose(-1, -2).reshape(-1, w.k)[:vocab - p * NR].double()
-    if w.scale is not None:
-        cols = cols * w.scale[p * NR:p * NR + len(cols)].double().unsqueeze(1)
-    return cols
+    scale = None if w.scale is None else w.scale[p * NR:(p + len(data)) * NR]
+    return PackedWeight(data, scale, min(vocab - p * NR, len(data) * NR), w.k, w.pairs).unpack(torch.float64)
 
 
 def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, eps: float, head: PackedWeight,
