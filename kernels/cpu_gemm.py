@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.memory import empty_huge, huge_copy
+
 log = logging.getLogger("moemesh.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemm.c"
@@ -308,7 +310,7 @@ def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = No
     w = w.reshape(*lead, panels, panel_width, k)
     if pairs:
         w = w[..., pair_columns(panel_width), :]
-    data = w.transpose(-1, -2).contiguous()
+    data = huge_copy(w.transpose(-1, -2))  # (streamed whole by every decode step: kernels/memory.py)
     return PackedWeight(data, None if scale is None else scale.contiguous(), n, k, pairs=pairs)
 
 
@@ -543,7 +545,7 @@ class ScreenedHead:
             data = head.data.to(torch.bfloat16)
             if lib.bf16_pairs:
                 data = data[..., pair_columns(data.shape[-1])]
-            self.copy = PackedWeight(data.contiguous(), None, head.n, head.k, pairs=lib.bf16_pairs)
+            self.copy = PackedWeight(huge_copy(data), None, head.n, head.k, pairs=lib.bf16_pairs)
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
         else:
@@ -590,7 +592,7 @@ class ScreenedHead:
 def _int8_copy(head: PackedWeight) -> PackedWeight:
     """pack(head.unpack(), NR, torch.int8), a slice of panels at a time (never the whole head in float32)."""
     panels, K, NR = head.data.shape
-    data = torch.empty(panels, K, NR, dtype=torch.int8)
+    data = empty_huge((panels, K, NR), torch.int8)
     scale = torch.ones(panels * NR, dtype=torch.float32)  # (padding columns: scale 1, as pack's)
     step = max(1, (1 << 22) // (NR * K))
     for p in range(0, panels, step):
