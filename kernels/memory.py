@@ -24,8 +24,9 @@ HUGE_PAGE = 2 << 20
 
 def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype) on the CPU, in its own anonymous mapping advised to be backed
-    by huge pages, starting on a 2 MiB boundary, where it is at least one huge page; smaller buffers
-    (and a Python without `MADV_HUGEPAGE`) are plain torch.empty. Freed with the last tensor that
+    by huge pages, starting on a 2 MiB boundary, where it is at least one huge page (a last, partial
+    one stays on 4 KiB pages); smaller buffers (and a Python without `MADV_HUGEPAGE`) are plain
+    torch.empty. Freed with the last tensor that
     views it. The pages are zero until written; like torch.empty's, they are faulted in (and
     counted against the host's memory) only when first touched."""
     nbytes = math.prod(shape) * dtype.itemsize
@@ -35,12 +36,15 @@ def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
         buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # (no address space for it: torch's allocator gives its own error)
         return torch.empty(shape, dtype=dtype)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # EINVAL: a kernel built without transparent huge pages
-        pass
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf: unmapped with the last view
     start = -raw.data_ptr() % HUGE_PAGE
+    tail = start + nbytes // HUGE_PAGE * HUGE_PAGE  # the last huge page the buffer only partly fills
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, tail - start)
+        if tail < start + nbytes:  # 4 KiB pages there: a whole 2 MiB page would hold up to 2 MiB of nothing
+            buf.madvise(mmap.MADV_NOHUGEPAGE, tail, len(buf) - tail)
+    except OSError:  # EINVAL: a kernel built without transparent huge pages
+        pass
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 

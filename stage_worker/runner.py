@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.memory import empty_huge
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.settings import host_memory
@@ -61,8 +60,6 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
         if nbytes > memory:
             raise ConfigError(f"{hint}; this host has {memory / 2**30:.1f} GiB of memory")
     try:
-        if torch.device(device).type == "cpu":  # (read a block at a time from anywhere: kernels/memory.py)
-            return empty_huge(shape, dtype).zero_()
         return torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, OverflowError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
         raise ConfigError(f"{hint}; it could not be allocated: {str(e).splitlines()[0]}") from None

@@ -1,4 +1,4 @@
-"""Weights and KV caches on transparent huge pages (kernels/memory.py)."""
+"""Packed weights on transparent huge pages (kernels/memory.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from kernels import cpu_gemm
 from kernels.memory import HUGE_PAGE, empty_huge, huge_copy
-from stage_worker.runner import allocate_kv
 
 
 def _mapping(address: int) -> dict[str, str]:
@@ -85,6 +84,10 @@ def test_huge_copy_and_packed_weights():
     torch.testing.assert_close(p.unpack(), w, rtol=0, atol=0)
 
 
-def test_a_cpu_kv_cache_is_zeroed_huge_memory():
-    kv = allocate_kv((2, 2, 64, 16, 4, 64), torch.float32, "cpu")  # 4 MiB
-    assert kv.data_ptr() % HUGE_PAGE == 0 and not kv.any() and kv.is_contiguous()
+def test_the_last_partial_huge_page_stays_on_small_pages():
+    t = empty_huge((HUGE_PAGE + 4096,), torch.uint8)
+    t.fill_(1)
+    body, tail = _mapping(t.data_ptr()), _mapping(t.data_ptr() + HUGE_PAGE)
+    if body and _thp_mode() in ("madvise", "always"):
+        assert "hg" in body["VmFlags"].split()
+        assert "nh" in tail["VmFlags"].split() and int(tail["Rss"].split()[0]) <= 8  # kB: one small page
