@@ -191,7 +191,11 @@ INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
  * up to two cache lines per handful of FMAs: faster than one core's share of the memory system when
  * the other core streams weights too (two pipeline stages). So the first tile fetches the next
  * panel, and the next panel's first tile finds it in L2 (docs/benchmarks.md, "The next panel
- * prefetched, and decode attention that fetches ahead"). Not for panels read once (`prefetch_nta`, a short distance ahead, reads those faster). */
+ * prefetched, and decode attention that fetches ahead"). A panel that one tile of 8-12 rows reads
+ * once gains too: its own lines, fetched a short distance ahead (`prefetch_nta`), kept it waiting
+ * on memory at 7-12 GB/s; with the next panel on its way into L2 as well, 1.2-1.45x (docs/
+ * benchmarks.md, "The next panel for one-tile products"). Up to 7 rows it gained nothing or lost a
+ * few percent, and the few-row streams (`tile_np`) do not fetch ahead. */
 INLINE void prefetch_next(const char *next, int64_t k, const int es) {
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch(next + k * NR * es + l, 0, 2);
 }
@@ -414,8 +418,8 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
  * the weights are PAIRED) and output (at the panel). next: the panel read after this one (by this
- * thread, unless this one ends its share), prefetched by the first tile when several tiles reuse
- * this one, or NULL. */
+ * thread, unless this one ends its share), prefetched into L2 by the first tile when the panel has
+ * 8 rows or more, or NULL. */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next) {
@@ -429,7 +433,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
-            const char *nx = next && r0 == 0 && rows > MR ? next + k0 * NR * es : NULL;
+            const char *nx = next && r0 == 0 && rows >= 8 ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];
