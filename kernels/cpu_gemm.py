@@ -541,11 +541,15 @@ class ScreenedHead:
         g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
         if head.data.dtype == torch.float32:
             # the copy, panel for panel (every column of the head, as the full product has them:
-            # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's
-            data = head.data.to(torch.bfloat16)
-            if lib.bf16_pairs:
-                data = data[..., pair_columns(data.shape[-1])]
-            self.copy = PackedWeight(huge_copy(data), None, head.n, head.k, pairs=lib.bf16_pairs)
+            # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's. Filled a
+            # slice of panels at a time: no whole-head temporaries beside it
+            data = empty_huge(head.data.shape, torch.bfloat16)
+            order = pair_columns(head.data.shape[-1]) if lib.bf16_pairs else None
+            step = max(1, (1 << 22) // (NR * K))
+            for p in range(0, data.shape[0], step):
+                panels = head.data[p:p + step].to(torch.bfloat16)
+                data[p:p + step] = panels if order is None else panels[..., order]
+            self.copy = PackedWeight(data, None, head.n, head.k, pairs=lib.bf16_pairs)
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
         else:

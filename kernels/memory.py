@@ -14,10 +14,13 @@ refused or ignored and the memory is ordinary: nothing else changes."""
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
 import torch
+
+log = logging.getLogger("moemesh.kernels")
 
 HUGE_PAGE = 2 << 20
 
@@ -34,7 +37,8 @@ def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
         return torch.empty(shape, dtype=dtype)
     try:
         buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # (no address space for it: torch's allocator gives its own error)
+    except OSError as e:  # (no address space for it: torch's allocator gives its own error)
+        log.debug("no mapping of %d bytes for huge pages (%s): torch's allocator instead", nbytes, e)
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf: unmapped with the last view
     start = -raw.data_ptr() % HUGE_PAGE
@@ -43,13 +47,14 @@ def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
         buf.madvise(mmap.MADV_HUGEPAGE, start, tail - start)
         if tail < start + nbytes:  # 4 KiB pages there: a whole 2 MiB page would hold up to 2 MiB of nothing
             buf.madvise(mmap.MADV_NOHUGEPAGE, tail, len(buf) - tail)
-    except OSError:  # EINVAL: a kernel built without transparent huge pages
-        pass
+    except OSError as e:  # EINVAL: a kernel built without transparent huge pages
+        log.debug("madvise(MADV_HUGEPAGE) refused (%s): small pages", e)
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def huge_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of t (on the CPU) in `empty_huge` memory."""
+    assert t.device.type == "cpu", t.device
     out = empty_huge(t.shape, t.dtype)
     out.copy_(t)
     return out

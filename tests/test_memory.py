@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 import re
 
 import pytest
@@ -11,22 +13,31 @@ import torch
 from kernels import cpu_gemm
 from kernels.memory import HUGE_PAGE, empty_huge, huge_copy
 
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                                reason="no MADV_HUGEPAGE or /proc/self/smaps: empty_huge is torch.empty here")
 
-def _mapping(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds address ({} where none does)."""
+
+def _mapping(address: int) -> tuple[tuple[int, int] | None, dict[str, str]]:
+    """The range and /proc/self/smaps fields of the mapping that holds address ((None, {}) where none does)."""
     fields: dict[str, str] = {}
-    inside = False
+    span = None
     with open("/proc/self/smaps") as f:
         for line in f:
             m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
             if m:
-                if inside:
+                if span:
                     break
-                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
-            elif inside:
+                lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+                span = (lo, hi) if lo <= address < hi else None
+            elif span:
                 key, _, value = line.partition(":")
                 fields[key] = value.strip()
-    return fields
+    return span, fields
+
+
+def _ranges() -> set[tuple[int, int]]:
+    with open("/proc/self/maps") as f:
+        return {tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f}
 
 
 def _thp_mode() -> str | None:
@@ -38,8 +49,12 @@ def _thp_mode() -> str | None:
     return m.group(1) if m else None
 
 
+THP = _thp_mode() in ("madvise", "always")
+
+
 @pytest.mark.parametrize("shape, dtype", [((1024, 769), torch.float32), ((3, 1001, 700), torch.bfloat16),
-                                          ((5, 524289), torch.int8)], ids=str)
+                                          ((5, 524289), torch.int8), ((HUGE_PAGE,), torch.uint8),
+                                          ((2, HUGE_PAGE // 4), torch.float32)], ids=str)
 def test_a_large_buffer_starts_on_a_huge_page_and_is_advised(shape, dtype):
     t = empty_huge(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
@@ -47,31 +62,43 @@ def test_a_large_buffer_starts_on_a_huge_page_and_is_advised(shape, dtype):
     assert not t.any()  # fresh anonymous memory
     t.fill_(3)
     assert (t == 3).all()
-    fields = _mapping(t.data_ptr())
-    if fields and _thp_mode() in ("madvise", "always"):
-        assert "hg" in fields.get("VmFlags", "").split()  # madvise(MADV_HUGEPAGE) took
-        assert fields.get("THPeligible", "1") == "1"
+    _, body = _mapping(t.data_ptr())
+    _, last = _mapping(t.data_ptr() + t.numel() * t.element_size() - 1)
+    if THP:
+        assert "hg" in body["VmFlags"].split()  # madvise(MADV_HUGEPAGE) took
+        whole = t.numel() * t.element_size() % HUGE_PAGE == 0
+        assert ("hg" in last["VmFlags"].split()) == whole  # (a partial last huge page: small pages)
 
 
-def test_a_small_buffer_is_plain_torch_memory():
-    t = empty_huge((100, 100), torch.float32)
-    assert t.shape == (100, 100) and t.dtype == torch.float32 and t.is_contiguous()
-    fields = _mapping(t.data_ptr())
-    assert "hg" not in fields.get("VmFlags", "").split()
+def test_a_buffer_under_one_huge_page_is_plain_torch_memory():
+    for n in (100, HUGE_PAGE - 1):
+        t = empty_huge((n,), torch.uint8)
+        assert t.shape == (n,) and t.is_contiguous()
+        assert "hg" not in _mapping(t.data_ptr())[1].get("VmFlags", "").split()
 
 
 def test_the_mapping_goes_with_the_last_view():
     t = empty_huge((2 * HUGE_PAGE,), torch.uint8)
     view = t[HUGE_PAGE:]
-    address = t.data_ptr()
+    span, _ = _mapping(t.data_ptr())
+    assert span in _ranges()
     del t
     gc.collect()
     view.fill_(1)  # still mapped: the view holds it
-    assert _mapping(address)
+    assert span in _ranges()
     del view
     gc.collect()
-    fields = _mapping(address)
-    assert "hg" not in fields.get("VmFlags", "").split()  # unmapped (or reused by something else)
+    assert span not in _ranges()
+
+
+def test_the_last_partial_huge_page_stays_on_small_pages():
+    t = empty_huge((HUGE_PAGE + 4096,), torch.uint8)
+    t.fill_(1)
+    _, body = _mapping(t.data_ptr())
+    _, tail = _mapping(t.data_ptr() + HUGE_PAGE)
+    if THP:
+        assert "hg" in body["VmFlags"].split()
+        assert "nh" in tail["VmFlags"].split() and int(tail["Rss"].split()[0]) <= 8  # kB: one small page
 
 
 def test_huge_copy_and_packed_weights():
@@ -84,10 +111,13 @@ def test_huge_copy_and_packed_weights():
     torch.testing.assert_close(p.unpack(), w, rtol=0, atol=0)
 
 
-def test_the_last_partial_huge_page_stays_on_small_pages():
-    t = empty_huge((HUGE_PAGE + 4096,), torch.uint8)
-    t.fill_(1)
-    body, tail = _mapping(t.data_ptr()), _mapping(t.data_ptr() + HUGE_PAGE)
-    if body and _thp_mode() in ("madvise", "always"):
-        assert "hg" in body["VmFlags"].split()
-        assert "nh" in tail["VmFlags"].split() and int(tail["Rss"].split()[0]) <= 8  # kB: one small page
+@pytest.mark.skipif(cpu_gemm.native() is None, reason="no C compiler: no native kernels, no screened head")
+def test_the_screened_heads_copies_are_huge_and_exact():
+    lib = cpu_gemm.native()
+    w = torch.randn(9000, 256) * 0.05  # copies of 2.3 MB (int8) and 4.6 MB (bfloat16): over one huge page
+    for wt in (torch.float32, torch.bfloat16):
+        head = cpu_gemm.pack(w, lib.panel_width, wt)
+        screen = cpu_gemm.ScreenedHead(head, 9000, lib)
+        assert screen.copy.data.data_ptr() % HUGE_PAGE == 0
+        if wt == torch.float32:  # the bfloat16 copy: pack's rounding, panel for panel
+            torch.testing.assert_close(screen.copy.unpack(), w.to(torch.bfloat16).float(), rtol=0, atol=0)

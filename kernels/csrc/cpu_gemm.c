@@ -193,9 +193,10 @@ INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
  * panel, and the next panel's first tile finds it in L2 (docs/benchmarks.md, "The next panel
  * prefetched, and decode attention that fetches ahead"). A panel that one tile of 8-12 rows reads
  * once gains too: its own lines, fetched a short distance ahead (`prefetch_nta`), kept it waiting
- * on memory at 7-12 GB/s; with the next panel on its way into L2 as well, 1.2-1.45x (docs/
- * benchmarks.md, "The next panel for one-tile products"). Up to 7 rows it gained nothing or lost a
- * few percent, and the few-row streams (`tile_np`) do not fetch ahead. */
+ * on memory at 7-12 GB/s; with the next panel on its way into L2 as well, 1.1-1.5x (docs/
+ * benchmarks.md, "The next panel for one-tile products"). One tile of 4-7 rows is left out (it
+ * measured 0.87-1.33x on one thread, 0.93-0.98x on two), and the few-row streams (`tile_np`) do
+ * not fetch the next panel. */
 INLINE void prefetch_next(const char *next, int64_t k, const int es) {
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch(next + k * NR * es + l, 0, 2);
 }
@@ -418,8 +419,8 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
  * the weights are PAIRED) and output (at the panel). next: the panel read after this one (by this
- * thread, unless this one ends its share), prefetched into L2 by the first tile when the panel has
- * 8 rows or more, or NULL. */
+ * thread, unless this one ends its share), prefetched into L2 by the first tile when several tiles
+ * reuse this one or it has 8 rows or more, or NULL. */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next) {
@@ -433,7 +434,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
-            const char *nx = next && r0 == 0 && rows >= 8 ? next + k0 * NR * es : NULL;
+            const char *nx = next && r0 == 0 && (rows > MR || rows >= 8) ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];
