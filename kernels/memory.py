@@ -10,7 +10,9 @@ this project's machines') or `always`; torch's allocator does not ask. On the be
 batch 1 1.02-1.09x, at batch 8 and 64 1.03x; products bound by arithmetic gain nothing.
 
 Where the kernel has no transparent huge pages (`never`, or a build without them) the advice is
-refused or ignored and the memory is ordinary: nothing else changes."""
+refused or ignored and the memory is ordinary: nothing else changes. `--no-huge-pages` (every
+worker and engine) leaves the weights on torch's allocator: on a VM that hands free memory back to
+its host, a huge page is often one the host must fault in again, and loading took longer here."""
 
 from __future__ import annotations
 
@@ -23,17 +25,24 @@ import torch
 log = logging.getLogger("moemesh.kernels")
 
 HUGE_PAGE = 2 << 20
+_asked = True  # use_huge_pages
+
+
+def use_huge_pages(on: bool) -> None:
+    """Whether `empty_huge` asks for huge pages from here on, in this process (`--no-huge-pages`)."""
+    global _asked
+    _asked = on
 
 
 def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype) on the CPU, in its own anonymous mapping advised to be backed
     by huge pages, starting on a 2 MiB boundary, where it is at least one huge page (a last, partial
     one stays on 4 KiB pages); smaller buffers (and a Python without `MADV_HUGEPAGE`) are plain
-    torch.empty. Freed with the last tensor that views it. The pages are zero until written; like
+    torch.empty, and so is every buffer after `use_huge_pages(False)`. Freed with the last tensor that views it. The pages are zero until written; like
     torch.empty's, they are faulted in (and counted against the host's memory) only when first
     touched."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _asked or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     try:
         buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
+from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
@@ -74,6 +75,7 @@ def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
 class StageWorker:
     def __init__(self, cfg: WorkerSettings):
         self.cfg = cfg
+        use_huge_pages(not cfg.no_huge_pages)
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host, coordinator=cfg.coordinator)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)

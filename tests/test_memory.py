@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_gemm
-from kernels.memory import HUGE_PAGE, empty_huge, huge_copy
+from kernels.memory import HUGE_PAGE, empty_huge, huge_copy, use_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
                                 reason="no MADV_HUGEPAGE or /proc/self/smaps: empty_huge is torch.empty here")
@@ -121,3 +121,25 @@ def test_the_screened_heads_copies_are_huge_and_exact():
         assert screen.copy.data.data_ptr() % HUGE_PAGE == 0
         if wt == torch.float32:  # the bfloat16 copy: pack's rounding, panel for panel
             torch.testing.assert_close(screen.copy.unpack(), w.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(cpu_gemm.native() is None, reason="no C compiler: no packed weights")
+@pytest.mark.parametrize("off", [False, True], ids=["huge pages", "--no-huge-pages"])
+def test_no_huge_pages_keeps_an_engines_weights_on_small_pages(tmp_path, off):
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+    from moemesh.settings import EngineSettings
+
+    model = write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=1, hidden_size=256, intermediate_size=1024,
+                                           num_experts=4, vocab_size=384), tmp_path / "model")  # w13: 8 MB
+    try:
+        engine = LLMEngine(EngineSettings(model=str(model), no_huge_pages=off), progress=False)
+        (moe,) = [m for m in engine.stages[0].runner.model.modules() if isinstance(getattr(m, "packed", None), tuple)]
+        w13 = moe.packed[0].data
+        advised = "hg" in _mapping(w13.data_ptr())[1].get("VmFlags", "").split()
+        if not off:
+            assert w13.data_ptr() % HUGE_PAGE == 0
+        if THP:
+            assert advised == (not off)
+    finally:
+        use_huge_pages(True)  # (process-wide: the tests after this one ask again)

@@ -515,9 +515,11 @@ def cmd_standalone(args) -> int:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
     if args.replay is not None and not any(Path(args.replay).glob("step-*.schedule")):
         raise CLIError(f"--replay {args.replay}: no recorded steps (step-*.schedule) there")
+    from kernels.memory import use_huge_pages
     from moemesh.entrypoints.launcher import threads_per_worker
 
     torch.set_num_threads(threads_per_worker(args.threads, 1))
+    use_huge_pages(not args.no_huge_pages)
     try:
         return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs, dtype=args.dtype,
                               quantization=args.quantization, moe_backend=args.moe_backend)

@@ -17,6 +17,7 @@ import torch
 from coordinator.sequence import Sequence
 from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
 from kernels.backend import check_device
+from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import resolve_layout
@@ -38,6 +39,7 @@ class Output:
 class LLMEngine:
     def __init__(self, settings: EngineSettings, progress: bool | None = None, device: str | None = None):
         self.settings = settings
+        use_huge_pages(not settings.no_huge_pages)
         device = device or settings.device
         check_device(device)
         self.model_config = mc = ModelConfig.from_dir(settings.model)
