@@ -415,7 +415,7 @@ class WorkerResources(Settings):
                                             "register with the coordinator that answers", parse=positive_float)
     no_huge_pages: bool = flag(False, "keep the packed CPU weights on the allocator's 4 KiB pages instead of "
                                       "asking for 2 MiB ones (decode at few rows is a few percent slower; on a "
-                                      "host that must fault huge pages in again, loading is faster)")
+                                      "host that must fault huge pages in again, loading can be faster)")
 
     def kv_blocks(self, bytes_per_block: int) -> int:
         """The KV sizing rule, the same for a stage worker (its layers) and the in-process engine (all
