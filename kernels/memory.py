@@ -38,9 +38,9 @@ def empty_huge(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
     """torch.empty(shape, dtype=dtype) on the CPU, in its own anonymous mapping advised to be backed
     by huge pages, starting on a 2 MiB boundary, where it is at least one huge page (a last, partial
     one stays on 4 KiB pages); smaller buffers (and a Python without `MADV_HUGEPAGE`) are plain
-    torch.empty, and so is every buffer after `use_huge_pages(False)`. Freed with the last tensor that views it. The pages are zero until written; like
-    torch.empty's, they are faulted in (and counted against the host's memory) only when first
-    touched."""
+    torch.empty, and so is every buffer after `use_huge_pages(False)`. Freed with the last tensor
+    that views it. The pages are zero until written; like torch.empty's, they are faulted in (and
+    counted against the host's memory) only when first touched."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not _asked or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
