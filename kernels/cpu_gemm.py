@@ -538,6 +538,7 @@ class ScreenedHead:
         assert head.data.dim() == 3
         self.head, self.vocab, self.lib = head, vocab, lib
         K, NR = head.k, head.data.shape[-1]
+        step = _panels_per_slice(head)
         g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
         if head.data.dtype == torch.float32:
             # the copy, panel for panel (every column of the head, as the full product has them:
@@ -545,7 +546,6 @@ class ScreenedHead:
             # slice of panels at a time: no whole-head temporaries beside it
             data = empty_huge(head.data.shape, torch.bfloat16)
             order = pair_columns(head.data.shape[-1]) if lib.bf16_pairs else None
-            step = max(1, (1 << 22) // (NR * K))
             for p in range(0, data.shape[0], step):
                 panels = head.data[p:p + step].to(torch.bfloat16)
                 data[p:p + step] = panels if order is None else panels[..., order]
@@ -558,7 +558,6 @@ class ScreenedHead:
             self.max_rows = lib.few_rows
             u, g_copy = 0.0, g + 2.0 ** -24 * (1 + g)
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        step = max(1, (1 << 22) // (NR * K))  # panels at a time: float64 slices of 32 MiB, never the whole head
         for p in range(0, -(-vocab // NR), step):
             w = _columns(head, p, step, vocab)
             copy = _columns(self.copy, p, step, vocab)
@@ -593,12 +592,18 @@ class ScreenedHead:
         return out
 
 
+def _panels_per_slice(head: PackedWeight) -> int:
+    """Panels of a head that its copies and bounds are built from at a time: 4M elements (float64
+    slices of 32 MiB), never the whole head."""
+    return max(1, (1 << 22) // (head.data.shape[-1] * head.k))
+
+
 def _int8_copy(head: PackedWeight) -> PackedWeight:
     """pack(head.unpack(), NR, torch.int8), a slice of panels at a time (never the whole head in float32)."""
     panels, K, NR = head.data.shape
     data = empty_huge((panels, K, NR), torch.int8)
     scale = torch.ones(panels * NR, dtype=torch.float32)  # (padding columns: scale 1, as pack's)
-    step = max(1, (1 << 22) // (NR * K))
+    step = _panels_per_slice(head)
     for p in range(0, panels, step):
         cols = _columns(head, p, step, head.n).float()
         q, s = quantize_int8(cols)
