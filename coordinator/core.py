@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
+from moemesh.layout import MlpHandoff
 from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
 
@@ -62,6 +63,8 @@ class EngineCore:
         # requests that ended, newest last, for a client that missed their last outputs (ResendRequest)
         self.ended: OrderedDict[str, Ended] = OrderedDict()
         self.ended_entries = 0
+        self.handoff: MlpHandoff | None = None  # the MLP hand-off's choice per step, or None (--no-mlp-handoff)
+        self.handoff_steps = 0  # steps scheduled with a hand-off
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -122,7 +125,11 @@ class EngineCore:
                 prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
                 cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None))
         forget, self._forget = self._forget, []
-        return Schedule(step_id, seqs, forget, num_steps=step.num_steps)
+        handoff = []
+        if self.handoff is not None and step.num_steps == 1:
+            handoff = self.handoff.choose([len(w.token_ids) for w in seqs], sum(w.sample for w in seqs))
+            self.handoff_steps += bool(handoff)
+        return Schedule(step_id, seqs, forget, num_steps=step.num_steps, mlp_handoff=handoff)
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
         step = self.in_flight.get(result.step_id)

@@ -85,6 +85,8 @@ class Coordinator:
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
                                      cfg.quantization)
         check_num_steps(cfg, cfg.pp, cfg.tp)
+        # each stage after the first also holds the MLP before its own (moemesh.layout.MlpHandoff)
+        self.mlp_handoff = self.layout.pp > 1 and not cfg.no_mlp_handoff
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
@@ -199,7 +201,8 @@ class Coordinator:
                               f"their layers ({cfg.ready_timeout:g} s, --ready-timeout)")
         num_blocks = reg.num_blocks()
         try:
-            self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp)
+            self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp,
+                                   handoff_stages=self.layout.stages if self.mlp_handoff else None)
         except (ValueError, MemoryError) as e:
             return self._fail(f"the pipeline's KV pool of {num_blocks} blocks could not be set up: {e}")
         self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
@@ -223,7 +226,8 @@ class Coordinator:
                 cfg.model, stages[p].start, stages[p].stop, cfg.pp, cfg.tp, nxt.data_address if nxt else None,
                 cfg.dtype, cfg.block_size,
                 tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
-                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend))
+                expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend,
+                mlp_handoff=self.mlp_handoff))
 
     async def _until(self, event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> bool:
         """Waits for `event` (or `also`) until `timeout` or the pipeline goes down; whether `event` came."""
@@ -689,7 +693,7 @@ class Coordinator:
             malformed_messages=self.bad_worker.count + self.bad_client.count + reg.malformed_gone
             + sum(w.malformed for w in reg.workers.values()), model=self.cfg.model,
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
-            steps=loop.steps if loop else 0,
+            steps=loop.steps if loop else 0, mlp_handoff_steps=core.handoff_steps if core else 0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
             schedule_bytes=self.pipeline.schedule_bytes, phase=reg.phase.value, recoveries=self.recoveries,
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started

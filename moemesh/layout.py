@@ -94,9 +94,21 @@ def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
     shared expert and router (sparse) or its dense MLP; the head is the final norm and lm_head. A
     decode step reads and multiplies these weights, so its time on a stage follows their sum (the
     attention over the cache is small beside them at the context lengths that serve decode)."""
+    attn, mlps = _attention_cost(model), mlp_costs(model)
+    return [attn + mlp for mlp in mlps], float(model.vocab_size * model.hidden_size)
+
+
+def _attention_cost(model: ModelConfig) -> float:
+    """A decoder layer's attention projections, per token (`decode_costs`' unit)."""
     H = model.hidden_size
-    attn = H * (model.q_size + 2 * model.kv_size) + model.q_size * H
-    layers = []
+    return float(H * (model.q_size + 2 * model.kv_size) + model.q_size * H)
+
+
+def mlp_costs(model: ModelConfig) -> list[float]:
+    """Each decoder layer's MLP per token, in `decode_costs`' unit: its K routed experts plus any
+    shared expert and the router (sparse), or its dense MLP."""
+    H = model.hidden_size
+    costs = []
     for i in range(model.num_layers):
         if model.is_sparse_layer(i):
             mlp = model.top_k * 3 * H * model.moe_intermediate_size + model.num_experts * H
@@ -104,8 +116,8 @@ def decode_costs(model: ModelConfig) -> tuple[list[float], float]:
                 mlp += 3 * H * model.shared_expert_intermediate_size + H
         else:
             mlp = 3 * H * model.intermediate_size
-        layers.append(float(attn + mlp))
-    return layers, float(model.vocab_size * H)
+        costs.append(float(mlp))
+    return costs
 
 
 def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) -> tuple[int, ...]:
@@ -143,3 +155,42 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) 
         counts.append(j - i)
         j = i
     return tuple(reversed(counts))
+
+
+class MlpHandoff:
+    """Which steps hand a stage's last MLP to the next stage (`--mlp-handoff`, the coordinator's
+    choice per schedule: `Schedule.mlp_handoff`).
+
+    A split that evens decode steps (`auto` for a decode-heavy mix) leaves prompt chunks heavier
+    on the earlier stages: a prompt token pays every layer, as a decode token does, but not the
+    head on the last stage. Each stage after the first also holds its previous stage's last MLP,
+    so a step can move that MLP's work across the boundary. For each step this estimates every
+    stage's cost (`decode_costs`: per token, each layer for every token, the head for each sampled
+    row) and, boundary by boundary from the first, hands the MLP over where that lowers the larger
+    of the two stages' costs. Steps of decodes alone are never handed off: their stages run every
+    layer in one native call (stage_worker/fused_decode.py), which has no place to stop."""
+
+    def __init__(self, model: ModelConfig, stages: list[range]):
+        if len(stages) < 2:
+            raise ValueError("the MLP hand-off needs two stages or more")
+        layers, self.head = decode_costs(model)
+        mlps = mlp_costs(model)
+        self.stage_costs = [sum(layers[i] for i in r) for r in stages]  # per token
+        self.boundaries = [(r.stop - 1, mlps[r.stop - 1]) for r in stages[:-1]]  # (layer, its MLP's cost)
+
+    def choose(self, query_lens: list[int], sampled: int) -> list[int]:
+        """A step of these new tokens per sequence, `sampled` rows of which are sampled -> the layers
+        whose MLP the next stage runs (`Schedule.mlp_handoff`)."""
+        if all(q == 1 for q in query_lens):
+            return []
+        tokens = sum(query_lens)
+        cost = [c * tokens for c in self.stage_costs]
+        cost[-1] += self.head * sampled
+        handed = []
+        for s, (layer, mlp) in enumerate(self.boundaries):
+            moved = mlp * tokens
+            if max(cost[s] - moved, cost[s + 1] + moved) < max(cost[s], cost[s + 1]):
+                cost[s] -= moved
+                cost[s + 1] += moved
+                handed.append(layer)
+        return handed

@@ -33,8 +33,9 @@ class ProtocolError(ValueError):
 # wrong tokens without an error. Workers say theirs in `Register`; the coordinator refuses another.
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
-# that lost every schedule).
-PROTOCOL_VERSION = 3
+# that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
+# (`Schedule.mlp_handoff`).
+PROTOCOL_VERSION = 4
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 
@@ -147,6 +148,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     tokens_recomputed: int = 0  # tokens those sequences had in the KV cache when it was lost
     mesh_refused: int = 0  # handshakes the mesh's sockets refused (--mesh-keys: no key, or one not allowed)
     max_waiting: int = 0  # the coordinator's --max-waiting (0: not said)
+    mlp_handoff_steps: int = 0  # steps scheduled with an MLP handed to the next stage (Schedule.mlp_handoff)
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
@@ -187,6 +189,7 @@ class Assignment(msgspec.Struct, tag="assignment", frozen=True):
     expert_parallel: bool = False
     quantization: str | None = None  # "fp8": quantize at load (an FP8 checkpoint says so itself)
     moe_backend: str = "auto"
+    mlp_handoff: bool = False  # a stage after the first also holds the MLP of the layer before its own
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -278,6 +281,10 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     num_steps: int = 1  # > 1: decodes only, on a stage that holds the whole model (--num-scheduler-steps):
     # each sequence decodes its token, then feeds back what it sampled, num_steps decode steps in all;
     # the result carries num_steps x len(seqs) tokens, step by step, each step's in the schedule's order
+    # the MLP hand-off (stage_worker/models/base.py): the layers, each the last of its stage, whose MLP
+    # the next stage runs for this step (the stage stops that layer after its attention). Empty: every
+    # stage runs all of its own layers.
+    mlp_handoff: list[int] = []
 
 
 class BlockTables:

@@ -378,6 +378,10 @@ class LayoutSettings(Settings):
               "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
+    no_mlp_handoff: bool = flag(False, "with --pp: do not have each stage after the first also hold the MLP of "
+                                       "the layer before its own (the MLP hand-off: steps with prompt chunks run "
+                                       "it there where that evens the stages; it costs one MLP's weights on each "
+                                       "of those stages)")
 
 
 @dataclass(frozen=True)

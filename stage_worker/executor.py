@@ -61,15 +61,27 @@ class StageExecutor:
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
                              self._apply(sched), [w.sample for w in sched.seqs])
+            handoff_in, handoff_out = self._handoff(sched)
             if not self.is_last:
-                return self.runner.execute(step, stream)
+                return self.runner.execute(step, stream, handoff_in=handoff_in, handoff_out=handoff_out)
             if sched.num_steps > 1:
+                if sched.mlp_handoff:
+                    raise ValueError(f"step {sched.step_id}: a schedule of several steps hands no MLP over")
                 return self._steps(sched, step)
-            return self._sample(sched, step, stream)
+            return self._sample(sched, step, stream, handoff_in)
         finally:
             seconds = time.perf_counter() - start
             self.busy_seconds += seconds
             self.spans.append(StepSpan.of(sched, wall, seconds))
+
+    def _handoff(self, sched: Schedule) -> tuple[bool, bool]:
+        """(whether the stream comes without the previous stage's last MLP, whether this stage's last
+        layer stops before its MLP): the schedule's `mlp_handoff` names the layers whose MLP the next
+        stage runs this step."""
+        if not sched.mlp_handoff:
+            return False, False
+        layers = self.runner.model.layer_range
+        return layers.start - 1 in sched.mlp_handoff, not self.is_last and layers.stop - 1 in sched.mlp_handoff
 
     def _apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences that ended; the step's block tables, brought up to date."""
@@ -77,7 +89,7 @@ class StageExecutor:
             self.seqs.pop(seq_id, None)
         return self.block_tables.apply(sched)
 
-    def _sample(self, sched: Schedule, step: StepInput, stream) -> StepResult:
+    def _sample(self, sched: Schedule, step: StepInput, stream, handoff_in: bool = False) -> StepResult:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
         row = 0
         for w in sched.seqs:
@@ -90,10 +102,11 @@ class StageExecutor:
                 sample_rows.append((row - 1, w.seq_id))
         if not prompt_rows and self.runner.model.can_screen and all(
                 self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows):
-            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows], greedy=True).tolist()
+            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows], greedy=True,
+                                         handoff_in=handoff_in).tolist()
             return StepResult(sched.step_id, [SampledToken(seq_id, t) for (_, seq_id), t in zip(sample_rows, tokens)],
                               busy_seconds=self.busy_seconds)
-        logits = self.runner.execute(step, stream,
+        logits = self.runner.execute(step, stream, handoff_in=handoff_in,
                                      logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
         tokens, logprobs = sample(logits[:len(sample_rows)], rows, self.eos_token_ids, self.generator)

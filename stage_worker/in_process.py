@@ -19,11 +19,12 @@ from stage_worker.runner import StageRunner
 class InProcessPipeline:
     def __init__(self, model_dir: str, model: ModelConfig, stages: list[range], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str = "cpu", quantization: str | None = None, moe_backend: str = "auto",
-                 progress: bool | None = None):
+                 progress: bool | None = None, handoff: bool = False):
         quant = resolve_quantization(model, quantization)
         self.stages = [
             StageExecutor(StageRunner(model_dir, model, layers, num_blocks, block_size, dtype=dtype, device=device,
-                                      progress=progress, quant=quant, moe_backend=moe_backend), model.eos_token_ids)
+                                      progress=progress, quant=quant, moe_backend=moe_backend, handoff=handoff),
+                          model.eos_token_ids)
             for layers in stages
         ]
         self.queue: deque[Schedule] = deque()

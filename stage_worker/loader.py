@@ -141,11 +141,13 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers: range | None = None,
                tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant=None, progress: bool | None = None, backend: str = "auto") -> tuple[CausalLM, LoadStats]:
+               quant=None, progress: bool | None = None, backend: str = "auto",
+               handoff: bool = False) -> tuple[CausalLM, LoadStats]:
     """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
 
     progress: None shows a bar only on a terminal. backend: the kernels it computes with
     (kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
+    handoff: a stage after the first also holds the previous layer's MLP (the MLP hand-off).
     """
     backend = resolve_backend(backend, device)
     config = config or ModelConfig.from_dir(model_dir)
@@ -153,7 +155,7 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
         raise LoadError(f"{model_dir} is a quantized ({config.quantization}) checkpoint: it loads with its "
                         "quantization method (stage_worker.layers.fp8.resolve_quantization)")
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config)(config, layers, tp, quant)
+        model = model_class(config)(config, layers, tp, quant, handoff=handoff)
     reader = CheckpointReader(model_dir)
     params = list(model.named_parameters())
     desc = f"loading layers {model.layer_range.start}-{model.layer_range.stop - 1}"

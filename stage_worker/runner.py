@@ -68,10 +68,12 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
 class StageRunner:
     def __init__(self, model_dir: str | Path, config: ModelConfig, layers: range, num_blocks: int,
                  block_size: int, tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto"):
+                 device: str = "cpu", progress: bool | None = None, quant=None, moe_backend: str = "auto",
+                 handoff: bool = False):
+        """handoff: a stage after the first also holds the previous stage's last MLP (models/base.py)."""
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
-                                                 progress=progress, backend=moe_backend)
+                                                 progress=progress, backend=moe_backend, handoff=handoff)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
@@ -89,11 +91,17 @@ class StageRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, stream: torch.Tensor | None = None, logit_rows: list[int] | None = None,
-                greedy: bool = False):
+                greedy: bool = False, handoff_in: bool = False, handoff_out: bool = False):
         """stream: the previous stage's residual stream [T, H] (None on the first stage). Returns this
         stage's residual stream, or on the last stage logits [len(logit_rows), V] float32 (default
         rows: each sampling sequence's last token). greedy (on a model that `can_screen`): those
-        rows' greedy tokens [len(logit_rows)] int64 instead, without every logit."""
+        rows' greedy tokens [len(logit_rows)] int64 instead, without every logit. The MLP hand-off
+        (models/base.py): handoff_in, the stream still lacks the previous stage's last MLP (this
+        stage runs it first); handoff_out, this stage's last layer stops after its attention."""
+        if handoff_out and self.model.has_head:
+            raise ValueError("the last stage has no next stage to hand its MLP to")
+        if handoff_in and stream is None:
+            raise ValueError("the first stage has no previous stage whose MLP it could run")
         # (a stream from the wire is a host tensor: a stage on a GPU computes on its own device)
         hidden, residual = (stream.to(self.device) if stream is not None else None), None
         native = self.model.backend == "native"
@@ -104,7 +112,10 @@ class StageRunner:
             if owned:
                 flat = [t for ids in step.token_ids for t in ids]
                 hidden = self.model.embed(torch.tensor(flat, dtype=torch.long, device=self.device))
-            if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode:
+            elif handoff_in:
+                hidden, residual = self.model.finish_handoff(hidden)
+                owned = True  # (the MLP's fresh output)
+            if self.fused is not None and len(ctx.groups) == 1 and ctx.groups[0].is_decode and not handoff_out:
                 if not self.model.has_head:
                     return self.fused.forward(ctx, hidden, residual, stream=True, owned=owned)
                 logit_rows = step.sample_rows() if logit_rows is None else logit_rows
@@ -114,7 +125,7 @@ class StageRunner:
                     return self.fused.logits(ctx, hidden, residual, owned)
                 hidden, residual = self.fused.forward(ctx, hidden, residual, owned=owned)
             else:
-                hidden, residual = self.model(hidden, residual)
+                hidden, residual = self.model(hidden, residual, handoff=handoff_out)
         if not self.model.has_head:
             return hidden + residual
         if logit_rows is None:

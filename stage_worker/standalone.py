@@ -91,7 +91,7 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     num_blocks = NUM_BLOCKS
     started = time.perf_counter()
     runner = StageRunner(model, mc, layers, num_blocks, block_size, dtype=torch_dtype(compute), progress=None,
-                         quant=quant, moe_backend=backend)
+                         quant=quant, moe_backend=backend, handoff=run.get("mlp_handoff", False))
     out(f"loaded layers {layers.start}:{layers.stop} of {mc.num_layers} in {time.perf_counter() - started:.2f} s "
         f"({runner.load_stats.bytes_read / 2**20:.1f} MiB read from {len(runner.load_stats.files_opened)} files; "
         f"{compute}, {type(quant).__name__ if quant else 'unquantized'}, --moe-backend {backend})")
@@ -139,9 +139,9 @@ def _timed_run(executor: StageExecutor, sched: Schedule, stream):
     for name, layer in model.model.layers.items():
         originals[name] = layer.forward
 
-        def timed(*args, _f=layer.forward, _n=name):
+        def timed(*args, _f=layer.forward, _n=name, **kwargs):
             t = time.perf_counter()
-            result = _f(*args)
+            result = _f(*args, **kwargs)
             per_layer[_n] = per_layer.get(_n, 0.0) + time.perf_counter() - t
             return result
         layer.forward = timed

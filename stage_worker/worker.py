@@ -247,14 +247,15 @@ class StageWorker:
             tp = TPGroup(cfg.tp_rank, a.tp_size, group, a.expert_parallel)
             runner = StageRunner(a.model, mc, layers, num_blocks, a.block_size, tp=tp, dtype=dtype,
                                  device=cfg.device, progress=False, quant=resolve_quantization(mc, a.quantization),
-                                 moe_backend=a.moe_backend)
+                                 moe_backend=a.moe_backend, handoff=a.mlp_handoff)
             return StageExecutor(runner, mc.eos_token_ids)
 
         started = time.perf_counter()
         self.executor = await asyncio.get_running_loop().run_in_executor(self.compute, build)
         if self.recorder is not None:  # (a replay computes as this stage does)
             self.recorder.describe(model=a.model, layers=[a.layer_start, a.layer_end], dtype=str(dtype).split(".")[-1],
-                                   quantization=a.quantization, moe_backend=a.moe_backend, block_size=a.block_size)
+                                   quantization=a.quantization, moe_backend=a.moe_backend, block_size=a.block_size,
+                                   mlp_handoff=a.mlp_handoff)
         log.info("loaded", extra={"fields": {"layers": f"{a.layer_start}:{a.layer_end}", "blocks": num_blocks,
                                              "bytes": self.executor.runner.load_stats.bytes_read,
                                              "seconds": round(time.perf_counter() - started, 2)}})

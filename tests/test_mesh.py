@@ -121,6 +121,16 @@ def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, refe
     assert status.recoveries == 0 and status.step_resets == 0  # (a recomputation would hide a stage's error)
 
 
+def test_prompt_chunks_hand_their_mlp_to_the_next_stage_and_the_tokens_stay(model, reference):
+    """A split that leaves the first stage three layers to one: the coordinator hands the third
+    layer's MLP of every chunk of prompt tokens to the last stage (which holds it too), not decodes."""
+    results, status = run(generate_all(mesh_for(model[0], pp=2, layer_partition=(3, 1), max_batched_tokens=8),
+                                       PROMPTS, GREEDY))
+    assert [tokens for tokens, _ in results] == reference
+    assert 0 < status.mlp_handoff_steps < status.steps
+    assert status.recoveries == 0 and status.step_resets == 0
+
+
 def test_seeded_sampling_is_the_same_in_any_layout_and_batch(model):
     seeded = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
               for i in range(6)]

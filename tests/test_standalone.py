@@ -32,13 +32,15 @@ def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
 
 
 def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
-    """Recorded with int8 weights: the replay computes as the recorded stage did (its run.json)."""
+    """Recorded with int8 weights, and the first stage's third layer handing its (int8) MLP to the
+    last stage for the prompt steps: the replay computes as the recorded stage did (its run.json)."""
     import json
 
     model = tmp_path / "m"
     build_hf_model("mixtral", model)
     rec = tmp_path / "rec"
-    settings = EngineSettings(model=str(model), pp=2, kv_memory=8 << 20, quantization="int8", block_size=8)
+    settings = EngineSettings(model=str(model), pp=2, kv_memory=8 << 20, quantization="int8", block_size=8,
+                              layer_partition=(3, 1))
     with LocalMesh.of(settings, record=str(rec)) as mesh:
         results, _ = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     assert all(tokens for tokens, _ in results)
@@ -48,12 +50,20 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
     sent = load_file(str(next((rec / "pp1-tp0").glob("*.inputs"))))
     assert list(sent) == ["stream"]  # one tensor crosses the boundary: hidden + residual
     run_file = json.loads((rec / "pp1-tp0" / "run.json").read_text())
-    assert run_file["quantization"] == "int8" and run_file["block_size"] == 8 and run_file["layers"] == [2, 4]
-    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:2",
+    assert run_file["quantization"] == "int8" and run_file["block_size"] == 8 and run_file["layers"] == [3, 4]
+    assert run_file["mlp_handoff"] is True
+    import msgspec
+
+    from moemesh.protocol import Schedule
+
+    handed = [msgspec.msgpack.decode(p.read_bytes(), type=Schedule).mlp_handoff
+              for p in (rec / "pp1-tp0").glob("*.schedule")]
+    assert [2] in handed and [] in handed
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "0:3",
                  "--replay", str(rec / "pp0-tp0")]) == 0
     first = capsys.readouterr().out
     assert "matches the recording" in first and "max abs difference from the recording: 0" in first
-    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "2:4",
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--layers", "3:4",
                  "--replay", str(rec / "pp1-tp0")]) == 0
     last = capsys.readouterr().out
     assert "-> same" in last and "DIFFERENT" not in last and "matches the recording" in last

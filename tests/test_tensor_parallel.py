@@ -35,11 +35,14 @@ def run_layout(path, **layout):
         results, _ = run(generate_all(mesh, PROMPTS, GREEDY))
         again, status = run(generate_all(mesh, PROMPTS, GREEDY))  # the 22-token prompt's first block is cached
     assert status.num_free_blocks == status.num_blocks
+    assert (status.mlp_handoff_steps > 0) == (layout.get("layer_partition") == (3, 1))
     assert [t for t, _ in again] == [t for t, _ in results] and status.prefix_cache_hits >= 16
     return [t for t, _ in results]
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2)], ids=["tp2", "tp2-pp2"])
+# (3, 1): the prompt step hands the third layer's MLP, sliced over the ranks as the first stage slices it,
+# to the last stage (the MLP hand-off)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2, layer_partition=(3, 1))], ids=["tp2", "tp2-pp2"])
 def test_greedy_parity_with_transformers(checkpoint, layout):
     arch, path, reference = checkpoint
     assert run_layout(path, **layout) == reference

@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every prompt starts with the same P random tokens (the prefix-caching workload)")
     tb.add_argument("--prefix-caching", type=on_off_list, default=["on"],
                     help="on, off, or on,off: run each layout with and without the prefix cache and compare")
+    tb.add_argument("--mlp-handoff", type=on_off_list, default=["on"],
+                    help="on, off, or on,off: run each layout of two stages or more with the MLP hand-off (as "
+                         "serve does), without it (--no-mlp-handoff), or both and compare")
     tb.add_argument("--curve", type=on_off_list, default=["off"],
                     help="on, off, or on,off: run each layout with CurveZMQ on every mesh socket (fresh keys), "
                          "without, or both and compare")

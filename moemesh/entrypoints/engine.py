@@ -52,8 +52,10 @@ class LLMEngine:
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
-                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress)
-        self.core = make_core(settings, mc, num_blocks, self.layout.pp)
+                                          self.dtype, device, self.layout.quantization, settings.moe_backend, progress,
+                                          handoff=self.layout.pp > 1 and not settings.no_mlp_handoff)
+        self.core = make_core(settings, mc, num_blocks, self.layout.pp,
+                              handoff_stages=None if settings.no_mlp_handoff else self.layout.stages)
         self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()
 

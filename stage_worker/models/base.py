@@ -6,8 +6,18 @@ starts at layer 0 and the norm and lm_head only if it ends at the last layer. Th
 asks which stage it is.
 
 Parameter names are Hugging Face's (`model.layers.{i}.…` with global layer indices), except for the
-fused weights listed in `packed_modules` and the stacked experts of `FusedMoE`;
-`checkpoint_sources` maps each parameter to the checkpoint tensors it is loaded from.
+fused weights listed in `packed_modules`, the stacked experts of `FusedMoE` and the hand-off MLP
+(`model.handoff.{i}.…`, read from layer i's tensors); `checkpoint_sources` maps each parameter to
+the checkpoint tensors it is loaded from.
+
+The MLP hand-off (`handoff=True`, on a stage after the first): the stage also holds the
+post-attention norm and MLP of the previous stage's last layer, which keep no per-sequence state.
+For a step the coordinator hands off (`Schedule.mlp_handoff`, chosen by `moemesh.layout.MlpHandoff`
+where it evens the stages), the previous stage stops its last layer after the attention
+(`forward(..., handoff=True)`) and sends the residual stream as it is then; this stage runs that
+layer's MLP first (`finish_handoff`). A prompt chunk costs a stage per layer what a decode costs
+per layer and more (no lm_head beside it), so a split that evens decode steps leaves prompt chunks
+heavier on the earlier stage: the hand-off moves one MLP of them across.
 """
 
 from __future__ import annotations
@@ -22,6 +32,25 @@ from stage_worker.layers.parallel import TPGroup
 from stage_worker.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
+HANDOFF = "handoff"  # the module under `model` holding the hand-off MLP: `model.handoff.{layer}`
+
+
+class HandoffMLP(nn.Module):
+    """The second half of the previous stage's last decoder layer, held by the next stage too: its
+    post-attention norm and MLP (dense or MoE), which keep no per-sequence state."""
+
+    def __init__(self, decoder_layer: type[nn.Module], config: ModelConfig, layer_idx: int, tp: TPGroup,
+                 quant=None):
+        super().__init__()
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = decoder_layer.make_mlp(config, layer_idx, tp, quant)
+
+    def forward(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after the attention [T, H] -> (hidden, residual) after the MLP, as the
+        layer itself returns them."""
+        return self.mlp(self.post_attention_layernorm(stream)), stream
+
+
 class CausalLM(nn.Module):
     # module name -> the checkpoint modules fused into it, with the shard id each is loaded as
     packed_modules = {
@@ -32,7 +61,8 @@ class CausalLM(nn.Module):
     checkpoint_renames: dict[str, str] = {}
     decoder_layer: type[nn.Module]  # (config, layer_idx, tp, quant) -> layer
 
-    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None):
+    def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None,
+                 handoff: bool = False):
         super().__init__()
         layers = range(config.num_layers) if layers is None else layers
         if not (0 <= layers.start < layers.stop <= config.num_layers):
@@ -47,6 +77,11 @@ class CausalLM(nn.Module):
         if self.has_embedding:
             self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.model.layers = nn.ModuleDict({str(i): self.decoder_layer(config, i, tp, quant) for i in layers})
+        # the layer whose MLP this stage also holds (the MLP hand-off), or None
+        self.handoff_layer = layers.start - 1 if handoff and layers.start > 0 else None
+        if self.handoff_layer is not None:
+            setattr(self.model, HANDOFF, nn.ModuleDict({
+                str(self.handoff_layer): HandoffMLP(self.decoder_layer, config, self.handoff_layer, tp, quant)}))
         if self.has_head:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -57,11 +92,21 @@ class CausalLM(nn.Module):
         """[T] -> [T, H]"""
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
-        """This stage's layers: (hidden [T, H], residual [T, H] or None) -> (hidden, residual)."""
-        for layer in self.model.layers.values():
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None, handoff: bool = False):
+        """This stage's layers: (hidden [T, H], residual [T, H] or None) -> (hidden, residual).
+        handoff: the last layer stops after its attention (the next stage runs its MLP)."""
+        layers = list(self.model.layers.values())
+        for layer in layers[:-1]:
             hidden, residual = layer(hidden, residual)
-        return hidden, residual
+        return layers[-1](hidden, residual, mlp=not handoff)
+
+    def finish_handoff(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's residual stream [T, H] after its last layer's attention -> (hidden,
+        residual) after that layer's MLP, which this stage holds (`handoff=True`)."""
+        if self.handoff_layer is None:
+            raise ValueError(f"a step hands over the MLP of layer {self.layer_range.start - 1}, which this stage "
+                             f"does not hold (it was started without the MLP hand-off)")
+        return getattr(self.model, HANDOFF)[str(self.handoff_layer)](stream)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""
@@ -127,7 +172,8 @@ class CausalLM(nn.Module):
 
     def checkpoint_sources(self, param_name: str) -> list[tuple[str, object]]:
         """The checkpoint tensors (name, shard id) that parameter `param_name` is loaded from."""
-        rename = lambda name: ".".join(self.checkpoint_renames.get(p, p) for p in name.split("."))  # noqa: E731
+        renames = {**self.checkpoint_renames, HANDOFF: "layers"}
+        rename = lambda name: ".".join(renames.get(p, p) for p in name.split("."))  # noqa: E731
         return [(rename(name), shard) for name, shard in self._sources(param_name)]
 
     def _sources(self, param_name: str) -> list[tuple[str, object]]:

@@ -66,15 +66,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.make_mlp(config, layer_idx, tp, quant)
 
-    def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, quant)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, mlp: bool = True):
+        """mlp=False stops after the attention (the MLP hand-off: the next stage runs this layer's MLP,
+        `models.base.HandoffMLP`): hidden + residual is then the residual stream after the attention."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x)
+        if not mlp:
+            return x, residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

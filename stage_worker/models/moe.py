@@ -48,7 +48,8 @@ class SparseMoeBlock(nn.Module):
 class MoeDecoderLayer(LlamaDecoderLayer):
     expert_checkpoint_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
-    def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
+    @classmethod
+    def make_mlp(cls, config: ModelConfig, layer_idx: int, tp: TPGroup, quant) -> nn.Module:
         if config.is_sparse_layer(layer_idx):
-            return SparseMoeBlock(config, tp, quant, self.expert_checkpoint_names)
+            return SparseMoeBlock(config, tp, quant, cls.expert_checkpoint_names)
         return super().make_mlp(config, layer_idx, tp, quant)

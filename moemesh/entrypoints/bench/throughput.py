@@ -100,7 +100,8 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                 "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
                 "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
                 / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
-                "steps": after.steps - before.steps, "window": (wall, wall + elapsed), "status": after}
+                "steps": after.steps - before.steps, "mlp_handoff_steps": after.mlp_handoff_steps - before.mlp_handoff_steps,
+                "window": (wall, wall + elapsed), "status": after}
     finally:
         await client.close()
 
@@ -216,14 +217,16 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
             row["vs_in_process"] = round(ceilings[engines] / base, 2)
         rows.append(row)
         _emit(row, args.json)
-    layouts = [(pp, tp, c, k) for tp in args.tp for pp in args.pp for c in args.prefix_caching for k in args.curve]
+    layouts = [(pp, tp, c, k, h) for tp in args.tp for pp in args.pp for c in args.prefix_caching for k in args.curve
+               for h in (args.mlp_handoff if pp > 1 else ["off"])]
     # pp=1 tp=1 first, whatever the flags' order: the others' vs_pp1_tp1 is of it
-    for pp, tp, caching, curve in sorted(layouts, key=lambda x: (x[0], x[1]) != (1, 1)):
+    for pp, tp, caching, curve, handoff in sorted(layouts, key=lambda x: (x[0], x[1]) != (1, 1)):
         layout, expert_parallel = job.layouts[pp, tp], args.expert_parallel and tp > 1
         partition = layout.stage_layers if _partition_for(args.layer_partition, pp) else None
         try:
             settings = EngineSettings.derive(base_settings, pp=pp, tp=tp, expert_parallel=expert_parallel,
                                              layer_partition=partition, no_prefix_caching=caching == "off",
+                                             no_mlp_handoff=handoff == "off",
                                              mesh_keys=keys_dir if curve == "on" else None,
                                              insecure_mesh=args.netns and curve == "off")
             if args.netns:
@@ -237,11 +240,13 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
         tps = r["tokens"] / r["seconds"]
         row = {**tag, "impl": "mesh-netns" if args.netns else "mesh", "pp": pp, "tp": tp,
                "layers": list(partition) if partition else "even", "prefix_caching": caching, "curve": curve,
+               "mlp_handoff": handoff,
                "tok_per_s": round(tps, 1), "total_tok_per_s": round((r["tokens"] + prompt_tokens) / r["seconds"], 1),
                "seconds": round(r["seconds"], 2), "ttft_p50_ms": round(r["ttft_p50_ms"], 1),
                "prefix_cache_hit_rate": round(r["prefix_cache_hit_rate"], 3),
                "stage_busy_fraction": [round(b / r["seconds"], 3) for b in r["stage_busy"]],
-               "steps": r["steps"], "coordinator_ms_per_step": round(r["coordinator_ms_per_step"], 3),
+               "steps": r["steps"], "mlp_handoff_steps": r["mlp_handoff_steps"],
+               "coordinator_ms_per_step": round(r["coordinator_ms_per_step"], 3),
                "schedule_bytes_per_step": round(r["schedule_bytes_per_step"])}
         if pp > 1:  # what crosses each stage boundary, per token processed (prompt and generated)
             row["boundary_bytes_per_token"] = [round(b / (r["tokens"] + prompt_tokens)) for b in r["sent"]]
@@ -249,6 +254,7 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
             row["comm_share_of_busy"] = [round(c / b, 3) if b else 0.0 for c, b in zip(r["stage_comm"], r["stage_busy"])]
         if args.timeline is not None:
             row.update(_write_timeline(Path(args.timeline), r, f"pp{pp}-tp{tp}-caching-{caching}-curve-{curve}"
+                                       + (f"-handoff-{handoff}" if pp > 1 else "")
                                        + (f"-round{tag['round']}" if tag else "")))
         if base:
             row["vs_in_process"] = round(tps / base, 2)
@@ -258,13 +264,19 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
                        and x["prefix_caching"] == caching and x["curve"] == curve), None)
         if single and (pp, tp) != (1, 1):
             row["vs_pp1_tp1"] = round(tps / single["tok_per_s"], 2)
+        twin = next((x for x in rows if x.get("mlp_handoff") not in (None, handoff)
+                     and (x["pp"], x["tp"], x["prefix_caching"], x["curve"]) == (pp, tp, caching, curve)), None)
+        if twin:  # what the MLP hand-off buys, same layout, same run (either order)
+            on, off = (tps, twin["tok_per_s"]) if handoff == "on" else (twin["tok_per_s"], tps)
+            row["mlp_handoff_on_vs_off"] = round(on / off, 3)
         twin = next((x for x in rows if x.get("curve") not in (None, curve)
-                     and (x["pp"], x["tp"], x["prefix_caching"]) == (pp, tp, caching)), None)
+                     and (x["pp"], x["tp"], x["prefix_caching"], x["mlp_handoff"]) == (pp, tp, caching, handoff)),
+                    None)
         if twin:  # what CURVE costs, same layout, same run (either order)
             on, off = (tps, twin["tok_per_s"]) if curve == "on" else (twin["tok_per_s"], tps)
             row["curve_on_vs_off"] = round(on / off, 3)
         other = next((x for x in rows if x.get("prefix_caching") not in (None, caching)
-                      and (x["pp"], x["tp"], x["curve"]) == (pp, tp, curve)), None)
+                      and (x["pp"], x["tp"], x["curve"], x["mlp_handoff"]) == (pp, tp, curve, handoff)), None)
         if other:  # what the prefix cache buys, same layout, same run
             on, off = (row, other) if caching == "on" else (other, row)
             row["caching_on_ttft_speedup"] = round(off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-6), 2)
@@ -299,9 +311,10 @@ def _write_timeline(directory: Path, r: dict, name: str) -> dict:
 # what a row of every round contributes to the medians: figures, each ratio to another row of the same
 # round (a ratio of medians would pair runs minutes apart), and per-stage figures stage by stage
 _MEDIAN_KEYS = ("tok_per_s", "total_tok_per_s", "seconds", "ttft_p50_ms", "vs_in_process", "vs_ceiling",
-                "vs_pp1_tp1", "curve_on_vs_off", "caching_on_time_speedup", "caching_on_ttft_speedup")
+                "vs_pp1_tp1", "curve_on_vs_off", "mlp_handoff_on_vs_off", "caching_on_time_speedup",
+                "caching_on_ttft_speedup")
 _MEDIAN_LISTS = ("stage_busy_fraction", "stage_idle_before_prompt_steps_s", "stage_idle_before_decode_steps_s")
-_SAME_ROW = ("impl", "engines", "pp", "tp", "layers", "prefix_caching", "curve")  # what a row measured
+_SAME_ROW = ("impl", "engines", "pp", "tp", "layers", "prefix_caching", "curve", "mlp_handoff")  # what a row measured
 
 
 def medians(rounds: list[list[dict]]) -> list[dict]:
@@ -317,7 +330,7 @@ def medians(rounds: list[list[dict]]) -> list[dict]:
         row.update({k: first[k] for k in _SAME_ROW[1:] if k in first})
         for k in _MEDIAN_KEYS:
             if all(k in x for x in same):
-                row[k] = round(statistics.median(x[k] for x in same), 3 if k.startswith(("vs_", "curve", "caching"))
+                row[k] = round(statistics.median(x[k] for x in same), 3 if k.startswith(("vs_", "curve", "caching", "mlp"))
                                else 2)
         for k in _MEDIAN_LISTS:
             if all(k in x for x in same):
