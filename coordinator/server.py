@@ -210,7 +210,8 @@ class Coordinator:
         if self.failure:  # a worker failed while Start went out
             return
         reg.enter(Phase.SERVING)
-        log.info("serving", extra={"fields": {"stages": cfg.pp, "tp": cfg.tp, "blocks": num_blocks}})
+        log.info("serving", extra={"fields": {"stages": cfg.pp, "tp": cfg.tp, "blocks": num_blocks,
+                                              "mlp_handoff": self.mlp_handoff}})
         for identity, req in self.router.release():
             await self._add(identity, req)
         self.wake.set()
