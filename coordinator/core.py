@@ -48,9 +48,10 @@ class Ended:
 class EngineCore:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int, prefix_caching: bool = False,
-                 context_limit: int | None = None):
+                 context_limit: int | None = None, handoff: MlpHandoff | None = None):
         """`context_limit`: the model's context (or --max-model-len) where `config` holds less because the KV
-        cache does: a pool that changes size (`resize`) moves the limit up to it."""
+        cache does: a pool that changes size (`resize`) moves the limit up to it. `handoff`: the MLP
+        hand-off's choice per step (moemesh.layout.MlpHandoff), or None."""
         self.blocks = BlockManager(num_blocks, block_size, enable_caching=prefix_caching)
         self.context_limit = context_limit or config.max_model_len
         self.scheduler = Scheduler(config, self.blocks, eos_token_ids)
@@ -63,7 +64,7 @@ class EngineCore:
         # requests that ended, newest last, for a client that missed their last outputs (ResendRequest)
         self.ended: OrderedDict[str, Ended] = OrderedDict()
         self.ended_entries = 0
-        self.handoff: MlpHandoff | None = None  # the MLP hand-off's choice per step, or None (--no-mlp-handoff)
+        self.handoff = handoff
         self.handoff_steps = 0  # steps scheduled with a hand-off
 
     # -- requests -----------------------------------------------------------------------------
@@ -127,7 +128,9 @@ class EngineCore:
         forget, self._forget = self._forget, []
         handoff = []
         if self.handoff is not None and step.num_steps == 1:
-            handoff = self.handoff.choose([len(w.token_ids) for w in seqs], sum(w.sample for w in seqs))
+            head_rows = sum(w.sample + (len(w.token_ids) if i.seq.prompt_logprobs is not None else 0)
+                            for w, i in zip(seqs, step.items))
+            handoff = self.handoff.choose([len(w.token_ids) for w in seqs], head_rows)
             self.handoff_steps += bool(handoff)
         return Schedule(step_id, seqs, forget, num_steps=step.num_steps, mlp_handoff=handoff)
 

@@ -41,7 +41,7 @@ from coordinator.scheduler import SchedulerConfig
 from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
-from moemesh.layout import resolve_layout
+from moemesh.layout import MlpHandoff, resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
@@ -85,8 +85,8 @@ class Coordinator:
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
                                      cfg.quantization)
         check_num_steps(cfg, cfg.pp, cfg.tp)
-        # each stage after the first also holds the MLP before its own (moemesh.layout.MlpHandoff)
-        self.mlp_handoff = self.layout.pp > 1 and not cfg.no_mlp_handoff
+        # the MLP hand-off (moemesh.layout.MlpHandoff): None where off or where no step could use it
+        self.handoff = None if cfg.no_mlp_handoff else MlpHandoff.for_layout(self.model_config, self.layout.stages)
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
@@ -202,7 +202,7 @@ class Coordinator:
         num_blocks = reg.num_blocks()
         try:
             self.core = make_core(cfg, self.model_config, num_blocks, cfg.pp, cfg.tp,
-                                   handoff_stages=self.layout.stages if self.mlp_handoff else None)
+                                   handoff=self.handoff)
         except (ValueError, MemoryError) as e:
             return self._fail(f"the pipeline's KV pool of {num_blocks} blocks could not be set up: {e}")
         self.loop = StepLoop(self.core, in_flight_limit(cfg, cfg.pp))
@@ -211,7 +211,7 @@ class Coordinator:
             return
         reg.enter(Phase.SERVING)
         log.info("serving", extra={"fields": {"stages": cfg.pp, "tp": cfg.tp, "blocks": num_blocks,
-                                              "mlp_handoff": self.mlp_handoff}})
+                                              "mlp_handoff": sorted(self.handoff.layers) if self.handoff else []}})
         for identity, req in self.router.release():
             await self._add(identity, req)
         self.wake.set()
@@ -228,7 +228,7 @@ class Coordinator:
                 cfg.dtype, cfg.block_size,
                 tp_rendezvous=reg.workers[(p, 0)].rendezvous_address if cfg.tp > 1 else None,
                 expert_parallel=cfg.expert_parallel, quantization=cfg.quantization, moe_backend=cfg.moe_backend,
-                mlp_handoff=self.mlp_handoff))
+                mlp_handoff=self.handoff is not None and self.handoff.holds(stages[p])))
 
     async def _until(self, event: asyncio.Event, timeout: float, also: asyncio.Event | None = None) -> bool:
         """Waits for `event` (or `also`) until `timeout` or the pipeline goes down; whether `event` came."""

@@ -52,11 +52,10 @@ def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
 
 
 def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, pp: int = 1, tp: int = 1,
-              handoff_stages: list[range] | None = None) -> EngineCore:
+              handoff: MlpHandoff | None = None) -> EngineCore:
     """The EngineCore of a pipeline of pp stages of tp ranks whose smallest stage pool holds
-    `num_blocks` (block ids are shared across stages). handoff_stages: the stages' layers, where
-    each stage after the first holds the MLP before its own (--mlp-handoff): the core chooses, step
-    by step, which of them the next stage runs."""
+    `num_blocks` (block ids are shared across stages); `handoff`: the MLP hand-off, whose MLPs the
+    core hands over step by step (the stages after them hold them), or None."""
     config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
                                        model.max_position_embeddings)
     check_num_steps(settings, pp, tp)
@@ -69,12 +68,10 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, 
             "the KV cache holds fewer tokens than the context length: requests are limited to what it holds "
             "(raise --kv-memory, or set --max-model-len to say so)",
             extra={"fields": {"max_model_len": config.max_model_len, "kv_cache_tokens": capacity}})
-    core = EngineCore(dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity)), num_blocks,
+    return EngineCore(dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity)), num_blocks,
                       settings.block_size, model.eos_token_ids, model.vocab_size,
-                      prefix_caching=not settings.no_prefix_caching, context_limit=config.max_model_len)
-    if handoff_stages is not None and len(handoff_stages) > 1:
-        core.handoff = MlpHandoff(model, handoff_stages)
-    return core
+                      prefix_caching=not settings.no_prefix_caching, context_limit=config.max_model_len,
+                      handoff=handoff)
 
 
 class StepLoop:

@@ -158,17 +158,24 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) 
 
 
 class MlpHandoff:
-    """Which steps hand a stage's last MLP to the next stage (`--mlp-handoff`, the coordinator's
-    choice per schedule: `Schedule.mlp_handoff`).
+    """Which steps hand a stage's last MLP to the next stage (the MLP hand-off, on unless
+    --no-mlp-handoff: the coordinator's choice per schedule, `Schedule.mlp_handoff`).
 
     A split that evens decode steps (`auto` for a decode-heavy mix) leaves prompt chunks heavier
     on the earlier stages: a prompt token pays every layer, as a decode token does, but not the
     head on the last stage. Each stage after the first also holds its previous stage's last MLP,
     so a step can move that MLP's work across the boundary. For each step this estimates every
-    stage's cost (`decode_costs`: per token, each layer for every token, the head for each sampled
-    row) and, boundary by boundary from the first, hands the MLP over where that lowers the larger
-    of the two stages' costs. Steps of decodes alone are never handed off: their stages run every
-    layer in one native call (stage_worker/fused_decode.py), which has no place to stop."""
+    stage's cost (`decode_costs`: per token, each layer for every token, the head for each row it
+    computes logits of) and, boundary by boundary from the first, hands the MLP over where that
+    lowers the larger of the two stages' costs. Steps of decodes alone are never handed off: their
+    stages run every layer in one native call (stage_worker/fused_decode.py), which has no place
+    to stop.
+
+    A boundary is handed off for some steps or for none: every stage's cost but the last's grows
+    with the step's tokens alone, and the last's also with its head rows, which only make a
+    hand-off to it less likely. So `layers`, the choice for prompt tokens with no head row, holds
+    every layer any step can hand off, and only the stages after those hold a copy of the MLP
+    (`holds`): an even split of equal layers holds none (`for_layout` is None)."""
 
     def __init__(self, model: ModelConfig, stages: list[range]):
         if len(stages) < 2:
@@ -177,15 +184,30 @@ class MlpHandoff:
         mlps = mlp_costs(model)
         self.stage_costs = [sum(layers[i] for i in r) for r in stages]  # per token
         self.boundaries = [(r.stop - 1, mlps[r.stop - 1]) for r in stages[:-1]]  # (layer, its MLP's cost)
+        self.layers = frozenset(self.choose([2], 0))  # every layer a step can hand off
 
-    def choose(self, query_lens: list[int], sampled: int) -> list[int]:
-        """A step of these new tokens per sequence, `sampled` rows of which are sampled -> the layers
-        whose MLP the next stage runs (`Schedule.mlp_handoff`)."""
+    @classmethod
+    def for_layout(cls, model: ModelConfig, stages: list[range]) -> "MlpHandoff | None":
+        """The hand-off of a pipeline of these stages, or None where no step could hand anything off
+        (one stage; stages that each cost no more than the next)."""
+        if len(stages) < 2:
+            return None
+        handoff = cls(model, stages)
+        return handoff if handoff.layers else None
+
+    def holds(self, stage: range) -> bool:
+        """Whether the stage of these layers holds the MLP of the layer before its own."""
+        return stage.start - 1 in self.layers
+
+    def choose(self, query_lens: list[int], head_rows: int) -> list[int]:
+        """A step of these new tokens per sequence, the last stage computing logits of `head_rows`
+        of them (sampled rows and prompt-logprob rows) -> the layers whose MLP the next stage runs
+        (`Schedule.mlp_handoff`)."""
         if all(q == 1 for q in query_lens):
             return []
         tokens = sum(query_lens)
         cost = [c * tokens for c in self.stage_costs]
-        cost[-1] += self.head * sampled
+        cost[-1] += self.head * head_rows
         handed = []
         for s, (layer, mlp) in enumerate(self.boundaries):
             moved = mlp * tokens

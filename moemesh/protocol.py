@@ -76,12 +76,15 @@ class StepSpan(msgspec.Struct, array_like=True, frozen=True):
     tokens: int  # tokens of the step (of each decode step, in a schedule of several)
     seqs: int
     num_steps: int = 1
+    # the MLP hand-off: the layers whose MLP the schedule handed over (the coordinator's span), or
+    # that this stage stopped before or ran for the stage before it (a stage's)
+    mlp_handoff: list[int] = []
 
     @classmethod
-    def of(cls, sched: Schedule, start: float, seconds: float = 0.0) -> StepSpan:
-        """The span of a schedule's step, begun at `start` (wall clock)."""
+    def of(cls, sched: Schedule, start: float, seconds: float = 0.0, mlp_handoff: list[int] | None = None) -> StepSpan:
+        """The span of a schedule's step, begun at `start` (wall clock); mlp_handoff: the schedule's."""
         return cls(sched.step_id, start, seconds, sum(len(w.token_ids) for w in sched.seqs), len(sched.seqs),
-                   sched.num_steps)
+                   sched.num_steps, sched.mlp_handoff if mlp_handoff is None else mlp_handoff)
 
 
 UNKNOWN_REQUEST = 404  # a RequestOutput's error_status for a resend of a request the coordinator does not know
@@ -281,6 +284,7 @@ class Schedule(msgspec.Struct, tag="schedule", frozen=True):
     num_steps: int = 1  # > 1: decodes only, on a stage that holds the whole model (--num-scheduler-steps):
     # each sequence decodes its token, then feeds back what it sampled, num_steps decode steps in all;
     # the result carries num_steps x len(seqs) tokens, step by step, each step's in the schedule's order
+
     # the MLP hand-off (stage_worker/models/base.py): the layers, each the last of its stage, whose MLP
     # the next stage runs for this step (the stage stops that layer after its attention). Empty: every
     # stage runs all of its own layers.

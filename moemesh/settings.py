@@ -14,7 +14,8 @@ command line, the environment, the compose files and every child with no other e
 The classes, one per process role, share groups of fields by inheritance:
 
     ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
-    LayoutSettings     pp, tp, layer_partition, expert_parallel      how the model is split
+    LayoutSettings     pp, tp, layer_partition, expert_parallel,     how the model is split
+                       no_mlp_handoff
     SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight, num_scheduler_steps
     WorkerResources    kv_memory, threads, device, ...               what each stage worker may use
     PipelineTimeouts   worker, register, ready, step, recovery       the coordinator's deadlines

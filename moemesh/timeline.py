@@ -45,7 +45,8 @@ def chrome_trace(status: StatusReply) -> dict:
             events.append({"name": f"step {s.step_id}", "cat": "decode" if is_decode(s) else "prompt",
                            "ph": "X", "pid": 1, "tid": tid, "ts": round(s.start * 1e6, 1),
                            "dur": round(s.seconds * 1e6, 1),
-                           "args": {"tokens": s.tokens, "seqs": s.seqs, "num_steps": s.num_steps}})
+                           "args": {"tokens": s.tokens, "seqs": s.seqs, "num_steps": s.num_steps,
+                                    **({"mlp_handoff": s.mlp_handoff} if s.mlp_handoff else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"model": status.model}}
 
 

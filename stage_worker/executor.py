@@ -58,10 +58,13 @@ class StageExecutor:
         """The previous stage's residual stream (None on the first stage) -> this stage's for the next
         stage, or a StepResult on the last stage."""
         wall, start = time.time(), time.perf_counter()
+        handed: list[int] = []  # the hand-offs this stage took part in (its span says so)
         try:
             step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
                              self._apply(sched), [w.sample for w in sched.seqs])
             handoff_in, handoff_out = self._handoff(sched)
+            layers = self.runner.model.layer_range
+            handed = [layers.start - 1] * handoff_in + [layers.stop - 1] * handoff_out
             if not self.is_last:
                 return self.runner.execute(step, stream, handoff_in=handoff_in, handoff_out=handoff_out)
             if sched.num_steps > 1:
@@ -72,7 +75,7 @@ class StageExecutor:
         finally:
             seconds = time.perf_counter() - start
             self.busy_seconds += seconds
-            self.spans.append(StepSpan.of(sched, wall, seconds))
+            self.spans.append(StepSpan.of(sched, wall, seconds, handed))
 
     def _handoff(self, sched: Schedule) -> tuple[bool, bool]:
         """(whether the stream comes without the previous stage's last MLP, whether this stage's last

@@ -9,6 +9,7 @@ from collections import deque
 import torch
 
 from moemesh.config import ModelConfig
+from moemesh.layout import MlpHandoff
 from moemesh.protocol import Schedule, StepResult
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
@@ -19,11 +20,13 @@ from stage_worker.runner import StageRunner
 class InProcessPipeline:
     def __init__(self, model_dir: str, model: ModelConfig, stages: list[range], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str = "cpu", quantization: str | None = None, moe_backend: str = "auto",
-                 progress: bool | None = None, handoff: bool = False):
+                 progress: bool | None = None, handoff: MlpHandoff | None = None):
+        """handoff: the MLP hand-off, whose MLPs the stages after them also hold (or None)."""
         quant = resolve_quantization(model, quantization)
         self.stages = [
             StageExecutor(StageRunner(model_dir, model, layers, num_blocks, block_size, dtype=dtype, device=device,
-                                      progress=progress, quant=quant, moe_backend=moe_backend, handoff=handoff),
+                                      progress=progress, quant=quant, moe_backend=moe_backend,
+                                      handoff=handoff is not None and handoff.holds(layers)),
                           model.eos_token_ids)
             for layers in stages
         ]

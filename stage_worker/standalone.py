@@ -33,8 +33,8 @@ RUN_FILE = "run.json"  # how the recorded stage computed: a replay computes the 
 
 class Recorder:
     """Writes step-NNNNNN.schedule (msgpack), .inputs / .outputs (safetensors: the residual stream as
-    "stream") or .result (msgpack), and run.json (the stage's layers, dtype, quantization, kernels and
-    block size)."""
+    "stream") or .result (msgpack), and run.json (the stage's layers, dtype, quantization, kernels,
+    block size, and whether it holds the MLP before its layers: `mlp_handoff`)."""
 
     def __init__(self, directory: str | Path, max_steps: int):
         self.dir, self.max_steps, self.count = Path(directory), max_steps, 0
@@ -132,11 +132,14 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
 
 
 def _timed_run(executor: StageExecutor, sched: Schedule, stream):
-    """The executor's forward, one decoder layer at a time with a clock around each."""
+    """The executor's forward, one decoder layer at a time with a clock around each (and around the
+    MLP handed over from the stage before, as "N (MLP)")."""
     model = executor.runner.model
     per_layer: dict[str, float] = {}
     originals = {}
-    for name, layer in model.model.layers.items():
+    timed_layers = {**model.model.layers, **{f"{i} (MLP)": m for i, m in model.model.handoff.items()}} \
+        if model.handoff_layer is not None else dict(model.model.layers)
+    for name, layer in timed_layers.items():
         originals[name] = layer.forward
 
         def timed(*args, _f=layer.forward, _n=name, **kwargs):
@@ -148,7 +151,7 @@ def _timed_run(executor: StageExecutor, sched: Schedule, stream):
     try:
         return executor.run(sched, stream), per_layer
     finally:
-        for name, layer in model.model.layers.items():
+        for name, layer in timed_layers.items():
             layer.forward = originals[name]
 
 

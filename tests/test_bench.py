@@ -99,6 +99,16 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys, 
     assert {e["cat"] for e in events if e["ph"] == "X"} == {"prompt", "decode"}
 
 
+def test_bench_throughput_runs_a_layout_with_and_without_the_mlp_handoff(tiny, capsys):
+    capsys.readouterr()
+    assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "6",
+                 "--new", "3", "--layer-partition", "3,1", "--no-baseline", "--mlp-handoff", "off,on", "--json"]) == 0
+    out = json_rows(capsys)
+    assert [(r["pp"], r["mlp_handoff"]) for r in out] == [(1, None), (2, "off"), (2, "on")]
+    assert out[1]["mlp_handoff_steps"] == 0 < out[2]["mlp_handoff_steps"] < out[2]["steps"]
+    assert out[2]["mlp_handoff_on_vs_off"] == pytest.approx(out[2]["tok_per_s"] / out[1]["tok_per_s"], abs=0.002)
+
+
 def test_bench_throughput_rounds_print_every_round_then_the_medians(tiny, capsys):
     """--rounds 2: both layouts twice, each row tagged with its round, then one median row per row of
     a round, whose ratio is the median of the rounds' own ratios."""

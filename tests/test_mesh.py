@@ -124,11 +124,30 @@ def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, refe
 def test_prompt_chunks_hand_their_mlp_to_the_next_stage_and_the_tokens_stay(model, reference):
     """A split that leaves the first stage three layers to one: the coordinator hands the third
     layer's MLP of every chunk of prompt tokens to the last stage (which holds it too), not decodes."""
-    results, status = run(generate_all(mesh_for(model[0], pp=2, layer_partition=(3, 1), max_batched_tokens=8),
-                                       PROMPTS, GREEDY))
+    mesh = mesh_for(model[0], pp=2, layer_partition=(3, 1), max_batched_tokens=8)
+    results, status = run(generate_all(mesh, PROMPTS, GREEDY))
     assert [tokens for tokens, _ in results] == reference
     assert 0 < status.mlp_handoff_steps < status.steps
     assert status.recoveries == 0 and status.step_resets == 0
+
+    async def timeline():
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
+        try:
+            for _ in range(20):  # (the workers' spans come with their heartbeats)
+                reply = await client.status(timeline=True)
+                if sum(len(s) for s in reply.stage_spans) >= 2 * reply.steps:
+                    return reply
+                await asyncio.sleep(0.25)
+            return reply
+        finally:
+            await client.close()
+
+    reply = run(timeline())
+    # both workers did what the schedules asked: the first stopped layer 2 before its MLP, the last ran it
+    asked = {s.step_id for s in reply.coordinator_spans if s.mlp_handoff == [2]}
+    assert len(asked) == reply.mlp_handoff_steps
+    for spans in reply.stage_spans:
+        assert {s.step_id for s in spans if s.mlp_handoff == [2]} == asked
 
 
 def test_seeded_sampling_is_the_same_in_any_layout_and_batch(model):

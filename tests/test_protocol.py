@@ -51,7 +51,8 @@ def _filled(cls) -> dict:
         elif f.type in (str, str | None):
             values[f.name] = f"text {i}"
         elif f.type == list[StepSpan]:
-            values[f.name] = [StepSpan(i, 1.8e9 + i + 0.125, 0.0625, 64 + i, 16, 2), StepSpan(i + 1, 2.5, 1.5, 3, 3)]
+            values[f.name] = [StepSpan(i, 1.8e9 + i + 0.125, 0.0625, 64 + i, 16, 2), StepSpan(i + 1, 2.5, 1.5, 3, 3),
+                              StepSpan(i + 2, 2.5, 1.5, 512, 16, 1, [4, 11])]
         elif f.type == list[list[StepSpan]]:
             values[f.name] = [[StepSpan(i, 1.8e9 + 0.5, 0.25, 512, 16)], [], [StepSpan(i + 2, 3.0, 0.5, 8, 8, 4)]]
         else:
@@ -84,12 +85,14 @@ MESSAGES = [
     (WorkerFailed(1, 0, "CUDA out of memory"), WorkerMessage),
     (Assignment("/models/mixtral", 0, 16, 2, 2, "tcp://10.0.0.3:5556", "bfloat16", 16), CoordinatorMessage),
     (Assignment("/models/mixtral", 16, 32, 2, 2, None, "float32", 16), CoordinatorMessage),
+    (Assignment("/models/mixtral", 16, 32, 2, 2, None, "float32", 16, mlp_handoff=True), CoordinatorMessage),
     (Start(100), CoordinatorMessage),
     (Schedule(5, [SeqWork(0, [1, 2, 3], 0, [4, 5], True, PARAMS, 3, [1, 2, 3]),
                   SeqWork(2, [7], 40, [0, 1, 2], True),
                   SeqWork(3, [8, 9], 16, [6, 7], False, SamplingParams(max_tokens=3), 30),
                   SeqWork(4, [9], 8, [1, 2], True, PARAMS, 9, None, [1, 2, 3, 4, 5, 6, 7, 8])],
               forget=[1, 4]), CoordinatorMessage),
+    (Schedule(7, [SeqWork(5, [1, 2, 3], 0, [4], True, PARAMS, 3)], mlp_handoff=[15, 31]), CoordinatorMessage),
     (Schedule(6, []), CoordinatorMessage),
     (Shutdown(), CoordinatorMessage),
     (Activations(3, []), Activations),
@@ -135,7 +138,8 @@ def test_round_trip_keeps_nested_types():
     assert got.forget == [1, 4]
     beat = next(m for m, _ in MESSAGES if isinstance(m, Heartbeat))
     got, _ = Codec(WorkerMessage).decode(_bytes(Codec.encode(beat)))
-    assert [type(s) for s in got.spans] == [StepSpan] * 2 and got.spans[0].num_steps == 2
+    assert [type(s) for s in got.spans] == [StepSpan] * 3 and got.spans[0].num_steps == 2
+    assert got.spans[2].mlp_handoff == [4, 11] and got.spans[0].mlp_handoff == []
     status = next(m for m, _ in MESSAGES if isinstance(m, StatusReply))
     got, _ = Codec(CoordinatorReply).decode(_bytes(Codec.encode(status)))
     assert [len(s) for s in got.stage_spans] == [1, 0, 1] and type(got.stage_spans[2][0]) is StepSpan

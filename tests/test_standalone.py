@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from hf_models import build_hf_model
 from moemesh.entrypoints.cli import main
 from moemesh.entrypoints.launcher import LocalMesh
 from moemesh.settings import EngineSettings
 from moemesh.netutil import run
+from moemesh.protocol import Schedule
 from moemesh.sampling import SamplingParams
 from test_mesh import generate_all
 
@@ -52,10 +55,6 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
     run_file = json.loads((rec / "pp1-tp0" / "run.json").read_text())
     assert run_file["quantization"] == "int8" and run_file["block_size"] == 8 and run_file["layers"] == [3, 4]
     assert run_file["mlp_handoff"] is True
-    import msgspec
-
-    from moemesh.protocol import Schedule
-
     handed = [msgspec.msgpack.decode(p.read_bytes(), type=Schedule).mlp_handoff
               for p in (rec / "pp1-tp0").glob("*.schedule")]
     assert [2] in handed and [] in handed
@@ -67,6 +66,7 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
                  "--replay", str(rec / "pp1-tp0")]) == 0
     last = capsys.readouterr().out
     assert "-> same" in last and "DIFFERENT" not in last and "matches the recording" in last
+    assert "layer 2 (MLP):" in last and "layer 3:" in last  # (the MLP handed over, timed as the layers are)
 
 
 def test_a_replay_that_differs_is_reported(tmp_path, capsys):

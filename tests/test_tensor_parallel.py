@@ -42,7 +42,8 @@ def run_layout(path, **layout):
 
 # (3, 1): the prompt step hands the third layer's MLP, sliced over the ranks as the first stage slices it,
 # to the last stage (the MLP hand-off)
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2, layer_partition=(3, 1))], ids=["tp2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2), dict(tp=2, pp=2, layer_partition=(3, 1))],
+                         ids=["tp2", "tp2-pp2", "tp2-pp2-handoff"])
 def test_greedy_parity_with_transformers(checkpoint, layout):
     arch, path, reference = checkpoint
     assert run_layout(path, **layout) == reference
@@ -52,6 +53,13 @@ def test_greedy_parity_with_transformers(checkpoint, layout):
 def test_expert_parallel_parity_with_transformers(tmp_path, arch):
     hf = build_hf_model(arch, tmp_path)
     assert run_layout(tmp_path, tp=2, expert_parallel=True) == [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+def test_expert_parallel_stages_hand_whole_experts_over(tmp_path):
+    """The last stage's copy of the first stage's last MoE holds the same experts per rank."""
+    hf = build_hf_model("qwen2_moe", tmp_path)
+    assert run_layout(tmp_path, tp=2, pp=2, expert_parallel=True, layer_partition=(3, 1)) == \
+        [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert-parallel"])

@@ -20,7 +20,7 @@ from kernels.backend import check_device
 from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
-from moemesh.layout import resolve_layout
+from moemesh.layout import MlpHandoff, resolve_layout
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
@@ -51,11 +51,12 @@ class LLMEngine:
         check_num_steps(settings, self.layout.pp, 1)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))
+        # the MLP hand-off (moemesh.layout.MlpHandoff): None where off or where no step could use it
+        handoff = None if settings.no_mlp_handoff else MlpHandoff.for_layout(mc, self.layout.stages)
         self.pipeline = InProcessPipeline(settings.model, mc, self.layout.stages, num_blocks, settings.block_size,
                                           self.dtype, device, self.layout.quantization, settings.moe_backend, progress,
-                                          handoff=self.layout.pp > 1 and not settings.no_mlp_handoff)
-        self.core = make_core(settings, mc, num_blocks, self.layout.pp,
-                              handoff_stages=None if settings.no_mlp_handoff else self.layout.stages)
+                                          handoff=handoff)
+        self.core = make_core(settings, mc, num_blocks, self.layout.pp, handoff=handoff)
         self.loop = StepLoop(self.core, in_flight_limit(settings, self.layout.pp))
         self._ids = itertools.count()
 

@@ -59,7 +59,9 @@ class CausalLM(nn.Module):
     }
     # our module name -> the checkpoint's, where they differ (Mixtral calls its MoE block block_sparse_moe)
     checkpoint_renames: dict[str, str] = {}
-    decoder_layer: type[nn.Module]  # (config, layer_idx, tp, quant) -> layer
+    # (config, layer_idx, tp, quant) -> layer; its classmethod make_mlp(config, layer_idx, tp, quant)
+    # builds the layer's MLP alone (for the MLP hand-off)
+    decoder_layer: type[nn.Module]
 
     def __init__(self, config: ModelConfig, layers: range | None = None, tp: TPGroup = TPGroup(), quant=None,
                  handoff: bool = False):
@@ -80,8 +82,8 @@ class CausalLM(nn.Module):
         # the layer whose MLP this stage also holds (the MLP hand-off), or None
         self.handoff_layer = layers.start - 1 if handoff and layers.start > 0 else None
         if self.handoff_layer is not None:
-            setattr(self.model, HANDOFF, nn.ModuleDict({
-                str(self.handoff_layer): HandoffMLP(self.decoder_layer, config, self.handoff_layer, tp, quant)}))
+            self.model.handoff = nn.ModuleDict({  # (named HANDOFF)
+                str(self.handoff_layer): HandoffMLP(self.decoder_layer, config, self.handoff_layer, tp, quant)})
         if self.has_head:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -106,7 +108,7 @@ class CausalLM(nn.Module):
         if self.handoff_layer is None:
             raise ValueError(f"a step hands over the MLP of layer {self.layer_range.start - 1}, which this stage "
                              f"does not hold (it was started without the MLP hand-off)")
-        return getattr(self.model, HANDOFF)[str(self.handoff_layer)](stream)
+        return self.model.handoff[str(self.handoff_layer)](stream)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Rows to sample from: [N, H] (with their residual) -> logits [N, V] float32."""

@@ -218,7 +218,7 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
         rows.append(row)
         _emit(row, args.json)
     layouts = [(pp, tp, c, k, h) for tp in args.tp for pp in args.pp for c in args.prefix_caching for k in args.curve
-               for h in (args.mlp_handoff if pp > 1 else ["off"])]
+               for h in (args.mlp_handoff if pp > 1 else [None])]
     # pp=1 tp=1 first, whatever the flags' order: the others' vs_pp1_tp1 is of it
     for pp, tp, caching, curve, handoff in sorted(layouts, key=lambda x: (x[0], x[1]) != (1, 1)):
         layout, expert_parallel = job.layouts[pp, tp], args.expert_parallel and tp > 1
