@@ -2,8 +2,9 @@
 
 The model is built first, for its layer range and rank; then every parameter it has asks for the
 checkpoint tensors it is made of (`CausalLM.checkpoint_sources`). So a stage reads only its layers
-(and, with the MLP hand-off, the MLP of the layer before them), opens only the files that hold them (the index says which; without an index, the files' headers
-do), and a tensor rank reads only its slice of each tensor (safetensors `get_slice`).
+(and, with the MLP hand-off, the MLP of the layer before them), opens only the files that hold
+them (the index says which; without an index, the files' headers do), and a tensor rank reads only
+its slice of each tensor (safetensors `get_slice`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ async def _drive(address: str, prompts, params, concurrency: int, label: str = "
                 "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
                 "coordinator_ms_per_step": 1000 * (after.coordinator_step_seconds - before.coordinator_step_seconds)
                 / steps, "schedule_bytes_per_step": (after.schedule_bytes - before.schedule_bytes) / steps,
-                "steps": after.steps - before.steps, "mlp_handoff_steps": after.mlp_handoff_steps - before.mlp_handoff_steps,
+                "steps": after.steps - before.steps,
+                "mlp_handoff_steps": after.mlp_handoff_steps - before.mlp_handoff_steps,
                 "window": (wall, wall + elapsed), "status": after}
     finally:
         await client.close()
