@@ -128,8 +128,11 @@ class EngineCore:
         forget, self._forget = self._forget, []
         handoff = []
         if self.handoff is not None and step.num_steps == 1:
-            head_rows = sum(w.sample + (len(w.token_ids) if i.seq.prompt_logprobs is not None else 0)
-                            for w, i in zip(seqs, step.items))
+            # the rows the last stage computes logits of: each sampled one, and the prompt positions of
+            # a chunk whose prompt logprobs are wanted (as StageExecutor._sample counts them)
+            head_rows = sum(w.sample for w in seqs) + sum(
+                max(0, min(i.context_len + len(i.token_ids), len(i.seq.prompt_ids) - 1) - i.context_len)
+                for i in step.items if i.seq.prompt_logprobs is not None)
             handoff = self.handoff.choose([len(w.token_ids) for w in seqs], head_rows)
             self.handoff_steps += bool(handoff)
         return Schedule(step_id, seqs, forget, num_steps=step.num_steps, mlp_handoff=handoff)

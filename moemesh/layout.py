@@ -163,8 +163,8 @@ class MlpHandoff:
 
     A split that evens decode steps (`auto` for a decode-heavy mix) leaves prompt chunks heavier
     on the earlier stages: a prompt token pays every layer, as a decode token does, but not the
-    head on the last stage. Each stage after the first also holds its previous stage's last MLP,
-    so a step can move that MLP's work across the boundary. For each step this estimates every
+    head on the last stage. A stage after the first can also hold its previous stage's last MLP,
+    so that a step can move that MLP's work across the boundary. For each step this estimates every
     stage's cost (`decode_costs`: per token, each layer for every token, the head for each row it
     computes logits of) and, boundary by boundary from the first, hands the MLP over where that
     lowers the larger of the two stages' costs. Steps of decodes alone are never handed off: their
@@ -189,7 +189,7 @@ class MlpHandoff:
     @classmethod
     def for_layout(cls, model: ModelConfig, stages: list[range]) -> "MlpHandoff | None":
         """The hand-off of a pipeline of these stages, or None where no step could hand anything off
-        (one stage; stages that each cost no more than the next)."""
+        (one stage; no stage heavier than the next by more than its last MLP)."""
         if len(stages) < 2:
             return None
         handoff = cls(model, stages)

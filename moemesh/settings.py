@@ -379,10 +379,9 @@ class LayoutSettings(Settings):
               "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
-    no_mlp_handoff: bool = flag(False, "with --pp: do not have each stage after the first also hold the MLP of "
-                                       "the layer before its own (the MLP hand-off: steps with prompt chunks run "
-                                       "it there where that evens the stages; it costs one MLP's weights on each "
-                                       "of those stages)")
+    no_mlp_handoff: bool = flag(False, "with --pp: no MLP hand-off (by default a stage after a heavier one also "
+                                       "holds that stage's last MLP and runs it for steps with prompt chunks where "
+                                       "that evens the stages, at the cost of one MLP's weights on it)")
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,19 @@ def test_the_engine_hands_off_on_its_own_and_counts_it(models):
     assert watch.spans(1).count([2]) == engine.core.handoff_steps
 
 
+def test_the_engine_counts_prompt_logprob_rows_as_the_last_stage_does(models):
+    """The cost the coordinator weighs a step by takes the rows the last stage computes logits of:
+    each sampled row, and the prompt positions of a chunk whose prompt logprobs are wanted."""
+    engine = _engine(models["mixtral"], layer_partition=(3, 1))
+    asked, choose = [], engine.core.handoff.choose
+    engine.core.handoff.choose = lambda q, rows: (asked.append((list(q), rows)), choose(q, rows))[1]
+    prompt = list(range(40, 60))  # 20 tokens: chunks of 16 and 4
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1))
+    # the first chunk: positions 0-15 predict tokens 1-16; the second: 16-18 (19 predicts no prompt
+    # token) and it samples; the decode after it samples one row
+    assert asked == [([16], 16), ([4], 4), ([1], 1)]
+
+
 def test_an_even_split_holds_no_second_mlp(models):
     engine = _engine(models["mixtral"], layer_partition=(2, 2))
     assert engine.core.handoff is None

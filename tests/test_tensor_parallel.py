@@ -56,7 +56,8 @@ def test_expert_parallel_parity_with_transformers(tmp_path, arch):
 
 
 def test_expert_parallel_stages_hand_whole_experts_over(tmp_path):
-    """The last stage's copy of the first stage's last MoE holds the same experts per rank."""
+    """The last stage's copy of the first stage's last MoE, split by experts over its ranks as the
+    first stage splits it: the tokens stay transformers'."""
     hf = build_hf_model("qwen2_moe", tmp_path)
     assert run_layout(tmp_path, tp=2, pp=2, expert_parallel=True, layer_partition=(3, 1)) == \
         [hf_greedy(hf, p, NEW) for p in PROMPTS]
