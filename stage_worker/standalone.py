@@ -137,8 +137,8 @@ def _timed_run(executor: StageExecutor, sched: Schedule, stream):
     model = executor.runner.model
     per_layer: dict[str, float] = {}
     originals = {}
-    timed_layers = {**model.model.layers, **{f"{i} (MLP)": m for i, m in model.model.handoff.items()}} \
-        if model.handoff_layer is not None else dict(model.model.layers)
+    handed = getattr(model.model, "handoff", {})  # (models/base.py: the MLP hand-off)
+    timed_layers = {**model.model.layers, **{f"{i} (MLP)": m for i, m in handed.items()}}
     for name, layer in timed_layers.items():
         originals[name] = layer.forward
 
