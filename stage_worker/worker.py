@@ -7,8 +7,10 @@
 
 All sockets live on one asyncio event loop; the forward pass runs on a dedicated compute thread.
 So while step k computes, the loop keeps receiving schedules and activations and heartbeating,
-and the moment step k's activations are handed to ZeroMQ (zero-copy; its I/O thread sends them)
-the compute thread starts step k + 1.
+and the moment step k's activations are handed to ZeroMQ (its I/O thread sends them) the compute
+thread starts step k + 1. Activations below COPY_BELOW bytes (a decode step's, for most models) are
+copied into the message: pyzmq's zero-copy send has a thread of its own release each buffer once
+sent, a wake-up and a turn at the GIL per step that costs more than the copy.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 
 log = get_logger("stage_worker")
 
+COPY_BELOW = 4 << 20  # activations of fewer bytes are copied into their message, larger ones sent zero-copy
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
 
 
@@ -303,6 +306,7 @@ class StageWorker:
         if self.push is not None:
             self.push.close(linger=0)  # whatever it still held was for the lost worker
         self.push = self.ctx.socket(zmq.PUSH)
+        self.push.copy_threshold = COPY_BELOW  # (pyzmq copies a copy=False frame below it)
         self.push.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.push)
         self.guard.connect(self.push, "worker")
