@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,8 @@ class _Lib:
                                            i32]
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
-        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, i32, ptr, i32]
+        lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i32, i64, ptr, i64, ptr, ctypes.c_float, ptr, i32, ptr,
+                                           i32]
         lib.mm_screened_argmax.restype = None
         lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
                                          i32, ptr, i64, i64, ptr, i32, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64,
@@ -493,20 +495,51 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
     return out
 
 
-def screen_pays(lib: _Lib | None, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether an lm_head of `dtype` samples greedy tokens cheaper through `ScreenedHead` here. A float32
-    head's bfloat16 copy: where the kernels multiply bfloat16 with AVX512-BF16 (1.6x a 64-row head on
-    Zen 4, docs/benchmarks.md); elsewhere a bfloat16 product of many rows widens its weights and gains
-    little. A bfloat16 head's int8 copy, read only for up to FEW_ROWS rows, where a product is bound
-    by reading its weights: half the bytes, wherever the kernels are built."""
-    if lib is None:
-        return False
-    return lib.bf16_pairs if dtype == torch.float32 else dtype == torch.bfloat16
+SCREEN_PRODUCTS = ("native", "onednn", "int8")
+
+
+def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> str | None:
+    """How `ScreenedHead` should multiply this packed lm_head's copy here, or None where the full
+    product samples greedy tokens fastest (no screen). A bfloat16 head: its int8 copy ("int8"), read
+    only for up to FEW_ROWS rows where a product is bound by reading its weights: half the bytes,
+    wherever the kernels are built. A float32 head: its bfloat16 copy, through these kernels
+    ("native": vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or through
+    torch's matmul ("onednn": AMX tiles on a CPU that has them, 3-4x the full product on a Xeon whose
+    vdpbf16ps runs at half the rate of its float32 FMAs, where "native" loses to the full product:
+    docs/benchmarks.md), whichever samples 64 rows fastest, timed on a slice of the head (about 4M
+    weights: a few milliseconds)."""
+    if lib is None or head.scale is not None or head.data.dim() != 3:
+        return None
+    if head.data.dtype == torch.bfloat16:
+        return "int8"
+    if head.data.dtype != torch.float32:
+        return None
+    NR, K = head.data.shape[-1], head.k
+    panels = min(head.data.shape[0], max(1, (1 << 22) // (NR * K)))
+    part = PackedWeight(head.data[:panels], None, min(head.n, panels * NR), K)
+    cols = min(vocab, part.n)
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(0))
+    x *= 1 / x.norm(dim=1, keepdim=True)  # (a final norm's rows: their scale does not matter to the timing)
+    ways = {None: lambda: argmax_rows(gemm(x, part, lib)[:, :cols], lib)}
+    for product in ("native", "onednn"):
+        ways[product] = functools.partial(ScreenedHead(part, cols, lib, product).tokens, x)
+    best, best_time = None, float("inf")
+    for product, run in ways.items():
+        run()  # (warm: the first call pays for its buffers)
+        took = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            run()
+            took = min(took, time.perf_counter() - t)
+        if took < best_time:
+            best, best_time = product, took
+    return best
 
 
 class ScreenedHead:
-    """Greedy tokens from an lm_head at about half its cost, exactly: the logits of a copy of the head
-    in half the bytes (a float32 head's in bfloat16, read with vdpbf16ps on a CPU with AVX512-BF16; a
+    """Greedy tokens from an lm_head at a fraction of its cost, exactly: the logits of a copy of the
+    head in half the bytes (a float32 head's in bfloat16, multiplied by these kernels, with vdpbf16ps
+    on a CPU with AVX512-BF16, or by torch's matmul: `product`, which `screen_product` times; a
     bfloat16 head's in int8, with a scale per column, for up to `max_rows` rows), a bound on how far
     each can be from the head's logit, and the float32 logits of only the few columns whose interval
     reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum of those
@@ -526,21 +559,30 @@ class ScreenedHead:
     that computes the head's logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
     (u + g (1 + u)) |w'| + g |w|. The int8 copy's product reads x as it is (u = 0: a bfloat16 head
     widens its weights for up to FEW_ROWS rows, and so does int8) and multiplies its sum by the
-    column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. Computed in float64
+    column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. Torch's product
+    ("onednn") writes its float32 sums rounded to bfloat16: one more error of at most 2u times the
+    sum (2u: rounded to nearest or cut), |x'.w'| (1 + g) <= |x| (1 + u) (1 + g) |w'|, so its radius has
+    2u (1 + u) (1 + g) |w'| more. Computed in float64
     and widened by 2^-10 (which also covers the float32 arithmetic of the comparisons, each within
     2^-23 of values at most 2^9 radii). It assumes nothing overflows: rows with |x| times the largest
     column norm at or above 2^126 take the full product. Denormals that the bfloat16 instructions flush
     (activations and products below 2^-126) move a logit by under 2^-126 sqrt(K) times the column's
     norm: the comparisons allow 1e-30."""
 
-    def __init__(self, head: PackedWeight, vocab: int, lib: _Lib):
+    def __init__(self, head: PackedWeight, vocab: int, lib: _Lib, product: str | None = None):
         assert head.data.dtype in (torch.float32, torch.bfloat16) and head.scale is None and 0 < vocab <= head.n
         assert head.data.dim() == 3
-        self.head, self.vocab, self.lib = head, vocab, lib
+        if product is None:
+            product = "native" if head.data.dtype == torch.float32 else "int8"
+        assert product == "int8" if head.data.dtype == torch.bfloat16 else product in ("native", "onednn"), product
+        self.head, self.vocab, self.lib, self.product = head, vocab, lib, product
         K, NR = head.k, head.data.shape[-1]
         step = _panels_per_slice(head)
         g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
-        if head.data.dtype == torch.float32:
+        self.copy: PackedWeight | None = None  # the copy these kernels read ("native", "int8")
+        self.copy_t: torch.Tensor | None = None  # [K, vocab] bfloat16, the copy torch's matmul reads ("onednn")
+        rounded_out = 0.0
+        if product == "native":
             # the copy, panel for panel (every column of the head, as the full product has them:
             # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's. Filled a
             # slice of panels at a time: no whole-head temporaries beside it
@@ -552,6 +594,14 @@ class ScreenedHead:
             self.copy = PackedWeight(data, None, head.n, head.k, pairs=lib.bf16_pairs)
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
+        elif product == "onednn":
+            self.copy_t = empty_huge((K, vocab), torch.bfloat16)
+            for p in range(0, -(-vocab // NR), step):
+                w = _columns(head, p, step, vocab)
+                self.copy_t[:, p * NR:p * NR + len(w)] = w.t().to(torch.bfloat16)
+            self.max_rows = None
+            u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
+            rounded_out = 2 * u * (1 + u) * (1 + g)
         else:
             # (a bfloat16 head's product of more rows rounds x to bfloat16 and pairs it: not this copy's)
             self.copy = _int8_copy(head)
@@ -560,9 +610,11 @@ class ScreenedHead:
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for p in range(0, -(-vocab // NR), step):
             w = _columns(head, p, step, vocab)
-            copy = _columns(self.copy, p, step, vocab)
+            copy = _columns(self.copy, p, step, vocab) if self.copy is not None else \
+                self.copy_t[:, p * NR:p * NR + len(w)].t().double()
             norm, copy_norm = w.norm(dim=1), copy.norm(dim=1)
-            radius[p * NR:p * NR + len(w)] = (w - copy).norm(dim=1) + (u + g_copy) * copy_norm + g * norm
+            radius[p * NR:p * NR + len(w)] = (w - copy).norm(dim=1) + (u + g_copy + rounded_out) * copy_norm \
+                + g * norm
             wn_max = torch.maximum(wn_max, torch.maximum(norm.max(), copy_norm.max()))  # (NaN stays NaN)
         self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
         # NaN or inf where a weight is: mm_screened_argmax's guard then decides no row here
@@ -571,6 +623,13 @@ class ScreenedHead:
     def screens(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through the copy (else the full product)."""
         return self.max_rows is None or rows <= self.max_rows
+
+    def approx(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] float32 -> the copy's logits [R, >= vocab]: float32 from these kernels, bfloat16
+        from torch's matmul."""
+        if self.copy_t is not None:
+            return torch.mm(x.to(torch.bfloat16), self.copy_t)
+        return gemm(x, self.copy, self.lib)
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""
@@ -581,11 +640,11 @@ class ScreenedHead:
             return out
         if not self.screens(x.shape[0]):
             return argmax_rows(gemm(x, self.head, self.lib)[:, :self.vocab], self.lib)
-        approx = gemm(x, self.copy, self.lib)
-        self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
-                                        x.data_ptr(), x.stride(0), self.radius.data_ptr(), self.wn_max,
-                                        self.head.data.data_ptr(), self.head.weight_type, out.data_ptr(),
-                                        torch.get_num_threads())
+        approx = self.approx(x)
+        self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(),
+                                        WEIGHT_TYPES[approx.dtype], approx.stride(0), x.data_ptr(), x.stride(0),
+                                        self.radius.data_ptr(), self.wn_max, self.head.data.data_ptr(),
+                                        self.head.weight_type, out.data_ptr(), torch.get_num_threads())
         full = (out < 0).nonzero().flatten()
         if len(full):
             out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)
@@ -641,8 +700,8 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
         assert t.dtype == torch.int64 and t.is_contiguous()
     assert positions.shape == (S,) and block_table.dim() == 2 and block_table.shape[0] == S
     check_layout(head, lib)
-    if screen is not None and not screen.screens(S):
-        screen = None
+    if screen is not None and (not screen.screens(S) or screen.copy is None):
+        screen = None  # (torch's product of the copy cannot run inside the native burst: the full head does)
     if screen is not None:
         assert screen.head is head and screen.vocab == vocab
         check_layout(screen.copy, lib)

@@ -254,11 +254,12 @@ def test_decode_attention_over_many_blocks_with_a_rising_maximum(kv_dtype, D):
     got = cpu_gemm.decode_attention(q, k_cache, v_cache, tables, kv_len, 2 * D ** -0.5, lib)
     for s in range(5):
         L = int(kv_len[s])
-        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
-        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].float()
-        want = F.scaled_dot_product_attention(q[s].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1),
-                                              scale=2 * D ** -0.5, enable_gqa=True).squeeze(1)
-        torch.testing.assert_close(got[s], want, rtol=1e-5, atol=1e-5)
+        keys = k_cache[tables[s]].reshape(-1, kvh, D)[:L].double()
+        values = v_cache[tables[s]].reshape(-1, kvh, D)[:L].double()
+        # (against float64: SDPA's float32 errs here by as much as the kernel does, and the two add up)
+        want = F.scaled_dot_product_attention(q[s].unsqueeze(1).double(), keys.transpose(0, 1),
+                                              values.transpose(0, 1), scale=2 * D ** -0.5, enable_gqa=True).squeeze(1)
+        torch.testing.assert_close(got[s].double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -618,16 +619,18 @@ def _screen_case(V: int, K: int, seed: int, dtype=torch.float32) -> tuple[cpu_ge
     return cpu_gemm.pack(w, lib.panel_width, dtype), w
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, product", [(torch.float32, "native"), (torch.float32, "onednn"),
+                                            (torch.bfloat16, "int8")])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
 @pytest.mark.parametrize("seed", range(3))
-def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype):
-    """A float32 head through its bfloat16 copy, a bfloat16 head through its int8 copy (up to three
-    rows; more go to the full product): the token is the full product's first maximum, and the bound
-    holds for every column of every row the copy decides."""
+def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype, product):
+    """A float32 head through its bfloat16 copy (multiplied by these kernels or by torch's matmul, whose
+    bfloat16 sums the bound also covers), a bfloat16 head through its int8 copy (up to three rows; more
+    go to the full product): the token is the full product's first maximum, and the bound holds for
+    every column of every row the copy decides."""
     V, K = 1003, 96
     packed, w = _screen_case(V, K, seed, dtype)
-    screen = cpu_gemm.ScreenedHead(packed, V, lib)
+    screen = cpu_gemm.ScreenedHead(packed, V, lib, product)
     g = torch.Generator().manual_seed(100 + seed)
     x = torch.randn(rows, K, generator=g) * torch.rand(rows, 1, generator=g) * 40
     # rows that lean on the hard columns: the tie, the near-equal columns, large and tiny scales
@@ -641,7 +644,8 @@ def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype):
         return
     assert (_screened(screen, x) >= 0).all()  # every row decided by the screen, none by the full product
     # the bound the screen rests on holds for every column of every row
-    approx = cpu_gemm.gemm(x, screen.copy, lib)[:, :V]
+    approx = screen.approx(x)[:, :V].float()
+    assert approx.dtype == torch.float32 and (screen.copy_t is None) == (product != "onednn")
     assert ((approx - exact).abs() <= x.double().norm(dim=1, keepdim=True).float() * screen.radius).all()
 
 
@@ -668,8 +672,9 @@ def test_a_bfloat16_heads_screen_recomputes_candidates_from_the_columns_it_names
 def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
     """mm_screened_argmax alone: each row's token, or -1 where it leaves the row to the full product."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    approx = cpu_gemm.gemm(x, screen.copy, lib)
-    lib.lib.mm_screened_argmax(x.shape[0], screen.vocab, x.shape[1], approx.data_ptr(), approx.stride(0),
+    approx = screen.approx(x)
+    lib.lib.mm_screened_argmax(x.shape[0], screen.vocab, x.shape[1], approx.data_ptr(),
+                               cpu_gemm.WEIGHT_TYPES[approx.dtype], approx.stride(0),
                                x.data_ptr(), x.stride(0), screen.radius.data_ptr(), screen.wn_max,
                                screen.head.data.data_ptr(), screen.head.weight_type, out.data_ptr(), 1)
     return out
@@ -769,12 +774,16 @@ def test_screened_head_is_built_only_for_a_float32_or_bfloat16_head_where_it_pay
 
     head = ParallelLMHead(100, 32, TPGroup())
     head.weight.data.normal_()
-    for dtype, pays, built in ((torch.float32, True, True), (torch.float32, False, False),
-                               (torch.bfloat16, True, True), (torch.bfloat16, False, False), (torch.int8, True, False)):
-        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None, pays=pays: pays)
+    # what screen_product times: the fastest way here for a float32 head, the int8 copy for a bfloat16 one
+    for dtype, want in ((torch.float32, {None, "native", "onednn"}), (torch.bfloat16, {"int8"}), (torch.int8, {None})):
+        assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, lib) in want
+        assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, None) is None
+    for dtype, product in ((torch.float32, "native"), (torch.float32, "onednn"), (torch.float32, None),
+                           (torch.bfloat16, "int8"), (torch.bfloat16, None)):
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib, product=product: product)
         head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)
         head.screen_packed()
-        assert (head.screen is not None) == built, (dtype, pays)
+        assert (head.screen is None if product is None else head.screen.product == product), (dtype, product)
     head.packed = None
     head.screen_packed()
     assert head.screen is None

@@ -74,7 +74,7 @@ def test_prefill_logits_match(reference):
 
 
 @pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step", "full-head", "screened-head",
-                                    "screened-multi-step"])
+                                    "screened-head-onednn", "screened-multi-step"])
 def test_greedy_matches_transformers(reference, layout, monkeypatch):
     cfg = {
         "default": dict(block_size=16, num_kv_blocks=64),
@@ -82,9 +82,11 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
         "multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),  # decodes in bursts of 5
         # greedy tokens from every float32 logit, or through the lm_head's screen (kernels/cpu_gemm.py
-        # ScreenedHead), whichever this CPU would pick
+        # ScreenedHead: its copy multiplied by these kernels or by torch's matmul), whichever this CPU
+        # would pick
         "full-head": dict(block_size=16, num_kv_blocks=64),
         "screened-head": dict(block_size=16, num_kv_blocks=64),
+        "screened-head-onednn": dict(block_size=16, num_kv_blocks=64),
         "screened-multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),
     }[layout]
     screened = layout.startswith("screened")
@@ -93,7 +95,8 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
 
         if cpu_gemm.native() is None:
             pytest.skip("no C compiler: the native kernels cannot be built here")
-        monkeypatch.setattr(cpu_gemm, "screen_pays", lambda lib, dtype=None: screened)
+        product = ("onednn" if layout.endswith("onednn") else "native") if screened else None
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: product)
         calls, tokens = [], cpu_gemm.ScreenedHead.tokens
         monkeypatch.setattr(cpu_gemm.ScreenedHead, "tokens", lambda self, x: calls.append(len(x)) or tokens(self, x))
     engine = LLMEngine(EngineSettings(model=str(reference.path), **cfg), progress=False)

@@ -1415,8 +1415,9 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
 }
 
 /* Greedy sampling through a screened head (a float32 lm_head with a bfloat16 copy, or a bfloat16 one
- * with an int8 copy; kernels/cpu_gemm.py `ScreenedHead` derives the bound). approx [R, n] (rows lda
- * apart): row r's logits from the copy, each within xn_r * radius[j] of the head's logit (xn_r = |x_r|,
+ * with an int8 copy; kernels/cpu_gemm.py `ScreenedHead` derives the bound). approx [R, n] of type at
+ * (float32, or bfloat16 where torch's matmul multiplied the copy; rows lda elements apart): row r's
+ * logits from the copy, each within xn_r * radius[j] of the head's logit (xn_r = |x_r|,
  * the row's Euclidean norm). A row's candidates are the j whose interval reaches the largest lower end
  * of any: no other j can hold the maximum. Their logits are recomputed in float32 from x [R, K] (rows
  * ldx apart) and the packed head w of type wt (float32, or bfloat16 widened), and out[r] is the first
@@ -1446,13 +1447,14 @@ INLINE float vmax_lanes(vf v) {
     return m;
 }
 
-void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, int64_t lda, const float *x,
+void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const void *approx, int at, int64_t lda, const float *x,
                         int64_t ldx, const float *radius, float wn_max, const void *w, int wt, int64_t *out,
                         int nthreads) {
     const int es = elem_size(wt);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
-        const float *a = approx + r * lda, *xr = x + r * ldx;
+        const void *a = (const char *)approx + r * lda * elem_size(at);
+        const float *xr = x + r * ldx;
         double ss = 0.0;
         for (int64_t k = 0; k < K; k++) ss += (double)xr[k] * xr[k];
         const float xn = (float)__builtin_sqrt(ss) * (1.0f + 0x1p-20f);
@@ -1477,11 +1479,11 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const float *approx, in
             const int64_t len = n - i < VW ? n - i : VW;
             vf v, e;
             if (len == VW) {
-                v = load_f(a + i);
+                v = load_w(a, i, at);
                 e = xv * load_f(radius + i);
             } else { /* the tail: lanes past n repeat column n - 1 (never a second hit: not above) */
                 for (int j = 0; j < VW; j++) {
-                    v[j] = a[i + (j < len ? j : len - 1)];
+                    v[j] = load_w1(a, i + (j < len ? j : len - 1), at);
                     e[j] = xn * radius[i + (j < len ? j : len - 1)];
                 }
             }
@@ -1594,8 +1596,8 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
                 rc = -1;
                 goto done;
             }
-            mm_screened_argmax(S, vocab, H, logits, head_n, normed, H, radius, screen_wn_max, head, ht, sampled,
-                               nthreads);
+            mm_screened_argmax(S, vocab, H, logits, W_F32, head_n, normed, H, radius, screen_wn_max, head, ht,
+                               sampled, nthreads);
             int64_t left = 0; /* the undecided rows, gathered into `summed` (free until the next step) */
             for (int64_t i = 0; i < S; i++)
                 if (sampled[i] < 0) memcpy(summed + left++ * H, normed + i * H, sizeof(float) * H);

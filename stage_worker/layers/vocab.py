@@ -56,10 +56,11 @@ class ParallelLMHead(VocabParallel):
         return self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
 
     def screen_packed(self) -> None:
-        """Builds `screen` where it pays (`cpu_gemm.screen_pays`): a float32 or bfloat16 head packed whole
-        on this rank (one tensor rank); a float32 one on a CPU whose kernels multiply bfloat16 with
-        AVX512-BF16, a bfloat16 one (its int8 copy, for up to three rows) on any."""
+        """Builds `screen` where it pays (`cpu_gemm.screen_product`, timed here): a float32 or bfloat16
+        head packed whole on this rank (one tensor rank); a float32 one through its bfloat16 copy (these
+        kernels' product or torch's), a bfloat16 one through its int8 copy (for up to three rows)."""
         self.screen = None
-        if (self.packed is not None and self.packed.scale is None and self.tp.size == 1
-                and cpu_gemm.screen_pays(cpu_gemm.native(), self.packed.data.dtype)):
-            self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native())
+        if self.packed is not None and self.packed.scale is None and self.tp.size == 1:
+            product = cpu_gemm.screen_product(self.packed, self.vocab_size, cpu_gemm.native())
+            if product is not None:
+                self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native(), product)
