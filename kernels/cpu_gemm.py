@@ -134,6 +134,8 @@ class _Lib:
         lib.mm_read_sum.restype = ctypes.c_float
         lib.mm_bf16_pairs.restype = i32
         lib.mm_torch_tie_order.restype = i32
+        lib.mm_set_prefetch.argtypes = [i32, i32]
+        lib.mm_set_prefetch.restype = None
         self.lib = lib
         self.path = path
         self.simd_width = lib.mm_simd_width()
@@ -237,14 +239,70 @@ build_error: str | None = None  # why native() is None
 @functools.cache
 def native() -> _Lib | None:
     """The compiled kernels, or None (logged once, the reason in build_error) where they cannot be
-    built here."""
+    built here; with this machine's prefetch policy set (`prefetch_policy`)."""
     global build_error
     try:
-        return _Lib(build())
+        lib = _Lib(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         build_error = str(e) or type(e).__name__
         log.warning("native CPU kernels unavailable, using torch's matmul: %s", e)
         return None
+    lib.prefetch = prefetch_policy(lib)
+    lib.lib.mm_set_prefetch(*lib.prefetch)
+    return lib
+
+
+# (non-temporal prefetch of weights read once, rows from which a one-tile product fetches the next
+# panel): the kernels' default first, the others cpu_gemm.c's `mm_set_prefetch` names
+PREFETCH_POLICIES = ((1, 8), (0, 4), (1, 4), (0, 8))
+
+
+def prefetch_policy(lib: _Lib) -> tuple[int, int]:
+    """The prefetch policy under which products of 1, 4, 6 and 8 rows over a 16 MB float32 weight take
+    the least time here (the rows of a decode step's GEMMs and experts; products of more rows do
+    not depend on it), measured once per library and machine and kept beside the library
+    (`<library>.prefetch`). MOEMESH_PREFETCH="NTA,ROWS" sets it instead (e.g. "1,8")."""
+    forced = os.environ.get("MOEMESH_PREFETCH")
+    if forced:
+        try:
+            nta, rows = (int(v) for v in forced.split(","))
+            return nta, rows
+        except ValueError:
+            log.warning("MOEMESH_PREFETCH=%r is not NTA,ROWS (e.g. 1,8): measuring instead", forced)
+    kept = lib.path.with_name(lib.path.name + ".prefetch")
+    try:
+        nta, rows = (int(v) for v in kept.read_text().split(","))
+        return nta, rows
+    except (OSError, ValueError):
+        pass
+    g = torch.Generator().manual_seed(0)
+    w = pack(torch.randn(8192, 512, generator=g), lib.panel_width)
+    x = torch.randn(8, 512, generator=g)
+    y = torch.empty(8, w.n)
+    threads = torch.get_num_threads()
+    took = {}
+    for policy in PREFETCH_POLICIES:
+        lib.lib.mm_set_prefetch(*policy)
+        total = 0.0
+        for rows in (1, 4, 6, 8):
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                lib.lib.mm_gemm(rows, w.n, w.k, x.data_ptr(), x.stride(0), w.data.data_ptr(), w.weight_type, None,
+                                y.data_ptr(), w.n, threads)
+                best = min(best, time.perf_counter() - t)
+            total += best
+        took[policy] = total
+    policy = min(PREFETCH_POLICIES, key=took.get)
+    log.info("CPU kernels' prefetch policy %s (1, 4, 6 and 8 rows: %s)", policy,
+             ", ".join(f"{p}: {t * 1e3:.2f} ms" for p, t in took.items()))
+    try:
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
+        tmp.write_text(f"{policy[0]},{policy[1]}\n")
+        os.replace(tmp, kept)
+    except OSError:
+        pass
+    return policy
 
 
 # -- packing ------------------------------------------------------------------------------------
@@ -498,20 +556,26 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
 SCREEN_PRODUCTS = ("native", "onednn", "int8")
 
 
-def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> str | None:
-    """How `ScreenedHead` should multiply this packed lm_head's copy here, or None where the full
-    product samples greedy tokens fastest (no screen). A bfloat16 head: its int8 copy ("int8"), read
-    only for up to FEW_ROWS rows where a product is bound by reading its weights: half the bytes,
-    wherever the kernels are built. A float32 head: its bfloat16 copy, through these kernels
-    ("native": vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or through
-    torch's matmul ("onednn": AMX tiles on a CPU that has them, 3-4x the full product on a Xeon whose
-    vdpbf16ps runs at half the rate of its float32 FMAs, where "native" loses to the full product:
-    docs/benchmarks.md), whichever samples 64 rows fastest, timed on a slice of the head (about 4M
-    weights: a few milliseconds)."""
+# rows from which torch's product of the copy beats the full float32 head: on a Xeon with AMX, decode
+# at batch 1 ran 0.9x with it, batch 8 1.0x, batch 32 1.09x, batch 64 1.2x (docs/benchmarks.md)
+ONEDNN_MIN_ROWS = 16
+
+
+def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> tuple[str, int] | None:
+    """How `ScreenedHead` should multiply this packed lm_head's copy here, and from how many rows on
+    (fewer take the full product), or None where the full product samples greedy tokens fastest (no
+    screen). A bfloat16 head: its int8 copy ("int8", from one row; it is read only for up to
+    FEW_ROWS rows, where a product is bound by reading its weights: half the bytes, wherever the
+    kernels are built). A float32 head: its bfloat16 copy, through these kernels ("native", from one
+    row: vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or through
+    torch's matmul ("onednn", from ONEDNN_MIN_ROWS rows: AMX tiles on a CPU that has them, 3x the
+    full product at 64 rows on a Xeon whose vdpbf16ps runs at half the rate of its float32 FMAs,
+    where "native" loses to the full product), whichever samples 64 rows fastest, timed on a slice
+    of the head (up to 4M weights: a tenth of a second or so in all)."""
     if lib is None or head.scale is not None or head.data.dim() != 3:
         return None
     if head.data.dtype == torch.bfloat16:
-        return "int8"
+        return "int8", 1
     if head.data.dtype != torch.float32:
         return None
     NR, K = head.data.shape[-1], head.k
@@ -525,15 +589,15 @@ def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> str | No
         ways[product] = functools.partial(ScreenedHead(part, cols, lib, product).tokens, x)
     best, best_time = None, float("inf")
     for product, run in ways.items():
-        run()  # (warm: the first call pays for its buffers)
+        run()  # (warm: the first call pays for its buffers, torch's for its kernel)
         took = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             t = time.perf_counter()
             run()
             took = min(took, time.perf_counter() - t)
         if took < best_time:
             best, best_time = product, took
-    return best
+    return None if best is None else (best, ONEDNN_MIN_ROWS if best == "onednn" else 1)
 
 
 class ScreenedHead:
@@ -569,13 +633,13 @@ class ScreenedHead:
     (activations and products below 2^-126) move a logit by under 2^-126 sqrt(K) times the column's
     norm: the comparisons allow 1e-30."""
 
-    def __init__(self, head: PackedWeight, vocab: int, lib: _Lib, product: str | None = None):
+    def __init__(self, head: PackedWeight, vocab: int, lib: _Lib, product: str | None = None, min_rows: int = 1):
         assert head.data.dtype in (torch.float32, torch.bfloat16) and head.scale is None and 0 < vocab <= head.n
         assert head.data.dim() == 3
         if product is None:
             product = "native" if head.data.dtype == torch.float32 else "int8"
         assert product == "int8" if head.data.dtype == torch.bfloat16 else product in ("native", "onednn"), product
-        self.head, self.vocab, self.lib, self.product = head, vocab, lib, product
+        self.head, self.vocab, self.lib, self.product, self.min_rows = head, vocab, lib, product, min_rows
         K, NR = head.k, head.data.shape[-1]
         step = _panels_per_slice(head)
         g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
@@ -622,7 +686,7 @@ class ScreenedHead:
 
     def screens(self, rows: int) -> bool:
         """Whether a product of `rows` rows goes through the copy (else the full product)."""
-        return self.max_rows is None or rows <= self.max_rows
+        return self.min_rows <= rows and (self.max_rows is None or rows <= self.max_rows)
 
     def approx(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 -> the copy's logits [R, >= vocab]: float32 from these kernels, bfloat16

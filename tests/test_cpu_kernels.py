@@ -40,6 +40,39 @@ def test_pack_round_trips():
     assert ((q.unpack() - w).abs() <= step / 2 + 1e-7).all()
 
 
+def test_every_prefetch_policy_gives_the_same_bits(monkeypatch):
+    """The prefetch policy (`prefetch_policy`, timed once per machine) moves when weights reach the
+    caches, never what is computed: products of every row count up to two tiles, and the experts,
+    are bit for bit the same under each. MOEMESH_PREFETCH sets it by hand; a kept choice is read back."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * lib.panel_width + 5, 300, generator=g)
+    x = torch.randn(2 * lib.tile_rows + 1, 300, generator=g)
+    E, H, I = 4, 64, 96
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    xm = torch.randn(9, H, generator=g)
+    ids = torch.randint(0, E, (9, 2), generator=g)
+    weights = torch.rand(9, 2, generator=g)
+    runs = []
+    try:
+        for policy in cpu_gemm.PREFETCH_POLICIES:
+            lib.lib.mm_set_prefetch(*policy)
+            out = []
+            for wt in WEIGHT_TYPES:
+                p = cpu_gemm.pack(w, lib.panel_width, wt)
+                out += [cpu_gemm.gemm(x[:m], p, lib) for m in range(1, len(x) + 1)]
+                out.append(cpu_gemm.fused_moe(xm, cpu_gemm.pack(w13, lib.panel_width, wt),
+                                              cpu_gemm.pack(w2, lib.panel_width, wt), weights, ids, 0, lib))
+            runs.append(out)
+    finally:
+        lib.lib.mm_set_prefetch(*lib.prefetch)
+    for out in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out, runs[0]))
+    monkeypatch.setenv("MOEMESH_PREFETCH", "0,5")
+    assert cpu_gemm.prefetch_policy(lib) == (0, 5)
+    monkeypatch.delenv("MOEMESH_PREFETCH")
+    assert cpu_gemm.prefetch_policy(lib) in cpu_gemm.PREFETCH_POLICIES  # (measured, or kept beside the library)
+
+
 @pytest.mark.parametrize("wt", WEIGHT_TYPES, ids=str)
 @pytest.mark.parametrize("seed", range(6))
 def test_gemm_matches_torch(wt, seed):
@@ -776,14 +809,20 @@ def test_screened_head_is_built_only_for_a_float32_or_bfloat16_head_where_it_pay
     head.weight.data.normal_()
     # what screen_product times: the fastest way here for a float32 head, the int8 copy for a bfloat16 one
     for dtype, want in ((torch.float32, {None, "native", "onednn"}), (torch.bfloat16, {"int8"}), (torch.int8, {None})):
-        assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, lib) in want
+        choice = cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, lib)
+        assert (choice and choice[0]) in want and (choice is None or choice[1] in (1, 8, 64)), (dtype, choice)
         assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, None) is None
-    for dtype, product in ((torch.float32, "native"), (torch.float32, "onednn"), (torch.float32, None),
-                           (torch.bfloat16, "int8"), (torch.bfloat16, None)):
-        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib, product=product: product)
+    for dtype, choice in ((torch.float32, ("native", 1)), (torch.float32, ("onednn", 8)), (torch.float32, None),
+                          (torch.bfloat16, ("int8", 1)), (torch.bfloat16, None)):
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib, choice=choice: choice)
         head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)
         head.screen_packed()
-        assert (head.screen is None if product is None else head.screen.product == product), (dtype, product)
+        assert head.screen is None if choice is None else (head.screen.product, head.screen.min_rows) == choice
+    # fewer rows than the choice's take the full product, and give its tokens
+    screen = cpu_gemm.ScreenedHead(cpu_gemm.pack(head.weight.data, lib.panel_width), 100, lib, "onednn", 8)
+    assert not screen.screens(7) and screen.screens(8) and screen.screens(500)
+    x = torch.randn(7, 32)
+    assert torch.equal(screen.tokens(x), cpu_gemm.gemm(x, screen.head, lib)[:, :100].max(dim=-1).indices)
     head.packed = None
     head.screen_packed()
     assert head.screen is None

@@ -270,7 +270,7 @@ def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(mod
     params = [SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)] * len(PROMPTS)
 
     def run(screened: bool, cut: float | None = None):
-        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: "native" if screened else None)
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: ("native", 1) if screened else None)
         eng = engine(model_dir, 5)
         model = eng.stages[0].runner.model
         model.model.norm.weight.data.copy_(torch.linspace(0.2, 3.0, model.config.hidden_size))  # (the burst's too)
@@ -309,7 +309,7 @@ def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, mon
 
     def run(screened: bool):
         monkeypatch.setattr(cpu_gemm, "screen_product",
-                            lambda head, vocab, lib: "int8" if screened and head.data.dtype == torch.bfloat16 else None)
+                            lambda head, vocab, lib: ("int8", 1) if screened and head.data.dtype == torch.bfloat16 else None)
         eng = engine(model_dir, num_steps, dtype="bfloat16")
         model = eng.stages[0].runner.model
         assert model.can_screen == screened
@@ -336,7 +336,7 @@ def test_a_bfloat16_models_screened_tokens_are_its_rounded_logits_first_maximum(
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
     monkeypatch.setattr(cpu_gemm, "screen_product",
-                        lambda head, vocab, lib: "int8" if head.data.dtype == torch.bfloat16 else None)
+                        lambda head, vocab, lib: ("int8", 1) if head.data.dtype == torch.bfloat16 else None)
     model = engine(model_dir, 1, dtype="bfloat16").stages[0].runner.model
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(0)

@@ -181,6 +181,18 @@ static uint32_t *pair_rows(int64_t M, int64_t K, const float *const *rows) {
  * faster than the hardware prefetchers alone, and a decode step's weights, which no later call
  * reads again before they are evicted, no longer push its activations and the interpreter's
  * working set out of L2 and L3. Not for panels that several row tiles reuse. */
+/* The prefetch policy (`mm_set_prefetch`, chosen by timing when kernels/cpu_gemm.py loads this
+ * library): whether weights read once are prefetched PF_DIST ahead as above (pf_nta), and from how
+ * many rows a one-tile product also fetches the next panel into L2 (pf_next_rows, `prefetch_next`).
+ * On Zen 3 and Zen 4 both paid (1, 8); on a Xeon with a 480 MB L3 the non-temporal prefetches
+ * made products of 1-7 rows 1.5-4x slower, and (0, 4) was the fastest at every row count. */
+static int pf_nta = 1, pf_next_rows = 8;
+
+void mm_set_prefetch(int nta, int next_rows) {
+    pf_nta = nta;
+    pf_next_rows = next_rows;
+}
+
 INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
     const int es = elem_size(wt);
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch((const char *)w + k * NR * es + PF_DIST + l, 0, 0);
@@ -194,9 +206,9 @@ INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
  * prefetched, and decode attention that fetches ahead"). A panel that one tile of 8-12 rows reads
  * once gains too: its own lines, fetched a short distance ahead (`prefetch_nta`), kept it waiting
  * on memory at 7-12 GB/s; with the next panel on its way into L2 as well, 1.1-1.5x (docs/
- * benchmarks.md, "The next panel for one-tile products"). One tile of 4-7 rows is left out (it
- * measured 0.87-1.33x on one thread, 0.93-0.98x on two), and the few-row streams (`tile_np`) do
- * not fetch the next panel. */
+ * benchmarks.md, "The next panel for one-tile products"). One tile of 4-7 rows is left out there
+ * (it measured 0.87-1.33x on one thread, 0.93-0.98x on two on Zen 4; `pf_next_rows` above), and
+ * the few-row streams (`tile_np`) do not fetch the next panel. */
 INLINE void prefetch_next(const char *next, int64_t k, const int es) {
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch(next + k * NR * es + l, 0, 2);
 }
@@ -253,7 +265,7 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
         /* few rows: two independent accumulator sets (even and odd k) hide the FMA latency */
         for (; k + 1 < kc; k += 2) {
 #if PF_DIST
-            if (once) {
+            if (once && pf_nta) {
                 prefetch_nta(w, k, wt);
                 prefetch_nta(w, k + 1, wt);
             }
@@ -271,7 +283,7 @@ INLINE void tile(const int mr, const int wt, int64_t kc, const float *const *a, 
     }
     for (; k < kc; k++) {
 #if PF_DIST
-        if (once) prefetch_nta(w, k, wt);
+        if (once && pf_nta) prefetch_nta(w, k, wt);
 #endif
         if (next) prefetch_next(next, k, elem_size(wt));
         vf b0 = load_w(w, k * NR, wt), b1 = load_w(w, k * NR + VW, wt);
@@ -304,7 +316,7 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
         for (int i = 0; i < mr; i++) x[i] = splat(a[i][k]);
         for (int j = 0; j < np; j++) {
 #if PF_DIST
-            prefetch_nta(w[j], k, wt);
+            if (pf_nta) prefetch_nta(w[j], k, wt);
 #endif
             const vf b0 = load_w(w[j], k * NR, wt), b1 = load_w(w[j], k * NR + VW, wt);
             for (int i = 0; i < mr; i++) {
@@ -345,7 +357,7 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; k += 2) {
 #if PF_DIST
-        if (once) { /* rows k and k + 1 */
+        if (once && pf_nta) { /* rows k and k + 1 */
             prefetch_nta(w, k, W_BF16);
             prefetch_nta(w, k + 1, W_BF16);
         }
@@ -434,7 +446,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
-            const char *nx = next && r0 == 0 && (rows > MR || rows >= 8) ? next + k0 * NR * es : NULL;
+            const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows) ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];

@@ -61,6 +61,6 @@ class ParallelLMHead(VocabParallel):
         kernels' product or torch's), a bfloat16 one through its int8 copy (for up to three rows)."""
         self.screen = None
         if self.packed is not None and self.packed.scale is None and self.tp.size == 1:
-            product = cpu_gemm.screen_product(self.packed, self.vocab_size, cpu_gemm.native())
-            if product is not None:
-                self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native(), product)
+            choice = cpu_gemm.screen_product(self.packed, self.vocab_size, cpu_gemm.native())
+            if choice is not None:
+                self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native(), *choice)
