@@ -44,8 +44,11 @@ def test_roofline_counts_experts_hit_and_kv_reads(tmp_path):
     b_int8, _ = step_cost(mc, 1, [10], 1, 4)  # int8 weights (1 byte), float32 KV cache (4)
     assert b_int8 == (attn + 4 * 64 + 1 * expert + 384 * 64) + 4 * kv
     # greedy rows through the screened head: its bfloat16 copy read, its products at twice the rate
-    b_s, f_s = step_cost(mc, 1, [10], 4, screened=True)
-    assert b_s == b1 - 2 * 384 * 64 and f_s == f1 - 384 * 64
+    for product in ("native", "onednn"):
+        b_s, f_s = step_cost(mc, 1, [10], 4, screened=product)
+        assert b_s == b1 - 2 * 384 * 64 and f_s == f1 - 384 * 64
+    b_i, f_i = step_cost(mc, 1, [10], 2, screened="int8")  # a bfloat16 head's int8 copy: 1 byte a weight
+    assert b_i == step_cost(mc, 1, [10], 2)[0] - 384 * 64 and f_i == f1
 
 
 @pytest.fixture(scope="module")

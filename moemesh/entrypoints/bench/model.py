@@ -66,16 +66,19 @@ def measure_machine(dtype: torch.dtype) -> dict:
 
 
 def step_cost(mc: ModelConfig, batch: int, context_lens: list[int], bytes_per: float,
-              kv_bytes_per: float | None = None, screened: bool = False) -> tuple[float, float]:
+              kv_bytes_per: float | None = None, screened: str | None = None) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of `batch` sequences with these context lengths; weights
-    of bytes_per bytes each, the KV cache kv_bytes_per (default the same). screened: greedy rows
-    through the lm_head's screen (kernels/cpu_gemm.py ScreenedHead), which reads the head's
-    bfloat16 copy (2 bytes a weight) and multiplies it with vdpbf16ps (twice the multiply-adds of
-    an FMA: its FLOPs count half at the float32 peak)."""
+    of bytes_per bytes each, the KV cache kv_bytes_per (default the same). screened: the product of
+    the lm_head's screen for greedy rows (kernels/cpu_gemm.py ScreenedHead), or None for the full
+    head: "native" reads the head's bfloat16 copy (2 bytes a weight) and multiplies it with
+    vdpbf16ps (twice the multiply-adds of an FMA: its FLOPs count half at the float32 peak);
+    "onednn" reads the same copy through AMX tiles or oneDNN's bfloat16 kernels (FLOPs counted as
+    "native"'s: a roofline that flatters the float32 peak less than it could); "int8" reads a
+    bfloat16 head's int8 copy (1 byte a weight, FLOPs as the full head's)."""
     layers, head = decode_costs(mc)  # multiply-adds of the weights one token uses
     w_flops = sum(layers) + head
-    head_bytes = head * (2 if screened else bytes_per)
-    head_flops = head * (0.5 if screened else 1.0)
+    head_bytes = head * {None: bytes_per, "native": 2, "onednn": 2, "int8": 1}[screened]
+    head_flops = head * (0.5 if screened in ("native", "onednn") else 1.0)
     # bytes: those weights, plus the experts the batch's other tokens pick (each read once)
     E, K = mc.num_experts, mc.top_k
     sparse = sum(mc.is_sparse_layer(i) for i in range(mc.num_layers))
@@ -101,7 +104,7 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
     mc, bytes_per = engine.model_config, weight_bytes_per(engine)
     # the native kernels compute in float32 whatever the weights' type; torch in the model dtype
     peak = machine["matmul_flops" if engine.stages[0].runner.model.backend == "native" else "dtype_matmul_flops"]
-    screened = engine.stages[-1].runner.model.can_screen
+    screen = engine.stages[-1].runner.model.lm_head.screen if engine.stages[-1].runner.model.can_screen else None
     decode_time = roof_time = 0.0
     tokens = 0
     with tqdm(total=len(prompts) * new, desc=f"moemesh batch {len(prompts)}", unit="tok", leave=False) as bar:
@@ -120,8 +123,9 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
                 tokens += made
                 # (a schedule of several decode steps, --num-scheduler-steps: each a step of the roofline)
                 for j in range(made // len(ctx)):
+                    product = screen.product if screen is not None and screen.screens(len(ctx)) else None
                     nbytes, flops = step_cost(mc, len(ctx), [c + j for c in ctx], bytes_per, engine.dtype.itemsize,
-                                              screened)
+                                              product)
                     roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
     assert all(len(s.output_ids) == new for s in seqs)
     return {"tok_per_s": tokens / decode_time, "roofline_tok_per_s": tokens / roof_time}
