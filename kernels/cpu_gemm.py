@@ -571,8 +571,9 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
 SCREEN_PRODUCTS = ("native", "onednn", "int8")
 
 
-# rows from which torch's product of the copy beats the full float32 head: on a Xeon with AMX, decode
-# at batch 1 ran 0.9x with it, batch 8 1.0x, batch 32 1.09x, batch 64 1.2x (docs/benchmarks.md)
+# rows from which torch's product of the copy pays: on a Xeon with AMX, decode with it from one row
+# ran 0.92x the full head at batch 1, 1.0x at batch 8, and 1.09x / 1.20x the native screen at batch
+# 32 / 64 (docs/benchmarks.md, "A Xeon with AMX")
 ONEDNN_MIN_ROWS = 16
 
 
