@@ -264,27 +264,29 @@ def prefetch_policy(lib: _Lib) -> tuple[int, int]:
     (`<library>.prefetch`). MOEMESH_PREFETCH="NTA,ROWS" sets it instead (e.g. "1,8")."""
     forced = os.environ.get("MOEMESH_PREFETCH")
     if forced:
-        try:
-            nta, rows = (int(v) for v in forced.split(","))
-            return nta, rows
-        except ValueError:
-            log.warning("MOEMESH_PREFETCH=%r is not NTA,ROWS (e.g. 1,8): measuring instead", forced)
+        policy = _policy(lambda: forced)
+        if policy:
+            return policy
+        log.warning("MOEMESH_PREFETCH=%r is not NTA,ROWS (e.g. 1,8): measuring instead", forced)
     kept = lib.path.with_name(lib.path.name + ".prefetch")
-    try:
-        nta, rows = (int(v) for v in kept.read_text().split(","))
-        return nta, rows
-    except (OSError, ValueError):
-        pass
+    policy = _policy(kept.read_text)
+    if policy:
+        return policy
     try:  # workers starting at once: one measures (on cores the others leave alone), the rest read it
         with open(lib.path.with_name(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                nta, rows = (int(v) for v in kept.read_text().split(","))
-                return nta, rows
-            except (OSError, ValueError):
-                return _measure_prefetch(lib, kept)
+            return _policy(kept.read_text) or _measure_prefetch(lib, kept)
     except OSError:  # (a cache this user cannot write: measured, not kept)
         return _measure_prefetch(lib, kept)
+
+
+def _policy(read) -> tuple[int, int] | None:
+    """"NTA,ROWS" as `read()` gives it, or None where it cannot be read or parsed."""
+    try:
+        nta, rows = (int(v) for v in read().split(","))
+        return nta, rows
+    except (OSError, ValueError):
+        return None
 
 
 def _measure_prefetch(lib: _Lib, kept: Path) -> tuple[int, int]:
@@ -568,9 +570,6 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
     return out
 
 
-SCREEN_PRODUCTS = ("native", "onednn", "int8")
-
-
 # rows from which torch's product of the copy pays: on a Xeon with AMX, decode with it from one row
 # ran 0.92x the full head at batch 1, 1.0x at batch 8, and 1.09x / 1.20x the native screen at batch
 # 32 / 64 (docs/benchmarks.md, "A Xeon with AMX")
@@ -683,10 +682,7 @@ class ScreenedHead:
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
         elif product == "onednn":
-            self.copy_t = empty_huge((K, vocab), torch.bfloat16)
-            for p in range(0, -(-vocab // NR), step):
-                w = _columns(head, p, step, vocab)
-                self.copy_t[:, p * NR:p * NR + len(w)] = w.t().to(torch.bfloat16)
+            self.copy_t = empty_huge((K, vocab), torch.bfloat16)  # (filled with the radius, below)
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)
             rounded_out = 2 * u * (1 + u) * (1 + g)
@@ -698,8 +694,11 @@ class ScreenedHead:
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for p in range(0, -(-vocab // NR), step):
             w = _columns(head, p, step, vocab)
-            copy = _columns(self.copy, p, step, vocab) if self.copy is not None else \
-                self.copy_t[:, p * NR:p * NR + len(w)].t().double()
+            if self.copy is not None:
+                copy = _columns(self.copy, p, step, vocab)
+            else:
+                self.copy_t[:, p * NR:p * NR + len(w)] = w.t().to(torch.bfloat16)
+                copy = self.copy_t[:, p * NR:p * NR + len(w)].t().double()
             norm, copy_norm = w.norm(dim=1), copy.norm(dim=1)
             radius[p * NR:p * NR + len(w)] = (w - copy).norm(dim=1) + (u + g_copy + rounded_out) * copy_norm \
                 + g * norm

@@ -176,14 +176,10 @@ static uint32_t *pair_rows(int64_t M, int64_t K, const float *const *rows) {
 }
 #endif
 
-/* Weights read once (a product with no more rows than one register tile): row k's panel bytes
- * PF_DIST ahead, prefetched non-temporally. On the machines measured (docs/benchmarks.md) this reads
- * faster than the hardware prefetchers alone, and a decode step's weights, which no later call
- * reads again before they are evicted, no longer push its activations and the interpreter's
- * working set out of L2 and L3. Not for panels that several row tiles reuse. */
 /* The prefetch policy (`mm_set_prefetch`, chosen by timing when kernels/cpu_gemm.py loads this
- * library): whether weights read once are prefetched PF_DIST ahead as above (pf_nta), and from how
- * many rows a one-tile product also fetches the next panel into L2 (pf_next_rows, `prefetch_next`).
+ * library): whether weights read once are prefetched PF_DIST ahead (pf_nta, `prefetch_nta`), and
+ * from how many rows a one-tile product also fetches the next panel into L2 (pf_next_rows,
+ * `prefetch_next`).
  * On Zen 3 and Zen 4 both paid (1, 8); on a Xeon with a 480 MB L3 the non-temporal prefetches
  * made products of 1-7 rows 1.5-4x slower, and (0, 4) was the fastest at every row count. */
 static int pf_nta = 1, pf_next_rows = 8;
@@ -193,6 +189,11 @@ void mm_set_prefetch(int nta, int next_rows) {
     pf_next_rows = next_rows;
 }
 
+/* Weights read once (a product with no more rows than one register tile): row k's panel bytes
+ * PF_DIST ahead, prefetched non-temporally. On the machines measured (docs/benchmarks.md) this reads
+ * faster than the hardware prefetchers alone, and a decode step's weights, which no later call
+ * reads again before they are evicted, no longer push its activations and the interpreter's
+ * working set out of L2 and L3. Not for panels that several row tiles reuse. */
 INLINE void prefetch_nta(const void *w, int64_t k, const int wt) {
     const int es = elem_size(wt);
     for (int l = 0; l < NR * es; l += 64) __builtin_prefetch((const char *)w + k * NR * es + PF_DIST + l, 0, 0);
