@@ -32,10 +32,11 @@ class Layout:
 
 
 def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None, expert_parallel: bool = False,
-                   quantization: str | None = None) -> Layout:
+                   quantization: str | None = None, costs: "StepCosts | None" = None) -> Layout:
     """Flags -> a Layout the model can take, or a ConfigError naming the flag. `partition` is None
     (even split, earlier stages taking the remainder), "auto" or "auto:PROMPT:OUTPUT" (`balanced_partition`
-    for that token mix; 1:1 by default) or layers per stage."""
+    for that token mix, 1:1 by default, of `costs`: measured ones or, by default, the weights') or
+    layers per stage."""
     n = model.num_layers
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
@@ -43,7 +44,7 @@ def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None,
         counts = even_partition(n, pp)
     elif isinstance(partition, str):  # auto[:PROMPT:OUTPUT]
         prompt, output = auto_mix(partition)
-        counts = balanced_partition(model, pp, output / (prompt + output))
+        counts = balanced_partition(model, pp, output / (prompt + output), costs)
     else:
         counts = tuple(partition)
         if len(counts) != pp:
@@ -120,17 +121,46 @@ def mlp_costs(model: ModelConfig) -> list[float]:
     return costs
 
 
-def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0) -> tuple[int, ...]:
+@dataclass(frozen=True)
+class StepCosts:
+    """What a token costs each decoder layer, as a prompt token and as a generated one, and what the
+    head (final norm, lm_head, sampling) costs per row it samples, all in one unit: multiply-adds of
+    the weights used (`of_weights`, `decode_costs`) or seconds measured on this machine
+    (`measured`: stage_worker/costs.py times the stages' own kernels, moemesh/step_costs.py keeps it)."""
+    prompt: tuple[float, ...]
+    decode: tuple[float, ...]
+    head: float
+    measured: bool = False
+
+    @classmethod
+    def of_weights(cls, model: ModelConfig) -> "StepCosts":
+        layers, head = decode_costs(model)
+        return cls(tuple(layers), tuple(layers), head)
+
+    @classmethod
+    def from_measurement(cls, model: ModelConfig, m: dict) -> "StepCosts":
+        """stage_worker/costs.py's seconds per token of each layer kind ("sparse", "dense") and of the head."""
+        kind = lambda i: "sparse" if model.is_sparse_layer(i) else "dense"  # noqa: E731
+        layers = range(model.num_layers)
+        per_layer = lambda part: tuple(float(m[part][kind(i)]) for i in layers)  # noqa: E731
+        return cls(per_layer("prompt"), per_layer("decode"), float(m["head"]), measured=True)
+
+
+def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
+                       costs: StepCosts | None = None) -> tuple[int, ...]:
     """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
-    largest stage's cost per token (`decode_costs`), so that the stages of a pipeline are equally busy.
+    largest stage's cost per token of the workload, so that the stages of a pipeline are equally busy.
     Every token, prompt or generated, goes through every layer; only the tokens sampled after pay
     the head, on the last stage: `sampled_share` of them (output / (prompt + output) tokens of the
     workload: 1 for pure decode). Balancing decode alone overloads the first stages with prefill
-    wherever the head is large beside a layer (docs/benchmarks.md)."""
+    wherever the head is large beside a layer (docs/benchmarks.md). `costs`: each layer's cost as a
+    prompt token and as a generated one, and the head's (default: `StepCosts.of_weights`, where the
+    two are the same)."""
     if not 0 <= sampled_share <= 1:
         raise ValueError(f"sampled_share {sampled_share} is outside [0, 1]")
-    layers, head = decode_costs(model)
-    head *= sampled_share
+    costs = costs or StepCosts.of_weights(model)
+    layers = [(1 - sampled_share) * p + sampled_share * d for p, d in zip(costs.prompt, costs.decode)]
+    head = costs.head * sampled_share
     n = len(layers)
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")

@@ -83,7 +83,8 @@ def test_bench_throughput_prints_layers_and_the_coordinators_cost(tiny, capsys, 
     time by what it waited for."""
     capsys.readouterr()
     assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "4", "--prompt-len", "4",
-                 "--new", "3", "--layer-partition", "auto:4:3", "--no-baseline", "--json",
+                 "--new", "3", "--layer-partition", "auto:4:3", "--partition-costs", "weights", "--no-baseline",
+                 "--json",
                  "--timeline", str(tmp_path / "tl")]) == 0
     out = json_rows(capsys)
     from moemesh.layout import balanced_partition

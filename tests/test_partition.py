@@ -74,3 +74,41 @@ def test_generate_takes_auto(tmp_path, capsys):
                  "--temperature", "0", "--layer-partition", "auto", "--json"]) == 0
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--layer-partition", "best"])
+
+
+def test_measured_costs_price_prompt_and_generated_tokens_apart():
+    """A measured head cheaper than its weights (screened) and layers dearer per generated token than
+    per prompt token: the split follows the measurement, and is still the best one for it."""
+    from moemesh.layout import StepCosts
+
+    model = config()
+    # the bench model's float32 figures on one machine (seconds per token, head per sampled row)
+    costs = StepCosts.from_measurement(model, {"decode": {"sparse": 63.5e-6}, "prompt": {"sparse": 47.7e-6},
+                                               "head": 142e-6})
+    assert costs.measured and costs.decode == (63.5e-6,) * 8 and costs.prompt == (47.7e-6,) * 8
+    assert balanced_partition(model, 2, 1.0) == (6, 2)  # the weights: the head is ~4.3 layers
+    assert balanced_partition(model, 2, 1.0, costs) == (5, 3)  # measured: ~2.2
+    heavy = StepCosts((1.0,) * 8, (1.0,) * 8, 6.0)
+    assert balanced_partition(model, 2, 1.0, heavy) == (7, 1)
+    # prompt tokens priced apart: a share of them moves the split as their own cost says
+    cheap_prompts = StepCosts((0.1,) * 8, (1.0,) * 8, 4.0)
+    assert balanced_partition(model, 2, 0.5, cheap_prompts) == (6, 2)
+    assert balanced_partition(model, 2, 0.5, StepCosts((1.0,) * 8, (1.0,) * 8, 4.0)) == (5, 3)
+    for share, c in itertools.product([1.0, 0.5, 0.1], [costs, heavy, cheap_prompts]):
+        def worst(counts):
+            starts = list(itertools.accumulate(counts, initial=0))
+            per = [sum((1 - share) * c.prompt[i] + share * c.decode[i] for i in range(a, b)) for a, b in
+                   zip(starts, starts[1:])]
+            per[-1] += share * c.head
+            return max(per)
+        got = balanced_partition(model, 2, share, c)
+        assert worst(got) == min(worst((k, 8 - k)) for k in range(1, 8))
+
+
+def test_measured_costs_map_each_layer_kind():
+    from moemesh.layout import StepCosts
+
+    model = config(4, mlp_only=(1,))
+    costs = StepCosts.from_measurement(model, {"decode": {"sparse": 2.0, "dense": 1.0},
+                                               "prompt": {"sparse": 0.5, "dense": 0.25}, "head": 3.0})
+    assert costs.decode == (2.0, 1.0, 2.0, 2.0) and costs.prompt == (0.5, 0.25, 0.5, 0.5) and costs.head == 3.0

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--layer-partition", type=partition_arg, default=None,
                     help="auto or auto:PROMPT:OUTPUT: balanced stages for every --pp (e.g. auto:32:64 for this "
                          "benchmark's default mix); or layers per stage for the layout with that many")
+    tb.add_argument("--partition-costs", choices=["measured", "weights"], default="measured",
+                    help="what auto balances: each layer's and the head's cost measured here for a microbatch of "
+                         "this benchmark (--concurrency shared among the stages), or the weights' multiply-adds")
     tb.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at once")
     tb.add_argument("--num-prompts", type=positive_int, default=None, help="(default: --concurrency)")
     tb.add_argument("--prompt-len", type=positive_int, default=32)

@@ -21,6 +21,7 @@ from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout
+from moemesh.step_costs import partition_costs
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
@@ -47,7 +48,8 @@ class LLMEngine:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")
         partition = settings.layer_partition
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
-        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization)
+        costs = partition_costs(settings, settings.model, mc, pp, threads=settings.threads or 1, device=device)
+        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, costs)
         check_num_steps(settings, self.layout.pp, 1)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))

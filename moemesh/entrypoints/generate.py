@@ -15,6 +15,7 @@ from moemesh.entrypoints.engine import LLMEngine, Output
 from moemesh.entrypoints.launcher import threads_per_worker
 from moemesh.errors import CLIError, ConfigError
 from moemesh.layout import resolve_layout
+from moemesh.step_costs import partition_costs
 from moemesh.log import get_logger
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
@@ -44,8 +45,10 @@ def engine_settings_from_args(args) -> EngineSettings:
                        f"a stage need one each: give --device cuda (worker i on cuda:i)")
     pp = settings.pp or (len(settings.layer_partition) if isinstance(settings.layer_partition, tuple) else 1)
     try:
+        costs = (partition_costs(settings, model, model_config, pp, device=settings.device,
+                                 threads=threads_per_worker(settings.threads, pp)) if settings.tp == 1 else None)
         layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
-                                settings.quantization)
+                                settings.quantization, costs)
         check_num_steps(settings, pp, settings.tp)
     except ConfigError as e:
         raise CLIError(str(e)) from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -33,6 +34,7 @@ from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import Layout, resolve_layout
+from moemesh.step_costs import partition_costs
 from moemesh.entrypoints.bench import check_writable
 from moemesh.entrypoints.bench.ceiling import bench_ceiling
 from moemesh.entrypoints.engine import LLMEngine
@@ -148,10 +150,14 @@ def run_throughput_bench(args) -> int:
         raise CLIError(f"--layer-partition has {len(args.layer_partition)} stages but no --pp layout has that many")
     layouts = {}  # every layout resolved (or refused) before any of them runs
     for pp in args.pp:
+        partition = _partition_for(args.layer_partition, pp)
+        costs = partition_costs(EngineSettings.derive(base_settings, layer_partition=partition,
+                                                      partition_costs=args.partition_costs),
+                                args.model, mc, pp, rows=math.ceil(args.concurrency / pp))
         for tp in args.tp:
             try:
-                layouts[pp, tp] = resolve_layout(mc, pp, tp, _partition_for(args.layer_partition, pp),
-                                                 args.expert_parallel and tp > 1)
+                layouts[pp, tp] = resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1,
+                                                 costs=costs if tp == 1 else None)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     if args.timeline is not None:

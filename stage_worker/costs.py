@@ -1,0 +1,120 @@
+"""A decode step's measured cost on this machine, per decoder layer and for the head, for
+`--layer-partition auto` and the MLP hand-off (moemesh/layout.py `DecodeCosts`).
+
+Counting the multiply-adds of the weights a token uses (`decode_costs`) ranks the parts of a step
+the way reading those weights does, but the kernels do not price them alike: the screened lm_head
+(stage_worker/layers/vocab.py) reads a copy of the head of a half or a quarter of its bytes and
+multiplies it with another product, a float32 expert that 16 rows reach is bound by reading its
+weights where a bfloat16 one is not, and the attention over the cache is no weight at all. So this
+loads the model's first layer, and its last layer with the head, as the stages will (the same
+kernels, dtype, quantization and thread count), times decode steps of the rows and context a
+microbatch of the workload has, and prices each part in seconds per token. `python -m
+stage_worker.costs` prints the result as one JSON line: the control plane asks for it in a
+subprocess, so that the coordinator itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from moemesh.config import ModelConfig, resolve_dtype
+from stage_worker.layers.fp8 import resolve_quantization
+from stage_worker.runner import StageRunner, StepInput
+from stage_worker.tensors import torch_dtype
+
+
+def _step(lens: list[int], context: int, block_size: int, vocab: int, gen: torch.Generator) -> StepInput:
+    """Sequences of these new tokens each (random ids) over `context` cached tokens, every one sampled."""
+    per_seq = math.ceil((context + max(lens)) / block_size)
+    tokens = torch.randint(0, vocab, (sum(lens),), generator=gen).tolist()
+    ids = [tokens[a - n:a] for a, n in zip(itertools.accumulate(lens), lens)]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(lens))]
+    return StepInput(ids, [context] * len(lens), tables, [True] * len(lens))
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # (a first call builds what the kernels build once: oneDNN's, the screen's buffers)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None, rows: int = 64,
+            context: int = 64, prompt_len: int = 32, chunk: int = 512, moe_backend: str = "auto", repeats: int = 5,
+            block_size: int = 16) -> dict:
+    """Seconds per token of each layer kind ("sparse", "dense"; measured on the first layer of that
+    kind, the last layer aside): `decode`, in a step of `rows` sequences with `context` cached tokens
+    each; `prompt`, in a prompt chunk of up to `chunk` tokens (prompts of `prompt_len`, none cached).
+    `head`: seconds per sampled row of the final norm, lm_head and greedy sampling in that decode
+    step (the last layer with the head, less that layer)."""
+    config = ModelConfig.from_dir(model_dir)
+    n = config.num_layers
+    if n < 2:
+        raise ValueError("a model of one layer has no stages to balance")
+    tdtype = torch_dtype(resolve_dtype(dtype, config, "cpu"))
+    quant = resolve_quantization(config, quantization)
+    prompt_len = max(1, min(prompt_len, chunk))
+    prompts = [prompt_len] * max(1, chunk // prompt_len)
+    num_blocks = max(rows * math.ceil((context + 1) / block_size), len(prompts) * math.ceil(prompt_len / block_size))
+    gen = torch.Generator().manual_seed(0)
+    kind = lambda i: "sparse" if config.is_sparse_layer(i) else "dense"  # noqa: E731
+
+    def runner(layers: range) -> StageRunner:
+        return StageRunner(model_dir, config, layers, num_blocks, block_size, dtype=tdtype, quant=quant,
+                           moe_backend=moe_backend, progress=False)
+
+    def seconds(r: StageRunner, lens: list[int], context: int) -> float:
+        step = _step(lens, context, block_size, config.vocab_size, gen)
+        stream = None if r.model.has_embedding else torch.randn(sum(lens), config.hidden_size, generator=gen).to(tdtype)
+        return _time(lambda: r.execute(step, stream, greedy=r.model.can_screen), repeats)
+
+    decode, prompt = {}, {}
+    for k in dict.fromkeys(kind(i) for i in range(n - 1)):
+        i = next(i for i in range(n - 1) if kind(i) == k)
+        stage = runner(range(i, i + 1))  # (the first layer's stage also embeds: a gather, small beside it)
+        decode[k] = seconds(stage, [1] * rows, context) / rows
+        prompt[k] = seconds(stage, prompts, 0) / sum(prompts)
+        del stage
+    last = kind(n - 1)
+    stage = runner(range(n - 1, n))
+    if last not in decode:
+        raise ValueError(f"no {last} layer before the last one to price it by")  # (no model of ours is built so)
+    head = seconds(stage, [1] * rows, context) / rows - decode[last]
+    return {"decode": decode, "prompt": prompt, "head": max(head, 0.0), "rows": rows, "context": context,
+            "prompt_len": prompt_len, "chunk": sum(prompts), "dtype": str(tdtype).removeprefix("torch."),
+            "quantization": quantization, "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m stage_worker.costs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--moe-backend", default="auto")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(json.dumps(measure(args.model, args.dtype, args.quantization, args.rows, args.context, args.prompt_len,
+                             args.chunk, args.moe_backend, args.repeats)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
