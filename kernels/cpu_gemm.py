@@ -576,31 +576,32 @@ def argmax_rows(x: torch.Tensor, lib: _Lib) -> torch.Tensor:
 ONEDNN_MIN_ROWS = 16
 
 
-def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> tuple[str, int] | None:
-    """How `ScreenedHead` should multiply this packed lm_head's copy here, and from how many rows on
-    (fewer take the full product), or None where the full product samples greedy tokens fastest (no
-    screen). A bfloat16 head: its int8 copy ("int8", from one row; it is read only for up to
-    FEW_ROWS rows, where a product is bound by reading its weights: half the bytes, wherever the
-    kernels are built). A float32 head: its bfloat16 copy, through these kernels ("native", from one
-    row: vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or through
-    torch's matmul ("onednn", from ONEDNN_MIN_ROWS rows: AMX tiles on a CPU that has them, 3x the
-    full product at 64 rows on a Xeon whose vdpbf16ps runs at half the rate of its float32 FMAs,
-    where "native" loses to the full product), whichever samples 64 rows fastest, timed on a slice
-    of the head (up to 4M weights: a tenth of a second or so in all)."""
+def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> list[tuple[str, int]]:
+    """How `ScreenedHead` should multiply this packed lm_head's copy here, each way from how many rows
+    on (fewer, or rows no way takes, take the full product): [] where the full product samples greedy
+    tokens fastest (no screen). A float32 head: its bfloat16 copy, through these kernels ("native",
+    from one row: vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or
+    through torch's matmul ("onednn", from ONEDNN_MIN_ROWS rows: AMX tiles on a CPU that has them, 3x
+    the full product at 64 rows on a Xeon whose vdpbf16ps runs at half the rate of its float32 FMAs,
+    where "native" loses to the full product), whichever samples 64 rows fastest. A bfloat16 head: its
+    int8 copy ("int8", from one row; it is read only for up to FEW_ROWS rows, where a product is bound
+    by reading its weights: half the bytes, wherever the kernels are built), and from ONEDNN_MIN_ROWS
+    rows torch's matmul of the head itself ("onednn": 6x the full product at 64 rows on that Xeon)
+    where it samples 64 rows faster than the full product. Timed on a slice of the head (up to 4M
+    weights: a tenth of a second or so in all)."""
     if lib is None or head.scale is not None or head.data.dim() != 3:
-        return None
-    if head.data.dtype == torch.bfloat16:
-        return "int8", 1
-    if head.data.dtype != torch.float32:
-        return None
+        return []
+    if head.data.dtype not in (torch.float32, torch.bfloat16):
+        return []
     NR, K = head.data.shape[-1], head.k
     panels = min(head.data.shape[0], max(1, (1 << 22) // (NR * K)))
-    part = PackedWeight(head.data[:panels], None, min(head.n, panels * NR), K)
+    part = PackedWeight(head.data[:panels], None, min(head.n, panels * NR), K, head.pairs)
     cols = min(vocab, part.n)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(0))
     x *= 1 / x.norm(dim=1, keepdim=True)  # (a final norm's rows: their scale does not matter to the timing)
     ways = {None: lambda: argmax_rows(gemm(x, part, lib)[:, :cols], lib)}
-    ways["native"] = functools.partial(ScreenedHead(part, cols, lib, "native").tokens, x)
+    if head.data.dtype == torch.float32:
+        ways["native"] = functools.partial(ScreenedHead(part, cols, lib, "native").tokens, x)
     try:  # torch's product, if this torch has one and it keeps the bound (float32 sums, rounded once)
         screen = ScreenedHead(part, cols, lib, "onednn")
         error = (screen.approx(x)[:, :cols].float() - gemm(x, part, lib)[:, :cols]).abs()
@@ -620,7 +621,40 @@ def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> tuple[st
             took = min(took, time.perf_counter() - t)
         if took < best_time:
             best, best_time = product, took
-    return None if best is None else (best, ONEDNN_MIN_ROWS if best == "onednn" else 1)
+    chosen = [("int8", 1)] if head.data.dtype == torch.bfloat16 else []
+    return chosen + ([] if best is None else [(best, ONEDNN_MIN_ROWS if best == "onednn" else 1)])
+
+
+class HeadScreens:
+    """Several screens of one head (`ScreenedHead`), each for the rows it `screens`, the first that
+    does taking a product; rows that none screens take the full product. A bfloat16 head's int8 copy
+    screens up to FEW_ROWS rows, torch's matmul of the head from ONEDNN_MIN_ROWS."""
+
+    def __init__(self, screens: list["ScreenedHead"]):
+        assert screens and all(s.head is screens[0].head and s.vocab == screens[0].vocab for s in screens)
+        self.all = tuple(screens)
+        self.head, self.vocab, self.lib = screens[0].head, screens[0].vocab, screens[0].lib
+
+    def pick(self, rows: int) -> "ScreenedHead | None":
+        """The screen of a product of `rows` rows, or None (the full product)."""
+        return next((s for s in self.all if s.screens(rows)), None)
+
+    def screens(self, rows: int) -> bool:
+        return self.pick(rows) is not None
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, K] float32 (the final norm's output) -> [R] int64, each row's greedy token."""
+        screen = self.pick(x.shape[0])
+        if screen is not None:
+            return screen.tokens(x)
+        return self.all[0].tokens(x)  # (its full product, for rows it does not screen)
+
+
+def screen_head(head: PackedWeight, vocab: int, lib: _Lib,
+                choices: list[tuple[str, int]]) -> "ScreenedHead | HeadScreens | None":
+    """The screen(s) of `screen_product`'s choices: None for none, a ScreenedHead for one."""
+    screens = [ScreenedHead(head, vocab, lib, product, min_rows) for product, min_rows in choices]
+    return None if not screens else screens[0] if len(screens) == 1 else HeadScreens(screens)
 
 
 class ScreenedHead:
@@ -649,7 +683,9 @@ class ScreenedHead:
     column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. Torch's product
     ("onednn") writes its float32 sums rounded to bfloat16: one more error of at most 2u times the
     sum (2u: rounded to nearest or cut), |x'.w'| (1 + g) <= |x| (1 + u) (1 + g) |w'|, so its radius has
-    2u (1 + u) (1 + g) |w'| more. Computed in float64
+    2u (1 + u) (1 + g) |w'| more. A bfloat16 head's "onednn" screen multiplies the head itself (w' = w);
+    a product of more than FEW_ROWS rows rounds them to bfloat16 first, as the head's full product of
+    that many rows reads them (x' = x there). Computed in float64
     and widened by 2^-10 (which also covers the float32 arithmetic of the comparisons, each within
     2^-23 of values at most 2^9 radii). It assumes nothing overflows: rows with |x| times the largest
     column norm at or above 2^126 take the full product. Denormals that the bfloat16 instructions flush
@@ -661,7 +697,7 @@ class ScreenedHead:
         assert head.data.dim() == 3
         if product is None:
             product = "native" if head.data.dtype == torch.float32 else "int8"
-        assert product == "int8" if head.data.dtype == torch.bfloat16 else product in ("native", "onednn"), product
+        assert product in (("int8", "onednn") if head.data.dtype == torch.bfloat16 else ("native", "onednn")), product
         self.head, self.vocab, self.lib, self.product, self.min_rows = head, vocab, lib, product, min_rows
         K, NR = head.k, head.data.shape[-1]
         step = _panels_per_slice(head)
@@ -711,6 +747,10 @@ class ScreenedHead:
         """Whether a product of `rows` rows goes through the copy (else the full product)."""
         return self.min_rows <= rows and (self.max_rows is None or rows <= self.max_rows)
 
+    def pick(self, rows: int) -> "ScreenedHead | None":
+        """This screen if it takes a product of `rows` rows, else None (`HeadScreens`' interface)."""
+        return self if self.screens(rows) else None
+
     def approx(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, K] float32 -> the copy's logits [R, >= vocab]: float32 from these kernels, bfloat16
         from torch's matmul."""
@@ -729,6 +769,10 @@ class ScreenedHead:
             return out
         if not self.screens(x.shape[0]):
             return argmax_rows(gemm(x, self.head, self.lib)[:, :self.vocab], self.lib)
+        if self.copy_t is not None and self.head.data.dtype == torch.bfloat16 and x.shape[0] > self.lib.few_rows:
+            # the full product of a bfloat16 head reads more than FEW_ROWS rows as bfloat16 (pairs for
+            # vdpbf16ps): its logits are those of x so rounded, and so are the ones screened here
+            x = x.to(torch.bfloat16).float()
         approx = self.approx(x)
         self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(),
                                         WEIGHT_TYPES[approx.dtype], approx.stride(0), x.data_ptr(), x.stride(0),
@@ -789,7 +833,8 @@ def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, 
         assert t.dtype == torch.int64 and t.is_contiguous()
     assert positions.shape == (S,) and block_table.dim() == 2 and block_table.shape[0] == S
     check_layout(head, lib)
-    if screen is not None and (not screen.screens(S) or screen.copy is None):
+    screen = None if screen is None else screen.pick(S)
+    if screen is not None and screen.copy is None:
         screen = None  # (torch's product of the copy cannot run inside the native burst: the full head does)
     if screen is not None:
         assert screen.head is head and screen.vocab == vocab

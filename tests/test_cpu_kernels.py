@@ -658,14 +658,15 @@ def _screen_case(V: int, K: int, seed: int, dtype=torch.float32) -> tuple[cpu_ge
 
 
 @pytest.mark.parametrize("dtype, product", [(torch.float32, "native"), (torch.float32, "onednn"),
-                                            (torch.bfloat16, "int8")])
+                                            (torch.bfloat16, "int8"), (torch.bfloat16, "onednn")])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
 @pytest.mark.parametrize("seed", range(3))
 def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype, product):
     """A float32 head through its bfloat16 copy (multiplied by these kernels or by torch's matmul, whose
     bfloat16 sums the bound also covers), a bfloat16 head through its int8 copy (up to three rows; more
-    go to the full product): the token is the full product's first maximum, and the bound holds for
-    every column of every row the copy decides."""
+    go to the full product) or through torch's matmul of the head itself (its rows rounded to bfloat16
+    where the full product rounds them: more than three): the token is the full product's first
+    maximum, and the bound holds for every column of every row the copy decides."""
     V, K = 1003, 96
     packed, w = _screen_case(V, K, seed, dtype)
     screen = cpu_gemm.ScreenedHead(packed, V, lib, product)
@@ -829,18 +830,31 @@ def test_screened_head_is_built_only_for_a_float32_or_bfloat16_head_where_it_pay
 
     head = ParallelLMHead(100, 32, TPGroup())
     head.weight.data.normal_()
-    # what screen_product times: the fastest way here for a float32 head, the int8 copy for a bfloat16 one
-    for dtype, want in ((torch.float32, {None, "native", "onednn"}), (torch.bfloat16, {"int8"}), (torch.int8, {None})):
+    # what screen_product times: the fastest way here for a float32 head; the int8 copy for a bfloat16
+    # one, and torch's product of it from ONEDNN_MIN_ROWS rows where that is faster
+    one = lambda way: [(way, cpu_gemm.ONEDNN_MIN_ROWS if way == "onednn" else 1)]  # noqa: E731
+    for dtype, want in ((torch.float32, ([], one("native"), one("onednn"))),
+                        (torch.bfloat16, (one("int8"), one("int8") + one("onednn"))), (torch.int8, ([],))):
         choice = cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, lib)
-        assert (choice and choice[0]) in want, (dtype, choice)
-        assert choice is None or choice[1] == (cpu_gemm.ONEDNN_MIN_ROWS if choice[0] == "onednn" else 1), choice
-        assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, None) is None
-    for dtype, choice in ((torch.float32, ("native", 1)), (torch.float32, ("onednn", 16)), (torch.float32, None),
-                          (torch.bfloat16, ("int8", 1)), (torch.bfloat16, None)):
+        assert choice in want, (dtype, choice)
+        assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, None) == []
+    for dtype, choice in ((torch.float32, one("native")), (torch.float32, [("onednn", 16)]), (torch.float32, []),
+                          (torch.bfloat16, one("int8")), (torch.bfloat16, []),
+                          (torch.bfloat16, [("int8", 1), ("onednn", 16)])):
         monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib, choice=choice: choice)
         head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)
         head.screen_packed()
-        assert head.screen is None if choice is None else (head.screen.product, head.screen.min_rows) == choice
+        screens = [] if head.screen is None else getattr(head.screen, "all", [head.screen])
+        assert [(s.product, s.min_rows) for s in screens] == choice
+    # a bfloat16 head's two screens: the int8 copy up to three rows, torch's product from 16, the full
+    # product between; every count gives the full product's tokens
+    both = head.screen
+    assert isinstance(both, cpu_gemm.HeadScreens)
+    assert [getattr(both.pick(r), "product", None) for r in (1, 3, 4, 15, 16, 200)] == \
+        ["int8", "int8", None, None, "onednn", "onednn"]
+    for rows in (1, 3, 4, 16, 40):
+        x = torch.randn(rows, 32)
+        assert torch.equal(both.tokens(x), cpu_gemm.gemm(x, head.packed, lib)[:, :100].max(dim=-1).indices)
     # fewer rows than the choice's take the full product, and give its tokens
     screen = cpu_gemm.ScreenedHead(cpu_gemm.pack(head.weight.data, lib.panel_width), 100, lib, "onednn", 8)
     assert not screen.screens(7) and screen.screens(8) and screen.screens(500)

@@ -97,7 +97,7 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
 
         if cpu_gemm.native() is None:
             pytest.skip("no C compiler: the native kernels cannot be built here")
-        choice = (("onednn" if layout.endswith("onednn") else "native"), 1) if screened else None
+        choice = [(("onednn" if layout.endswith("onednn") else "native"), 1)] if screened else []
         monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: choice)
         calls, tokens = [], cpu_gemm.ScreenedHead.tokens
         monkeypatch.setattr(cpu_gemm.ScreenedHead, "tokens", lambda self, x: calls.append(len(x)) or tokens(self, x))

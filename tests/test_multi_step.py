@@ -270,7 +270,7 @@ def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(mod
     params = [SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)] * len(PROMPTS)
 
     def run(screened: bool, cut: float | None = None):
-        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: ("native", 1) if screened else None)
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: [("native", 1)] if screened else [])
         eng = engine(model_dir, 5)
         model = eng.stages[0].runner.model
         model.model.norm.weight.data.copy_(torch.linspace(0.2, 3.0, model.config.hidden_size))  # (the burst's too)
@@ -309,7 +309,8 @@ def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, mon
 
     def run(screened: bool):
         monkeypatch.setattr(cpu_gemm, "screen_product",
-                            lambda head, vocab, lib: ("int8", 1) if screened and head.data.dtype == torch.bfloat16 else None)
+                            lambda head, vocab, lib: [("int8", 1)] if screened and head.data.dtype == torch.bfloat16
+                            else [])
         eng = engine(model_dir, num_steps, dtype="bfloat16")
         model = eng.stages[0].runner.model
         assert model.can_screen == screened
@@ -327,6 +328,40 @@ def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, mon
         assert decided and max(decided) == batch
 
 
+@pytest.mark.parametrize("num_steps", [1, 5])
+def test_a_bfloat16_heads_two_screens_give_the_full_heads_tokens(model_dir, monkeypatch, num_steps):
+    """A bfloat16 model's lm_head with both its screens (cpu_gemm.HeadScreens): the int8 copy for up
+    to three rows, torch's product of the head from four here (16 by default): six rows step by step
+    go through torch's product (their rows rounded to bfloat16 as the full product rounds them), a
+    native burst takes the full head; the tokens are the full head's throughout."""
+    from kernels import cpu_gemm
+
+    if cpu_gemm.native() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 6
+    decided = []
+
+    def run(screened: bool):
+        monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib: [("int8", 1), ("onednn", 4)]
+                            if screened and head.data.dtype == torch.bfloat16 else [])
+        eng = engine(model_dir, num_steps, dtype="bfloat16")
+        model = eng.stages[0].runner.model
+        assert model.can_screen == screened
+        if screened:
+            wide = model.lm_head.screen.pick(6)
+            assert wide.product == "onednn" and wide.copy_t.dtype == torch.bfloat16
+            tokens = wide.tokens
+            wide.tokens = lambda x: decided.append(len(x)) or tokens(x)
+        seqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS[:6], params)]
+        while eng.core.has_work():
+            eng.step()
+        return [s.output_ids for s in seqs]
+
+    assert run(True) == run(False)
+    if num_steps == 1:  # (a burst takes the full head: torch's product cannot run inside it)
+        assert decided and max(decided) == 6
+
+
 def test_a_bfloat16_models_screened_tokens_are_its_rounded_logits_first_maximum(model_dir, monkeypatch):
     """A bfloat16 model's op-by-op head (a prompt's last row) rounds its logits to bfloat16: two that
     round to one value are tied there, where the screen's float32 logits are not. compute_tokens
@@ -336,7 +371,7 @@ def test_a_bfloat16_models_screened_tokens_are_its_rounded_logits_first_maximum(
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
     monkeypatch.setattr(cpu_gemm, "screen_product",
-                        lambda head, vocab, lib: ("int8", 1) if head.data.dtype == torch.bfloat16 else None)
+                        lambda head, vocab, lib: [("int8", 1)] if head.data.dtype == torch.bfloat16 else [])
     model = engine(model_dir, 1, dtype="bfloat16").stages[0].runner.model
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(0)

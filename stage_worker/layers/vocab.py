@@ -45,7 +45,8 @@ class ParallelLMHead(VocabParallel):
     embedding keeps its own copy for lookups)."""
 
     packed: cpu_gemm.PackedWeight | None = None
-    screen: cpu_gemm.ScreenedHead | None = None  # greedy tokens without every float32 logit (`screen_packed`)
+    # greedy tokens without every float32 logit (`screen_packed`)
+    screen: cpu_gemm.ScreenedHead | cpu_gemm.HeadScreens | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> logits [N, V] (gathered from every rank)."""
@@ -58,9 +59,10 @@ class ParallelLMHead(VocabParallel):
     def screen_packed(self) -> None:
         """Builds `screen` where it pays (`cpu_gemm.screen_product`, timed here): a float32 or bfloat16
         head packed whole on this rank (one tensor rank); a float32 one through its bfloat16 copy (these
-        kernels' product or torch's), a bfloat16 one through its int8 copy (for up to three rows)."""
+        kernels' product or torch's), a bfloat16 one through its int8 copy (for up to three rows) and
+        through torch's product from 16 rows where that is faster."""
         self.screen = None
         if self.packed is not None and self.packed.scale is None and self.tp.size == 1:
-            choice = cpu_gemm.screen_product(self.packed, self.vocab_size, cpu_gemm.native())
-            if choice is not None:
-                self.screen = cpu_gemm.ScreenedHead(self.packed, self.vocab_size, cpu_gemm.native(), *choice)
+            lib = cpu_gemm.native()
+            self.screen = cpu_gemm.screen_head(self.packed, self.vocab_size, lib,
+                                               cpu_gemm.screen_product(self.packed, self.vocab_size, lib))

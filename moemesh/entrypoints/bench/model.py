@@ -123,7 +123,8 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], new: int, machine:
                 tokens += made
                 # (a schedule of several decode steps, --num-scheduler-steps: each a step of the roofline)
                 for j in range(made // len(ctx)):
-                    product = screen.product if screen is not None and screen.screens(len(ctx)) else None
+                    picked = None if screen is None else screen.pick(len(ctx))
+                    product = None if picked is None else picked.product
                     nbytes, flops = step_cost(mc, len(ctx), [c + j for c in ctx], bytes_per, engine.dtype.itemsize,
                                               product)
                     roof_time += max(nbytes / machine["read_bytes_per_s"], flops / peak)
