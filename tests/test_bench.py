@@ -198,3 +198,29 @@ def test_bench_scheduler_schedule_bytes_stay_flat_as_contexts_grow(capsys):
     assert long["schedule_bytes_per_step"] <= short["schedule_bytes_per_step"] * 1.05
     assert long["whole_table_bytes_per_step"] > 3 * short["whole_table_bytes_per_step"]
     assert long["coordinator_ms_per_step"] > 0 and "ms_vs_first" in long
+
+
+def test_bench_throughput_takes_the_quantization_and_measures_the_partition_for_it(tiny, monkeypatch):
+    """--quantization reaches every engine and the measured costs `auto` balances (--partition-costs
+    measured: for a microbatch of --concurrency shared among the stages)."""
+    from moemesh.entrypoints.bench import throughput
+
+    asked = []
+
+    def measured(model_dir, model, **kw):
+        asked.append(kw)
+        return None  # (the weights' then)
+
+    class Seen(Exception):
+        pass
+
+    def in_process(settings, prompts, params):
+        raise Seen(settings)
+
+    monkeypatch.setattr("moemesh.step_costs.measured_costs", measured)
+    monkeypatch.setattr(throughput, "bench_in_process", in_process)
+    with pytest.raises(Seen) as seen:
+        main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "6", "--prompt-len", "4",
+              "--new", "3", "--layer-partition", "auto:4:3", "--quantization", "int8"])
+    assert seen.value.args[0].quantization == "int8"
+    assert [(k["quantization"], k["rows"], k["context"], k["prompt_len"]) for k in asked] == [("int8", 3, 5, 4)]

@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--prompt-len", type=positive_int, default=32)
     tb.add_argument("--new", type=positive_int, default=64, help="tokens generated per request")
     tb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    tb.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
     tb.add_argument("--kv-memory", type=byte_count, default=256 << 20, help="KV-cache bytes per worker")
     tb.add_argument("--max-batched-tokens", type=positive_int, default=SchedulerSettings.max_batched_tokens,
                     help="token budget of one step (default: the servers' own)")

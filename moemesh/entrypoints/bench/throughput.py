@@ -139,7 +139,8 @@ def _partition_for(layer_partition, pp: int):
 
 def run_throughput_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
-    base_settings = EngineSettings(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory,
+    base_settings = EngineSettings(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                   kv_memory=args.kv_memory,
                                    max_batched_tokens=args.max_batched_tokens, threads=1,
                                    max_in_flight=args.max_in_flight,
                                    no_prefix_caching="on" not in args.prefix_caching)
@@ -157,7 +158,7 @@ def run_throughput_bench(args) -> int:
         for tp in args.tp:
             try:
                 layouts[pp, tp] = resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1,
-                                                 costs=costs if tp == 1 else None)
+                                                 args.quantization, costs=costs if tp == 1 else None)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     if args.timeline is not None:
