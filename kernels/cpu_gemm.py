@@ -123,7 +123,7 @@ class _Lib:
         lib.mm_decoder_layers.restype = i32
         lib.mm_argmax_rows.argtypes = [i64, i64, ptr, i64, ptr]
         lib.mm_screened_argmax.argtypes = [i64, i64, i64, ptr, i32, i64, ptr, i64, ptr, ctypes.c_float, ptr, i32, ptr,
-                                           i32]
+                                           ptr, i32]
         lib.mm_screened_argmax.restype = None
         lib.mm_greedy_decode.argtypes = [ctypes.POINTER(LayerDesc), i64, i64, i64, ptr, i32, ptr, ctypes.c_float, ptr,
                                          i32, ptr, i64, i64, ptr, i32, ptr, ptr, ctypes.c_float, ptr, ptr, ptr, i64,
@@ -587,15 +587,15 @@ def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> list[tup
     int8 copy ("int8", from one row; it is read only for up to FEW_ROWS rows, where a product is bound
     by reading its weights: half the bytes, wherever the kernels are built), and from ONEDNN_MIN_ROWS
     rows torch's matmul of the head itself ("onednn": 6x the full product at 64 rows on that Xeon)
-    where it samples 64 rows faster than the full product. Timed on a slice of the head (up to 4M
-    weights: a tenth of a second or so in all)."""
-    if lib is None or head.scale is not None or head.data.dim() != 3:
-        return []
-    if head.data.dtype not in (torch.float32, torch.bfloat16):
+    where it samples 64 rows faster than the full product. An int8 head (`--quantization int8`):
+    torch's matmul of its bfloat16 copy from ONEDNN_MIN_ROWS rows where that is faster. Timed on a
+    slice of the head (up to 4M weights: a tenth of a second or so in all)."""
+    if lib is None or head.data.dim() != 3 or head.data.dtype not in (torch.float32, torch.bfloat16, torch.int8):
         return []
     NR, K = head.data.shape[-1], head.k
     panels = min(head.data.shape[0], max(1, (1 << 22) // (NR * K)))
-    part = PackedWeight(head.data[:panels], None, min(head.n, panels * NR), K, head.pairs)
+    scale = None if head.scale is None else head.scale[:panels * NR]
+    part = PackedWeight(head.data[:panels], scale, min(head.n, panels * NR), K, head.pairs)
     cols = min(vocab, part.n)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(0))
     x *= 1 / x.norm(dim=1, keepdim=True)  # (a final norm's rows: their scale does not matter to the timing)
@@ -685,7 +685,10 @@ class ScreenedHead:
     sum (2u: rounded to nearest or cut), |x'.w'| (1 + g) <= |x| (1 + u) (1 + g) |w'|, so its radius has
     2u (1 + u) (1 + g) |w'| more. A bfloat16 head's "onednn" screen multiplies the head itself (w' = w);
     a product of more than FEW_ROWS rows rounds them to bfloat16 first, as the head's full product of
-    that many rows reads them (x' = x there). Computed in float64
+    that many rows reads them (x' = x there). An int8 head (--quantization int8) is screened only
+    through torch's product of its bfloat16 copy (w the int8 weights times the column's scale, as
+    the head's product computes); its own logit is a sum multiplied by the scale, g + 2^-24 (1 + g)
+    in place of g for |w|. Computed in float64
     and widened by 2^-10 (which also covers the float32 arithmetic of the comparisons, each within
     2^-23 of values at most 2^9 radii). It assumes nothing overflows: rows with |x| times the largest
     column norm at or above 2^126 take the full product. Denormals that the bfloat16 instructions flush
@@ -693,15 +696,18 @@ class ScreenedHead:
     norm: the comparisons allow 1e-30."""
 
     def __init__(self, head: PackedWeight, vocab: int, lib: _Lib, product: str | None = None, min_rows: int = 1):
-        assert head.data.dtype in (torch.float32, torch.bfloat16) and head.scale is None and 0 < vocab <= head.n
-        assert head.data.dim() == 3
+        assert head.data.dtype in (torch.float32, torch.bfloat16, torch.int8) and 0 < vocab <= head.n
+        assert head.data.dim() == 3 and (head.scale is None) == (head.data.dtype != torch.int8)
         if product is None:
-            product = "native" if head.data.dtype == torch.float32 else "int8"
-        assert product in (("int8", "onednn") if head.data.dtype == torch.bfloat16 else ("native", "onednn")), product
+            product = {torch.float32: "native", torch.bfloat16: "int8", torch.int8: "onednn"}[head.data.dtype]
+        assert product in {torch.float32: ("native", "onednn"), torch.bfloat16: ("int8", "onednn"),
+                           torch.int8: ("onednn",)}[head.data.dtype], product
         self.head, self.vocab, self.lib, self.product, self.min_rows = head, vocab, lib, product, min_rows
         K, NR = head.k, head.data.shape[-1]
         step = _panels_per_slice(head)
         g = K * 2.0 ** -24 / (1 - K * 2.0 ** -24)
+        # the head's own logit: an int8 head's sum multiplied by its column's scale, one more rounding
+        g_head = g if head.scale is None else g + 2.0 ** -24 * (1 + g)
         self.copy: PackedWeight | None = None  # the copy these kernels read ("native", "int8")
         self.copy_t: torch.Tensor | None = None  # [K, vocab] bfloat16, the copy torch's matmul reads ("onednn")
         rounded_out = 0.0
@@ -737,7 +743,7 @@ class ScreenedHead:
                 copy = self.copy_t[:, p * NR:p * NR + len(w)].t().double()
             norm, copy_norm = w.norm(dim=1), copy.norm(dim=1)
             radius[p * NR:p * NR + len(w)] = (w - copy).norm(dim=1) + (u + g_copy + rounded_out) * copy_norm \
-                + g * norm
+                + g_head * norm
             wn_max = torch.maximum(wn_max, torch.maximum(norm.max(), copy_norm.max()))  # (NaN stays NaN)
         self.radius = (radius * (1 + 2.0 ** -10)).float().contiguous()
         # NaN or inf where a weight is: mm_screened_argmax's guard then decides no row here
@@ -777,7 +783,8 @@ class ScreenedHead:
         self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(),
                                         WEIGHT_TYPES[approx.dtype], approx.stride(0), x.data_ptr(), x.stride(0),
                                         self.radius.data_ptr(), self.wn_max, self.head.data.data_ptr(),
-                                        self.head.weight_type, out.data_ptr(), torch.get_num_threads())
+                                        self.head.weight_type, _ptr(self.head.scale), out.data_ptr(),
+                                        torch.get_num_threads())
         full = (out < 0).nonzero().flatten()
         if len(full):
             out[full] = argmax_rows(gemm(x[full], self.head, self.lib)[:, :self.vocab], self.lib)

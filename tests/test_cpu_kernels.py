@@ -658,15 +658,17 @@ def _screen_case(V: int, K: int, seed: int, dtype=torch.float32) -> tuple[cpu_ge
 
 
 @pytest.mark.parametrize("dtype, product", [(torch.float32, "native"), (torch.float32, "onednn"),
-                                            (torch.bfloat16, "int8"), (torch.bfloat16, "onednn")])
+                                            (torch.bfloat16, "int8"), (torch.bfloat16, "onednn"),
+                                            (torch.int8, "onednn")])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
 @pytest.mark.parametrize("seed", range(3))
 def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype, product):
     """A float32 head through its bfloat16 copy (multiplied by these kernels or by torch's matmul, whose
     bfloat16 sums the bound also covers), a bfloat16 head through its int8 copy (up to three rows; more
     go to the full product) or through torch's matmul of the head itself (its rows rounded to bfloat16
-    where the full product rounds them: more than three): the token is the full product's first
-    maximum, and the bound holds for every column of every row the copy decides."""
+    where the full product rounds them: more than three), an int8 head through torch's matmul of its
+    bfloat16 copy: the token is the full product's first maximum, and the bound holds for every
+    column of every row the copy decides."""
     V, K = 1003, 96
     packed, w = _screen_case(V, K, seed, dtype)
     screen = cpu_gemm.ScreenedHead(packed, V, lib, product)
@@ -732,7 +734,8 @@ def _screened(screen: cpu_gemm.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
     lib.lib.mm_screened_argmax(x.shape[0], screen.vocab, x.shape[1], approx.data_ptr(),
                                cpu_gemm.WEIGHT_TYPES[approx.dtype], approx.stride(0),
                                x.data_ptr(), x.stride(0), screen.radius.data_ptr(), screen.wn_max,
-                               screen.head.data.data_ptr(), screen.head.weight_type, out.data_ptr(), 1)
+                               screen.head.data.data_ptr(), screen.head.weight_type,
+                               None if screen.head.scale is None else screen.head.scale.data_ptr(), out.data_ptr(), 1)
     return out
 
 
@@ -834,12 +837,14 @@ def test_screened_head_is_built_only_for_a_float32_or_bfloat16_head_where_it_pay
     # one, and torch's product of it from ONEDNN_MIN_ROWS rows where that is faster
     one = lambda way: [(way, cpu_gemm.ONEDNN_MIN_ROWS if way == "onednn" else 1)]  # noqa: E731
     for dtype, want in ((torch.float32, ([], one("native"), one("onednn"))),
-                        (torch.bfloat16, (one("int8"), one("int8") + one("onednn"))), (torch.int8, ([],))):
+                        (torch.bfloat16, (one("int8"), one("int8") + one("onednn"))),
+                        (torch.int8, ([], one("onednn")))):
         choice = cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, lib)
         assert choice in want, (dtype, choice)
         assert cpu_gemm.screen_product(cpu_gemm.pack(head.weight.data, lib.panel_width, dtype), 100, None) == []
     for dtype, choice in ((torch.float32, one("native")), (torch.float32, [("onednn", 16)]), (torch.float32, []),
                           (torch.bfloat16, one("int8")), (torch.bfloat16, []),
+                          (torch.int8, [("onednn", 16)]), (torch.int8, []),
                           (torch.bfloat16, [("int8", 1), ("onednn", 16)])):
         monkeypatch.setattr(cpu_gemm, "screen_product", lambda head, vocab, lib, choice=choice: choice)
         head.packed = cpu_gemm.pack(head.weight.data, lib.panel_width, dtype)

@@ -1433,8 +1433,9 @@ void mm_argmax_rows(int64_t R, int64_t n, const float *x, int64_t ld, int64_t *o
  * logits from the copy, each within xn_r * radius[j] of the head's logit (xn_r = |x_r|,
  * the row's Euclidean norm). A row's candidates are the j whose interval reaches the largest lower end
  * of any: no other j can hold the maximum. Their logits are recomputed in float32 from x [R, K] (rows
- * ldx apart) and the packed head w of type wt (float32, or bfloat16 widened), and out[r] is the first
- * maximum among them. out[r] = -1 where that cannot be
+ * ldx apart) and the packed head w of type wt (float32, bfloat16 widened, or int8 widened, each sum
+ * then multiplied by its column's w_scale as the head's product does; w_scale NULL for the others),
+ * and out[r] is the first maximum among them. out[r] = -1 where that cannot be
  * decided here (more than SCREEN_CAP candidates, or SCREEN_BUF still in reach when the buffer
  * fills; a value that is not finite; |x_r| wn_max at or above 2^126, where a sum could overflow):
  * the caller computes that row's logits in full. */
@@ -1461,8 +1462,8 @@ INLINE float vmax_lanes(vf v) {
 }
 
 void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const void *approx, int at, int64_t lda, const float *x,
-                        int64_t ldx, const float *radius, float wn_max, const void *w, int wt, int64_t *out,
-                        int nthreads) {
+                        int64_t ldx, const float *radius, float wn_max, const void *w, int wt, const float *w_scale,
+                        int64_t *out, int nthreads) {
     const int es = elem_size(wt);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && R > 1)
     for (int64_t r = 0; r < R; r++) {
@@ -1542,6 +1543,7 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const void *approx, int
             const char *col = (const char *)w + ((j / NR) * K * NR + q) * es;
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], load_w1(col, k * NR, wt), s);
+            if (w_scale) s *= w_scale[j];
             if (!(s - s == 0.0f)) { /* (not finite: unreachable under the guard above) */
                 arg = -1;
                 break;
@@ -1610,7 +1612,7 @@ int mm_greedy_decode(const mm_layer *L, int64_t n, int64_t S, int64_t H, const v
                 goto done;
             }
             mm_screened_argmax(S, vocab, H, logits, W_F32, head_n, normed, H, radius, screen_wn_max, head, ht,
-                               sampled, nthreads);
+                               head_scale, sampled, nthreads);
             int64_t left = 0; /* the undecided rows, gathered into `summed` (free until the next step) */
             for (int64_t i = 0; i < S; i++)
                 if (sampled[i] < 0) memcpy(summed + left++ * H, normed + i * H, sizeof(float) * H);

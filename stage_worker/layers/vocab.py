@@ -60,9 +60,10 @@ class ParallelLMHead(VocabParallel):
         """Builds `screen` where it pays (`cpu_gemm.screen_product`, timed here): a float32 or bfloat16
         head packed whole on this rank (one tensor rank); a float32 one through its bfloat16 copy (these
         kernels' product or torch's), a bfloat16 one through its int8 copy (for up to three rows) and
-        through torch's product from 16 rows where that is faster."""
+        through torch's product from 16 rows where that is faster, an int8 one (--quantization int8)
+        through torch's product of its bfloat16 copy from 16 rows where that is faster."""
         self.screen = None
-        if self.packed is not None and self.packed.scale is None and self.tp.size == 1:
+        if self.packed is not None and self.tp.size == 1:
             lib = cpu_gemm.native()
             self.screen = cpu_gemm.screen_head(self.packed, self.vocab_size, lib,
                                                cpu_gemm.screen_product(self.packed, self.vocab_size, lib))
