@@ -136,6 +136,9 @@ class _Lib:
         lib.mm_torch_tie_order.restype = i32
         lib.mm_set_prefetch.argtypes = [i32, i32]
         lib.mm_set_prefetch.restype = None
+        lib.mm_set_amx.argtypes = [i32]
+        lib.mm_set_amx.restype = None
+        lib.mm_amx_available.restype = i32
         self.lib = lib
         self.path = path
         self.simd_width = lib.mm_simd_width()
@@ -249,7 +252,32 @@ def native() -> _Lib | None:
         return None
     lib.prefetch = prefetch_policy(lib)
     lib.lib.mm_set_prefetch(*lib.prefetch)
+    lib.amx = amx_rows(lib)
+    lib.lib.mm_set_amx(lib.amx)
     return lib
+
+
+AMX_MIN_ROWS = 8  # products of paired bfloat16 weights with this many rows or more go through AMX tiles
+
+
+def amx_rows(lib: _Lib) -> int:
+    """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
+    `panel_rows_amx`), or 0 where they do not: a CPU with AMX-BF16 whose kernel lets this process use
+    it, unless MOEMESH_AMX says otherwise (0: off; N: from N rows, more than FEW_ROWS)."""
+    if not lib.lib.mm_amx_available():
+        return 0
+    text = os.environ.get("MOEMESH_AMX", "").strip()
+    if not text:
+        return AMX_MIN_ROWS
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if rows < 0 or 0 < rows <= lib.few_rows:
+        log.warning("MOEMESH_AMX=%s is not 0 or a row count above %d: AMX tiles from %d rows", text, lib.few_rows,
+                    AMX_MIN_ROWS)
+        return AMX_MIN_ROWS
+    return rows
 
 
 # (non-temporal prefetch of weights read once, rows from which a one-tile product fetches the next

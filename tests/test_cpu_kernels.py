@@ -198,6 +198,38 @@ def test_bfloat16_fused_moe_odd_and_long_rows(T, E, H, I):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(lib is None or not lib.amx, reason="no AMX tiles here (or MOEMESH_AMX=0)")
+@pytest.mark.parametrize("M,K", [(8, 77), (16, 512), (15, 1031), (97, 600), (130, 1100)])
+def test_amx_tiles_give_the_paired_products_sums(M, K):
+    """Products of bfloat16 weights with lib.amx rows or more go through AMX tiles (cpu_gemm.c
+    `panel_rows_amx`): the sums of the activations rounded to bfloat16, as the vdpbf16ps tiles give
+    them (within float32 rounding: the order differs), for a gemm and for a fused MoE whose experts
+    get rows on both sides of the threshold; from fewer rows the two paths are one."""
+    g = torch.Generator().manual_seed(M + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    p = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
+    want = _seen(x, p).double() @ p.unpack().double().T
+    x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, 40)
+    weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
+    p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.bfloat16)
+    p2 = cpu_gemm.pack(w2, lib.panel_width, torch.bfloat16)
+    try:
+        tiles = cpu_gemm.gemm(x, p, lib)
+        moe_tiles = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
+        lib.lib.mm_set_amx(0)
+        plain = cpu_gemm.gemm(x, p, lib)
+        moe_plain = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
+    finally:
+        lib.lib.mm_set_amx(lib.amx)
+    torch.testing.assert_close(tiles.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+    torch.testing.assert_close(tiles, plain, rtol=1e-5, atol=1e-5 * K ** 0.5)
+    torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-4, atol=1e-4)
+    if M < lib.amx:
+        assert torch.equal(tiles, plain)
+    else:
+        assert not torch.equal(tiles, plain)  # (the tiles ran: their order of sums is not the vdpbf16ps one)
+
+
 def test_fused_moe_expert_parallel_halves_add_up():
     """Two ranks holding experts 0-3 and 4-7: their outputs sum to the whole; rows routed elsewhere
     are skipped."""

@@ -429,6 +429,101 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
     BY_WEIGHT_TYPE(TILE_SWITCH)
 }
 
+#if BF16_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && NR == 32
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+/* AMX tiles for products of paired bfloat16 weights with amx_min_rows rows or more, where the CPU
+ * has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one tdpbf16ps multiplies 16
+ * rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps, which a Xeon runs at half
+ * the rate of its FMAs. A block of 16 rows, and 32 k of a panel re-laid as the two B tiles (the
+ * (k, k + 1) pairs of columns 0-15 and 16-31: what `tile_pairs` unpacks in registers), accumulate
+ * in two float32 tiles; the sums are those of vdpbf16ps up to the order they are added in. */
+static int amx_min_rows = 0; /* 0: off */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* 1 where AMX tiles may be used here (the kernel's permission asked for once), else 0 */
+int mm_amx_available(void) {
+    static int state = 0; /* 0: not asked, 1: yes, -1: no */
+    if (!state) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+/* rows x kc (a chunk of K, kc <= KC) against one panel through AMX tiles; as `tile_pairs` for each
+ * block of 16 rows: a[i] row i's pairs from this chunk's first, w the panel there. */
+static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
+                           int ncols, const float *rowscale, int mode) {
+    static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
+    static __thread uint32_t at[16][16] __attribute__((aligned(64)));              /* one A tile */
+    static __thread float ct[16][NR] __attribute__((aligned(64)));
+    /* tiles 0-1 C, 2 A, 3-4 B, all 16 x 64 bytes; loaded on every call: oneDNN (torch's matmul, in
+     * this thread too) configures the tiles its own way */
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int p = 0; p < 16; p++) {
+            const int64_t k = 2 * (b * 16 + p);
+            __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+            if (k < kc) r0 = _mm512_loadu_si512(w + k * NR);
+            if (k + 1 < kc) r1 = _mm512_loadu_si512(w + (k + 1) * NR);
+            _mm512_store_si512(bt[b][0][p], _mm512_unpacklo_epi16(r0, r1));
+            _mm512_store_si512(bt[b][1][p], _mm512_unpackhi_epi16(r0, r1));
+        }
+    const vf one = splat(1.0f);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n = kp - b * 16 < 16 ? kp - b * 16 : 16;
+            for (int i = 0; i < 16; i++) {
+                if (i < mr && n == 16) {
+                    _mm512_store_si512(at[i], _mm512_loadu_si512(a[r0 + i] + b * 16));
+                } else {
+                    _mm512_store_si512(at[i], _mm512_setzero_si512());
+                    if (i < mr) memcpy(at[i], a[r0 + i] + b * 16, sizeof(uint32_t) * n);
+                }
+            }
+            _tile_loadd(2, at, 64);
+            _tile_loadd(3, bt[b][0], 64);
+            _tile_loadd(4, bt[b][1], 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, ct, NR * sizeof(float));
+        _tile_stored(1, &ct[0][VW], NR * sizeof(float));
+        for (int i = 0; i < mr; i++)
+            put(load_f(ct[i]), load_f(ct[i] + VW), one, one, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
+                mode);
+    }
+}
+#else
+#define HAVE_AMX 0
+static const int amx_min_rows = 0;
+int mm_amx_available(void) { return 0; }
+#endif
+
+/* Products of paired bfloat16 weights with this many rows or more through AMX tiles (0: none). */
+void mm_set_amx(int min_rows) {
+#if HAVE_AMX
+    amx_min_rows = min_rows > 0 && mm_amx_available() ? min_rows : 0;
+#else
+    (void)min_rows;
+#endif
+}
+
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
  * the weights are PAIRED) and output (at the panel). next: the panel read after this one (by this
@@ -437,7 +532,8 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next) {
-    const int64_t kstep = rows > MR ? KC : K; /* (KC is even: a chunk starts on a pair) */
+    /* (KC is even: a chunk starts on a pair; AMX tiles take a chunk of KC at most) */
+    const int64_t kstep = rows > MR || (PAIRED(wt) && amx_min_rows && rows >= amx_min_rows) ? KC : K;
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
@@ -449,6 +545,14 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
             const float *rs = rowscale ? rowscale + r0 : NULL;
             const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows) ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
+            if (PAIRED(wt) && HAVE_AMX && amx_min_rows && rows >= amx_min_rows) {
+#if HAVE_AMX
+                const uint32_t *ap[rows > 0 ? rows : 1];
+                for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;
+                panel_rows_amx(rows, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c, ncols, rowscale, m);
+#endif
+                break; /* (every row of this chunk) */
+            }
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];
                 for (int i = 0; i < mr; i++) ap[i] = (const uint32_t *)a[r0 + i] + k0 / 2;
