@@ -27,6 +27,9 @@ import torch
 
 from moemesh.config import ModelConfig, resolve_dtype
 from stage_worker.layers.fp8 import resolve_quantization
+from moemesh.protocol import Schedule, SeqWork
+from moemesh.sampling import SamplingParams
+from stage_worker.executor import StageExecutor
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.tensors import torch_dtype
 
@@ -50,15 +53,34 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _decode_schedules(rows: int, context: int, block_size: int, vocab: int, gen: torch.Generator):
+    """(a schedule admitting `rows` sequences of `context` cached tokens with their first decode,
+    one of a decode step of them all after it): as the coordinator sends them."""
+    per_seq = math.ceil((context + 1) / block_size)
+    params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    tokens = torch.randint(0, vocab, (rows,), generator=gen).tolist()
+    admit = Schedule(0, [SeqWork(i, [t], context, list(range(i * per_seq, (i + 1) * per_seq)), True, params,
+                                 context + 1, None, [0] * context) for i, t in enumerate(tokens)])
+    step = Schedule(1, [SeqWork(i, [t], context, [], True) for i, t in enumerate(tokens)])
+    return admit, step
+
+
 @torch.inference_mode()
 def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None, rows: int = 64,
             context: int = 64, prompt_len: int = 32, chunk: int = 512, moe_backend: str = "auto", repeats: int = 5,
             block_size: int = 16) -> dict:
-    """Seconds per token of each layer kind ("sparse", "dense"; measured on the first layer of that
-    kind, the last layer aside): `decode`, in a step of `rows` sequences with `context` cached tokens
-    each; `prompt`, in a prompt chunk of up to `chunk` tokens (prompts of `prompt_len`, none cached).
-    `head`: seconds per sampled row of the final norm, lm_head and greedy sampling in that decode
-    step (the last layer with the head, less that layer)."""
+    """Seconds per token of each layer kind ("sparse", "dense"): `decode`, in a step of `rows`
+    sequences with `context` cached tokens each; `prompt`, in a prompt chunk of up to `chunk` tokens
+    (prompts of `prompt_len`, none cached). `head`: seconds per sampled row that a last stage spends
+    beyond a middle stage of as many layers in that decode step (the final norm, lm_head, greedy
+    sampling and the sampled tokens' bookkeeping).
+
+    A decode step runs as a stage worker runs it (`StageExecutor.run` of a schedule): a stage's cost
+    is its layers' plus what each step costs any stage (small beside them, the same on every stage,
+    so it moves no boundary) plus, on the last, the head. So a layer's decode cost is the difference
+    between a middle stage of two layers and one of one (the next layer's kind), the head's the
+    difference between the last stage (its one layer and the head) and a middle stage of one layer
+    of the same kind. A model with no such middle layers (two layers) prices them on a stage alone."""
     config = ModelConfig.from_dir(model_dir)
     n = config.num_layers
     if n < 2:
@@ -70,28 +92,42 @@ def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None
     num_blocks = max(rows * math.ceil((context + 1) / block_size), len(prompts) * math.ceil(prompt_len / block_size))
     gen = torch.Generator().manual_seed(0)
     kind = lambda i: "sparse" if config.is_sparse_layer(i) else "dense"  # noqa: E731
+    admit, step = _decode_schedules(rows, context, block_size, config.vocab_size, gen)
+    stream = torch.randn(rows, config.hidden_size, generator=gen).to(tdtype)
 
     def runner(layers: range) -> StageRunner:
         return StageRunner(model_dir, config, layers, num_blocks, block_size, dtype=tdtype, quant=quant,
                            moe_backend=moe_backend, progress=False)
 
-    def seconds(r: StageRunner, lens: list[int], context: int) -> float:
-        step = _step(lens, context, block_size, config.vocab_size, gen)
-        stream = None if r.model.has_embedding else torch.randn(sum(lens), config.hidden_size, generator=gen).to(tdtype)
-        return _time(lambda: r.execute(step, stream, greedy=r.model.can_screen), repeats)
+    def decode_seconds(layers: range) -> float:
+        """A decode step's seconds on the stage of these layers, as its worker runs it."""
+        ex = StageExecutor(runner(layers), config.eos_token_ids)
+        fed = None if layers.start == 0 else stream
+        ex.run(admit, fed)
+        return _time(lambda: ex.run(step, fed), repeats)
 
-    decode, prompt = {}, {}
+    def prompt_seconds(layers: range) -> float:
+        r = runner(layers)
+        chunk_step = _step(prompts, 0, block_size, config.vocab_size, gen)
+        fed = None if r.model.has_embedding else torch.randn(sum(prompts), config.hidden_size, generator=gen).to(tdtype)
+        return _time(lambda: r.execute(chunk_step, fed, greedy=r.model.can_screen), repeats)
+
+    decode, prompt, middle = {}, {}, {}
     for k in dict.fromkeys(kind(i) for i in range(n - 1)):
         i = next(i for i in range(n - 1) if kind(i) == k)
-        stage = runner(range(i, i + 1))  # (the first layer's stage also embeds: a gather, small beside it)
-        decode[k] = seconds(stage, [1] * rows, context) / rows
-        prompt[k] = seconds(stage, prompts, 0) / sum(prompts)
-        del stage
+        prompt[k] = prompt_seconds(range(i, i + 1)) / sum(prompts)
+        j = next((j for j in range(1, n - 1) if kind(j) == k), i)  # a middle stage of one such layer
+        middle[k] = decode_seconds(range(j, j + 1)) / rows
+        a = next((a for a in range(1, n - 2) if kind(a + 1) == k), None)  # and one of two, the second such
+        if a is None:
+            decode[k] = middle[k]  # (too few layers for two in the middle: priced with a stage's own cost)
+            continue
+        one = middle[k] if a == j else decode_seconds(range(a, a + 1)) / rows
+        decode[k] = max(decode_seconds(range(a, a + 2)) / rows - one, 0.0)
     last = kind(n - 1)
-    stage = runner(range(n - 1, n))
     if last not in decode:
         raise ValueError(f"no {last} layer before the last one to price it by")  # (no model of ours is built so)
-    head = seconds(stage, [1] * rows, context) / rows - decode[last]
+    head = decode_seconds(range(n - 1, n)) / rows - middle[last]
     return {"decode": decode, "prompt": prompt, "head": max(head, 0.0), "rows": rows, "context": context,
             "prompt_len": prompt_len, "chunk": sum(prompts), "dtype": str(tdtype).removeprefix("torch."),
             "quantization": quantization, "threads": torch.get_num_threads()}
