@@ -203,3 +203,14 @@ def test_moemesh_stage_runs_a_stage_with_its_ranks_on_the_ports_asked_for(model)
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_child_keeps_the_kernels_process_wide_variables_and_no_role_settings(monkeypatch):
+    """MOEMESH_PREFETCH and MOEMESH_AMX set the CPU kernels of every process of a mesh; a role's
+    settings (MOEMESH_PP) reach a child as flags, not through the environment."""
+    from moemesh.entrypoints.launcher import child_environment
+
+    for name, value in (("MOEMESH_PREFETCH", "0,4"), ("MOEMESH_AMX", "0"), ("MOEMESH_PP", "2")):
+        monkeypatch.setenv(name, value)
+    env = child_environment()
+    assert env["MOEMESH_PREFETCH"] == "0,4" and env["MOEMESH_AMX"] == "0" and "MOEMESH_PP" not in env

@@ -63,7 +63,9 @@ def worker_message_limit(engine: EngineSettings) -> int:
     return worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size)
 
 
-_PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL")  # not a role's settings: every process reads them
+# not a role's settings: every process reads them (the last two: the CPU kernels' prefetch policy
+# and AMX tiles, kernels/cpu_gemm.py, set by hand for a whole mesh)
+_PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL", "MOEMESH_PREFETCH", "MOEMESH_AMX")
 
 
 def child_environment() -> dict[str, str]:
