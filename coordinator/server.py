@@ -42,7 +42,6 @@ from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, ma
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout
-from moemesh.step_costs import partition_costs
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
@@ -83,9 +82,10 @@ class Coordinator:
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model)
         # refuse before any worker loads
-        costs = partition_costs(cfg, cfg.model, self.model_config, cfg.pp) if cfg.tp == 1 else None
+        # (`auto` here balances the weights: a coordinator does not know where its stages run; `serve`
+        # and `generate` resolve a measured split before they start one, moemesh/step_costs.py)
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
-                                     cfg.quantization, costs)
+                                     cfg.quantization)
         check_num_steps(cfg, cfg.pp, cfg.tp)
         # the MLP hand-off (moemesh.layout.MlpHandoff): None where off or where no step could use it
         self.handoff = None if cfg.no_mlp_handoff else MlpHandoff.for_layout(self.model_config, self.layout.stages)

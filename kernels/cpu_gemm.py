@@ -264,9 +264,9 @@ def amx_rows(lib: _Lib) -> int:
     """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
     `panel_rows_amx`), or 0 where they do not: a CPU with AMX-BF16 whose kernel lets this process use
     it, unless MOEMESH_AMX says otherwise (0: off; N: from N rows, more than FEW_ROWS)."""
-    if not lib.lib.mm_amx_available():
-        return 0
     text = os.environ.get("MOEMESH_AMX", "").strip()
+    if text == "0" or not lib.lib.mm_amx_available():  # (off: not even the kernel's permission asked)
+        return 0
     if not text:
         return AMX_MIN_ROWS
     try:
@@ -611,11 +611,12 @@ def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> list[tup
     from one row: vdpbf16ps on a CPU with AVX512-BF16, 1.6x the full 64-row product on Zen 4) or
     through torch's matmul ("onednn", from ONEDNN_MIN_ROWS rows: AMX tiles on a CPU that has them, 3x
     the full product at 64 rows on a Xeon whose vdpbf16ps runs at half the rate of its float32 FMAs,
-    where "native" loses to the full product), whichever samples 64 rows fastest. A bfloat16 head: its
+    where "native" loses to the full product), whichever samples 64 rows fastest ("onednn" from the
+    fewest of 16, 32 or 64 rows where it also beats the full product). A bfloat16 head: its
     int8 copy ("int8", from one row; it is read only for up to FEW_ROWS rows, where a product is bound
     by reading its weights: half the bytes, wherever the kernels are built), and from ONEDNN_MIN_ROWS
-    rows torch's matmul of the head itself ("onednn": 6x the full product at 64 rows on that Xeon)
-    where it samples 64 rows faster than the full product. An int8 head (`--quantization int8`):
+    rows torch's matmul of the head itself ("onednn": 4.4x the vdpbf16ps product at 64 rows on that
+    Xeon; as fast as its AMX tiles there) where it samples 64 rows faster than the full product. An int8 head (`--quantization int8`):
     torch's matmul of its bfloat16 copy from ONEDNN_MIN_ROWS rows where that is faster. Timed on a
     slice of the head (up to 4M weights: a tenth of a second or so in all)."""
     if lib is None or head.data.dim() != 3 or head.data.dtype not in (torch.float32, torch.bfloat16, torch.int8):
@@ -627,30 +628,36 @@ def screen_product(head: PackedWeight, vocab: int, lib: _Lib | None) -> list[tup
     cols = min(vocab, part.n)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(0))
     x *= 1 / x.norm(dim=1, keepdim=True)  # (a final norm's rows: their scale does not matter to the timing)
-    ways = {None: lambda: argmax_rows(gemm(x, part, lib)[:, :cols], lib)}
+    ways = {None: lambda rows: argmax_rows(gemm(x[:rows], part, lib)[:, :cols], lib)}
     if head.data.dtype == torch.float32:
-        ways["native"] = functools.partial(ScreenedHead(part, cols, lib, "native").tokens, x)
+        native = ScreenedHead(part, cols, lib, "native")
+        ways["native"] = lambda rows: native.tokens(x[:rows])
     try:  # torch's product, if this torch has one and it keeps the bound (float32 sums, rounded once)
         screen = ScreenedHead(part, cols, lib, "onednn")
         error = (screen.approx(x)[:, :cols].float() - gemm(x, part, lib)[:, :cols]).abs()
         if (error <= x.norm(dim=1, keepdim=True) * screen.radius).all():
-            ways["onednn"] = functools.partial(screen.tokens, x)
+            ways["onednn"] = lambda rows: screen.tokens(x[:rows])
         else:
             log.warning("torch's bfloat16 matmul strays beyond the screened head's bound here: not used")
     except RuntimeError as e:
         log.info("no bfloat16 matmul in torch here for the screened head: %s", e)
-    best, best_time = None, float("inf")
-    for product, run in ways.items():
-        run()  # (warm: the first call pays for its buffers, torch's for its kernel)
+    def seconds(run, rows: int) -> float:
+        run(rows)  # (warm: the first call pays for its buffers, torch's for its kernel)
         took = float("inf")
         for _ in range(2):
             t = time.perf_counter()
-            run()
+            run(rows)
             took = min(took, time.perf_counter() - t)
-        if took < best_time:
-            best, best_time = product, took
+        return took
+
+    times = {product: seconds(run, 64) for product, run in ways.items()}
+    best = min(times, key=times.get)
+    min_rows = 1
+    if best == "onednn":  # from the fewest rows (16, 32 or 64) where it beats the full product
+        min_rows = next(r for r in (ONEDNN_MIN_ROWS, 2 * ONEDNN_MIN_ROWS, 64)
+                        if r == 64 or seconds(ways["onednn"], r) < seconds(ways[None], r))
     chosen = [("int8", 1)] if head.data.dtype == torch.bfloat16 else []
-    return chosen + ([] if best is None else [(best, ONEDNN_MIN_ROWS if best == "onednn" else 1)])
+    return chosen + ([] if best is None else [(best, min_rows)])
 
 
 class HeadScreens:
@@ -803,9 +810,10 @@ class ScreenedHead:
             return out
         if not self.screens(x.shape[0]):
             return argmax_rows(gemm(x, self.head, self.lib)[:, :self.vocab], self.lib)
-        if self.copy_t is not None and self.head.data.dtype == torch.bfloat16 and x.shape[0] > self.lib.few_rows:
-            # the full product of a bfloat16 head reads more than FEW_ROWS rows as bfloat16 (pairs for
-            # vdpbf16ps): its logits are those of x so rounded, and so are the ones screened here
+        if self.copy_t is not None and self.head.pairs and x.shape[0] > self.lib.few_rows:
+            # the full product of a paired bfloat16 head (AVX512-BF16) reads more than FEW_ROWS rows as
+            # bfloat16: its logits are those of x so rounded, and so are the ones screened here (elsewhere
+            # it reads x as it is, and the radius's u covers torch's rounding of the rows)
             x = x.to(torch.bfloat16).float()
         approx = self.approx(x)
         self.lib.lib.mm_screened_argmax(x.shape[0], self.vocab, x.shape[1], approx.data_ptr(),
@@ -852,13 +860,15 @@ def _columns(w: PackedWeight, p: int, step: int, vocab: int) -> torch.Tensor:
 
 def greedy_decode(descs: ctypes.Array, embed: torch.Tensor, norm: torch.Tensor, eps: float, head: PackedWeight,
                   vocab: int, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                  block_size: int, steps: int, lib: _Lib, screen: ScreenedHead | None = None) -> torch.Tensor:
+                  block_size: int, steps: int, lib: _Lib,
+                  screen: "ScreenedHead | HeadScreens | None" = None) -> torch.Tensor:
     """`steps` greedy decode steps of a whole model (descs: every decoder layer's LayerDesc), each
     feeding back what the one before sampled: tokens, positions [S] int64 (each sequence's next
     input token and its position); block_table [S, max_blocks] int64, covering every position up to
     positions + steps - 1; embed [rows, H] float32 or bfloat16; norm [H] float32, the final norm's
     weight; head, the packed lm_head (its first `vocab` columns are the logits); screen: head's
-    `ScreenedHead`, to sample through it. -> [steps, S] int64, the tokens sampled. The caller checks
+    `ScreenedHead` or `HeadScreens`, to sample through the one that takes S rows (a copy these
+    kernels read; torch's product cannot run inside the burst). -> [steps, S] int64, the tokens sampled. The caller checks
     the indices (the kernels trust them)."""
     S = tokens.shape[0]
     H = embed.shape[1]

@@ -378,10 +378,11 @@ class LayoutSettings(Settings):
               "carries the lm_head, which only sampled tokens pay) for requests of as many prompt as output tokens; "
               "auto:PROMPT:OUTPUT for another mix, e.g. auto:32:64", parse=partition_arg)
     partition_costs: str = flag(
-        "measured", "what --layer-partition auto balances: measured (a decode step and a prompt chunk of the model's "
-                    "first and last layers timed on this CPU with the stages' kernels, once, kept in "
-                    "~/.cache/moemesh/costs; the weights' where stages run on a GPU or layers are too large to load "
-                    "twice) or weights (multiply-adds of the weights each token uses)", choices=("measured", "weights"))
+        "measured", "what --layer-partition auto balances: measured (decode steps of stages of one and two layers "
+                    "and of the last stage, and a prompt chunk, timed on this CPU with the stages' kernels once and "
+                    "kept in ~/.cache/moemesh/costs; the weights' where stages run on a GPU, layers are too large "
+                    "to time, or on a standalone coordinator) or weights (multiply-adds of the weights each token "
+                    "uses)", choices=("measured", "weights"))
     expert_parallel: bool = flag(False, "with --tp: divide each MoE layer's experts among a stage's ranks "
                                         "instead of slicing each")
     no_mlp_handoff: bool = flag(False, "with --pp: no MLP hand-off (by default a stage after a heavier one also "

@@ -1,16 +1,17 @@
-"""A decode step's measured cost on this machine, per decoder layer and for the head, for
-`--layer-partition auto` and the MLP hand-off (moemesh/layout.py `DecodeCosts`).
+"""A decode step's measured cost on this machine, per decoder layer and for the head, and a prompt
+chunk's per layer, for `--layer-partition auto` (moemesh/layout.py `StepCosts`).
 
 Counting the multiply-adds of the weights a token uses (`decode_costs`) ranks the parts of a step
 the way reading those weights does, but the kernels do not price them alike: the screened lm_head
-(stage_worker/layers/vocab.py) reads a copy of the head of a half or a quarter of its bytes and
-multiplies it with another product, a float32 expert that 16 rows reach is bound by reading its
-weights where a bfloat16 one is not, and the attention over the cache is no weight at all. So this
-loads the model's first layer, and its last layer with the head, as the stages will (the same
-kernels, dtype, quantization and thread count), times decode steps of the rows and context a
-microbatch of the workload has, and prices each part in seconds per token. `python -m
-stage_worker.costs` prints the result as one JSON line: the control plane asks for it in a
-subprocess, so that the coordinator itself never imports torch.
+(stage_worker/layers/vocab.py) reads a copy of a half or a quarter of its bytes or multiplies it
+with AMX tiles, a float32 expert that 16 rows reach is bound by reading its weights where a
+bfloat16 one is not, the last stage also samples, and the attention over the cache is no weight at
+all. So this loads layers as the stages will (the same kernels, dtype, quantization and thread
+count) and times what a stage worker runs (`measure`): decode steps of the rows and context a
+microbatch of the workload has, of a middle stage of one layer and of two and of the last stage
+with the head, and a prompt chunk of one layer; it prices each part in seconds per token. `python
+-m stage_worker.costs` prints the result as one JSON line: the control plane asks for it in a
+subprocess (moemesh/step_costs.py), so that it never imports torch itself.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 from kernels import cpu_gemm
 
 from moemesh.config import ModelConfig, resolve_dtype
-from stage_worker.layers.fp8 import resolve_quantization
 from moemesh.protocol import Schedule, SeqWork
 from moemesh.sampling import SamplingParams
 from stage_worker.executor import StageExecutor
+from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.tensors import torch_dtype
 

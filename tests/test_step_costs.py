@@ -58,9 +58,18 @@ def test_a_failed_measurement_falls_back_to_the_weights(tiny, cache, monkeypatch
         assert step_costs.measured_costs(tiny, mc) is None
     [record] = [r for r in caplog.records if "could not be measured" in r.getMessage()]
     assert record.fields["error"] == "Boom: no"
-    assert not list(cache.glob("*.json"))
-    monkeypatch.setattr(subprocess, "run", lambda argv, **k: subprocess.CompletedProcess(argv, 0, "not json\n", ""))
+    # kept as failed: not tried again at the next start with the same key
+    assert [json.loads(p.read_text()) for p in cache.glob("*.json")] == [{"failed": "Boom: no"}]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured again"))
     assert step_costs.measured_costs(tiny, mc) is None
+    monkeypatch.setattr(subprocess, "run", lambda argv, **k: subprocess.CompletedProcess(argv, 0, "not json\n", ""))
+    assert step_costs.measured_costs(tiny, mc, rows=3) is None
+    # a cache that cannot be written costs the next start a measurement, not this one its answer
+    good = json.dumps({"decode": {"sparse": 1.0}, "prompt": {"sparse": 1.0}, "head": 2.0})
+    monkeypatch.setattr(subprocess, "run", lambda argv, **k: subprocess.CompletedProcess(argv, 0, good + "\n", ""))
+    (cache.parent.parent.parent / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache.parent.parent.parent / "file"))
+    assert step_costs.measured_costs(tiny, mc, rows=4).head == 2.0
     monkeypatch.setattr(step_costs, "MEASURE_LIMIT", 1)  # layers too large to load twice: not even tried
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("measured"))
     assert step_costs.measured_costs(tiny, mc) is None
@@ -78,10 +87,15 @@ def test_measured_only_for_auto_on_a_cpu_pipeline(tiny, monkeypatch):
     assert step_costs.partition_costs(EngineSettings.derive(auto, partition_costs="weights"), tiny, mc, 2) is None
     assert step_costs.partition_costs(EngineSettings.derive(auto, layer_partition=(2, 1)), tiny, mc, 2) is None
     assert not calls
+    assert step_costs.partition_costs(auto, tiny, mc, 4) is None  # (more stages than layers: refused later)
+    assert not calls
     assert step_costs.partition_costs(auto, tiny, mc, 2, threads=2).head == 9.0
     # a decode microbatch: --max-seqs within --max-batched-tokens, among the stages; the mix's context
     assert calls == [dict(dtype="auto", quantization=None, moe_backend="auto", rows=32, context=25, prompt_len=10,
                           chunk=64, threads=2)]
+    # a plain "auto" (a 1:1 mix) with lengths of a typical request, not of one token
+    step_costs.partition_costs(EngineSettings.derive(auto, layer_partition="auto"), tiny, mc, 2)
+    assert (calls[-1]["context"], calls[-1]["prompt_len"]) == (48, 32)
 
 
 def test_the_engine_splits_by_the_measurement(tiny, monkeypatch):

@@ -532,8 +532,9 @@ void mm_set_amx(int min_rows) {
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next) {
-    /* (KC is even: a chunk starts on a pair; AMX tiles take a chunk of KC at most) */
-    const int64_t kstep = rows > MR || (PAIRED(wt) && amx_min_rows && rows >= amx_min_rows) ? KC : K;
+    /* AMX tiles for every row of each chunk (the setting read once: a chunk of KC at most for them) */
+    const int amx = PAIRED(wt) && amx_min_rows && rows >= amx_min_rows;
+    const int64_t kstep = rows > MR || amx ? KC : K; /* (KC is even: a chunk starts on a pair) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
@@ -545,7 +546,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
             const float *rs = rowscale ? rowscale + r0 : NULL;
             const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows) ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
-            if (PAIRED(wt) && HAVE_AMX && amx_min_rows && rows >= amx_min_rows) {
+            if (HAVE_AMX && amx) {
 #if HAVE_AMX
                 const uint32_t *ap[rows > 0 ? rows : 1];
                 for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;

@@ -21,10 +21,10 @@ from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout
-from moemesh.step_costs import partition_costs
 from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
+from moemesh.step_costs import partition_costs
 from stage_worker.in_process import InProcessPipeline
 from stage_worker.runner import StepInput
 from stage_worker.tensors import torch_dtype
@@ -48,7 +48,8 @@ class LLMEngine:
             raise ConfigError("the in-process engine runs whole layers; tensor and expert parallelism need the mesh")
         partition = settings.layer_partition
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
-        costs = partition_costs(settings, settings.model, mc, pp, threads=settings.threads or 1, device=device)
+        costs = partition_costs(settings, settings.model, mc, pp, threads=settings.threads or torch.get_num_threads(),
+                                device=device)
         self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, costs)
         check_num_steps(settings, self.layout.pp, 1)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))

@@ -15,11 +15,11 @@ from moemesh.entrypoints.engine import LLMEngine, Output
 from moemesh.entrypoints.launcher import threads_per_worker
 from moemesh.errors import CLIError, ConfigError
 from moemesh.layout import resolve_layout
-from moemesh.step_costs import partition_costs
 from moemesh.log import get_logger
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
+from moemesh.step_costs import partition_costs
 
 log = get_logger("generate")
 

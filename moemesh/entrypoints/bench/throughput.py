@@ -34,7 +34,6 @@ from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.layout import Layout, resolve_layout
-from moemesh.step_costs import partition_costs
 from moemesh.entrypoints.bench import check_writable
 from moemesh.entrypoints.bench.ceiling import bench_ceiling
 from moemesh.entrypoints.engine import LLMEngine
@@ -43,6 +42,7 @@ from moemesh.netutil import run
 from moemesh.protocol import TIMELINE_SPANS, StatusReply
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
+from moemesh.step_costs import partition_costs
 from moemesh.timeline import chrome_trace, idle_split
 
 
