@@ -457,7 +457,7 @@ int mm_amx_available(void) {
 /* rows x kc (a chunk of K, kc <= KC) against one panel through AMX tiles; as `tile_pairs` for each
  * block of 16 rows: a[i] row i's pairs from this chunk's first, w the panel there. */
 static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
-                           int ncols, const float *rowscale, int mode) {
+                           int ncols, const float *rowscale, int mode, const char *next) {
     static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
     static __thread uint32_t at[16][16] __attribute__((aligned(64)));              /* one A tile */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
@@ -475,6 +475,10 @@ static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, c
     for (int64_t b = 0; b < blocks; b++)
         for (int p = 0; p < 16; p++) {
             const int64_t k = 2 * (b * 16 + p);
+            if (next && k < kc) { /* the next panel's rows k and k + 1, as `tile_pairs` */
+                prefetch_next(next, k, 2);
+                if (k + 1 < kc) prefetch_next(next, k + 1, 2);
+            }
             __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
             if (k < kc) r0 = _mm512_loadu_si512(w + k * NR);
             if (k + 1 < kc) r1 = _mm512_loadu_si512(w + (k + 1) * NR);
@@ -484,10 +488,23 @@ static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, c
     const vf one = splat(1.0f);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        /* 16 rows the same distance apart (a product's own pairs, an expert's rows in a slot-ordered
+         * array) load as the A tile where they are: no copy */
+        const int64_t step = mr == 16 ? a[r0 + 1] - a[r0] : 0;
+        int spaced = step > 0;
+        for (int i = 2; spaced && i < 16; i++) spaced = a[r0 + i] - a[r0] == i * step;
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n = kp - b * 16 < 16 ? kp - b * 16 : 16;
+            if (spaced && n == 16) {
+                _tile_loadd(2, a[r0] + b * 16, step * 4);
+                _tile_loadd(3, bt[b][0], 64);
+                _tile_loadd(4, bt[b][1], 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+                continue;
+            }
             for (int i = 0; i < 16; i++) {
                 if (i < mr && n == 16) {
                     _mm512_store_si512(at[i], _mm512_loadu_si512(a[r0 + i] + b * 16));
@@ -550,7 +567,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
 #if HAVE_AMX
                 const uint32_t *ap[rows > 0 ? rows : 1];
                 for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;
-                panel_rows_amx(rows, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c, ncols, rowscale, m);
+                panel_rows_amx(rows, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c, ncols, rowscale, m, nx);
 #endif
                 break; /* (every row of this chunk) */
             }
@@ -797,18 +814,20 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
     for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
     if (PAIRED(wt) && many) {
-        xpairs = malloc(sizeof(uint32_t) * (T * hp > 0 ? T * hp : 1));
+        /* each row's x as pairs in slot order: an expert's rows lie one after another (AMX tiles
+         * load them where they are) */
+        xpairs = malloc(sizeof(uint32_t) * (rows * hp > 0 ? rows * hp : 1));
         actpairs = malloc(sizeof(uint32_t) * (rows * ip > 0 ? rows * ip : 1));
         if (!xpairs || !actpairs) {
             rc = -1;
             goto done;
         }
-        for (int64_t t = 0; t < T; t++) pair_row(x + t * H, H, xpairs + t * hp);
+        for (int64_t s = 0; s < rows; s++) pair_row(x + tok[s] * H, H, xpairs + s * hp);
     }
 #endif
     for (int64_t s = 0; s < rows; s++) {
         ax[s] = x + tok[s] * H;
-        ax2[s] = xpairs ? (const void *)(xpairs + tok[s] * hp) : ax[s];
+        ax2[s] = xpairs ? (const void *)(xpairs + s * hp) : ax[s];
         hrow[s] = h + s * 2 * I;
         actp[s] = act + s * I;
         actp2[s] = actpairs ? (const void *)(actpairs + s * ip) : actp[s];
