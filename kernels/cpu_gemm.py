@@ -262,8 +262,9 @@ AMX_MIN_ROWS = 8  # products of paired bfloat16 weights with this many rows or m
 
 def amx_rows(lib: _Lib) -> int:
     """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
-    `panel_rows_amx`), or 0 where they do not: a CPU with AMX-BF16 whose kernel lets this process use
-    it, unless MOEMESH_AMX says otherwise (0: off; N: from N rows, more than FEW_ROWS)."""
+    `panel_rows_amx`; int8 weights from that many and at least 16, `AMX_I8_ROWS`), or 0 where they do
+    not: a CPU with AMX-BF16 whose kernel lets this process use it, unless MOEMESH_AMX says otherwise
+    (0: off; N: from N rows, more than FEW_ROWS)."""
     text = os.environ.get("MOEMESH_AMX", "").strip()
     if text == "0" or not lib.lib.mm_amx_available():  # (off: not even the kernel's permission asked)
         return 0

@@ -229,6 +229,40 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
         assert torch.equal(tiles, plain)
 
 
+@pytest.mark.skipif(lib is None or not lib.amx, reason="no AMX tiles here (or MOEMESH_AMX=0)")
+@pytest.mark.parametrize("M,K", [(15, 64), (16, 512), (33, 1031), (97, 600), (130, 1100)])
+def test_amx_tiles_take_int8_weights_within_their_bound(M, K):
+    """Products of int8 weights with 16 rows or more (and lib.amx) go through AMX tiles, the
+    activations split in two bfloat16 parts (cpu_gemm.c `split_row`): within 2^-16 of the sum of
+    |x w| of the exact product (float64 over the dequantized weights), for a gemm and for a fused
+    MoE whose experts get 7-65 rows; from fewer rows the two paths are one."""
+    g = torch.Generator().manual_seed(M * K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    wq = p.unpack().double()
+    want = x.double() @ wq.T
+    bound = (x.double().abs() @ wq.abs().T) * 2.0 ** -16 + 1e-6
+    x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, 40)
+    weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
+    p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
+    p2 = cpu_gemm.pack(w2, lib.panel_width, torch.int8)
+    try:
+        tiles = cpu_gemm.gemm(x, p, lib)
+        moe_tiles = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
+        lib.lib.mm_set_amx(0)
+        plain = cpu_gemm.gemm(x, p, lib)
+        moe_plain = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
+    finally:
+        lib.lib.mm_set_amx(lib.amx)
+    assert ((tiles.double() - want).abs() <= bound).all()
+    assert ((plain.double() - want).abs() <= bound).all()
+    torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
+    if M < max(lib.amx, 16):
+        assert torch.equal(tiles, plain)
+    else:
+        assert not torch.equal(tiles, plain)  # (the tiles ran: their sums differ in the last bits)
+
+
 def test_fused_moe_expert_parallel_halves_add_up():
     """Two ranks holding experts 0-3 and 4-7: their outputs sum to the whole; rows routed elsewhere
     are skipped."""

@@ -433,12 +433,17 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
-/* AMX tiles for products of paired bfloat16 weights with amx_min_rows rows or more, where the CPU
- * has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one tdpbf16ps multiplies 16
- * rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps, which a Xeon runs at half
- * the rate of its FMAs. A block of 16 rows, and 32 k of a panel re-laid as the two B tiles (the
- * (k, k + 1) pairs of columns 0-15 and 16-31: what `tile_pairs` unpacks in registers), accumulate
- * in two float32 tiles; the sums are those of vdpbf16ps up to the order they are added in. */
+/* AMX tiles for products of paired bfloat16 weights, and of int8 ones, with amx_min_rows rows or
+ * more, where the CPU has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one
+ * tdpbf16ps multiplies 16 rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps,
+ * which a Xeon runs at half the rate of its FMAs. A block of 16 rows, and 32 k of a panel re-laid as
+ * the two B tiles (the (k, k + 1) pairs of columns 0-15 and 16-31: what `tile_pairs` unpacks in
+ * registers; int8 weights widened to bfloat16 on the way, which holds them exactly), accumulate in
+ * two float32 tiles. For bfloat16 weights the sums are those of vdpbf16ps up to the order they are
+ * added in. For int8 weights the activations go in as two bfloat16 parts (`split_row`: x rounded,
+ * then what that rounding left), each multiplied by the weights: 16 bits of each activation where
+ * the float32 tiles keep 24, an error of at most 2^-16 of the sum of |x w| (products of bfloat16
+ * numbers are exact in float32); the column scales multiply the sums as the float32 tiles' do. */
 static int amx_min_rows = 0; /* 0: off */
 
 typedef struct {
@@ -454,38 +459,99 @@ int mm_amx_available(void) {
     return state > 0;
 }
 
+/* One row of K activations as two bfloat16 parts, ceil(K / 2) pairs each: hi, x rounded to nearest
+ * even; lo, x - hi rounded (exact in float32), so that hi + lo carries 16 bits of x. An odd K's last
+ * pair has zeros in its high half. (vcvtneps2bf16 reads float32 denormals as zero: parts below
+ * 2^-126 are lost, as the tiles would flush them anyway.) */
+static void split_row(const float *x, int64_t K, uint32_t *hi, uint32_t *lo) {
+    uint16_t *h = (uint16_t *)hi, *l = (uint16_t *)lo;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+        _mm256_storeu_si256((__m256i *)(h + k), hb);
+        _mm256_storeu_si256((__m256i *)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+    }
+    for (; k < K; k++) {
+        h[k] = to_bf16(x[k]);
+        const uint32_t u = (uint32_t)h[k] << 16;
+        float hf;
+        memcpy(&hf, &u, 4);
+        l[k] = to_bf16(x[k] - hf);
+    }
+    if (K % 2) h[K] = l[K] = 0;
+}
+
+/* rows[m] (K activations each) -> a fresh [M][2][ceil(K / 2)] array of `split_row` parts (row m's
+ * high parts, then its low ones); NULL when memory runs out. */
+static uint32_t *split_rows(int64_t M, int64_t K, const float *const *rows) {
+    const int64_t kp = (K + 1) / 2;
+    uint32_t *out = malloc(sizeof(uint32_t) * (M * 2 * kp > 0 ? M * 2 * kp : 1));
+    if (out)
+        for (int64_t m = 0; m < M; m++) split_row(rows[m], K, out + m * 2 * kp, out + m * 2 * kp + kp);
+    return out;
+}
+
+/* 32 int8 weights (a row of an int8 panel) widened to bfloat16, exactly, in order */
+INLINE __m512i widen_i8(const int8_t *w) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* (the second operand's 16 in the low half) */
+}
+
 /* rows x kc (a chunk of K, kc <= KC) against one panel through AMX tiles; as `tile_pairs` for each
- * block of 16 rows: a[i] row i's pairs from this chunk's first, w the panel there. */
-static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
-                           int ncols, const float *rowscale, int mode, const char *next) {
+ * block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
+ * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
+ * scale: int8's per column, or NULL; next: the panel read after this one, prefetched while this one
+ * is re-laid (as `tile_pairs` does), or NULL. */
+__attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, int64_t lo, const char *w, int wt,
+                           float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
+                           const char *next) {
     static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
-    static __thread uint32_t at[16][16] __attribute__((aligned(64)));              /* one A tile */
+    static __thread uint32_t at[2][16][16] __attribute__((aligned(64)));           /* A tiles (high, low) */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
-    /* tiles 0-1 C, 2 A, 3-4 B, all 16 x 64 bytes; loaded on every call: oneDNN (torch's matmul, in
-     * this thread too) configures the tiles its own way */
+    static const uint16_t lo_cols[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const uint16_t hi_cols[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const int i8 = wt == W_I8, es = elem_size(wt);
+    /* tiles 0-1 C, 2 A, 3-4 B, 5 the low parts' A, all 16 x 64 bytes; loaded on every call: oneDNN
+     * (torch's matmul, in this thread too) configures the tiles its own way */
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 6; t++) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
+    const __m512i pick_lo = _mm512_loadu_si512(lo_cols), pick_hi = _mm512_loadu_si512(hi_cols);
     const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
     for (int64_t b = 0; b < blocks; b++)
         for (int p = 0; p < 16; p++) {
             const int64_t k = 2 * (b * 16 + p);
             if (next && k < kc) { /* the next panel's rows k and k + 1, as `tile_pairs` */
-                prefetch_next(next, k, 2);
-                if (k + 1 < kc) prefetch_next(next, k + 1, 2);
+                prefetch_next(next, k, es);
+                if (k + 1 < kc) prefetch_next(next, k + 1, es);
             }
             __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-            if (k < kc) r0 = _mm512_loadu_si512(w + k * NR);
-            if (k + 1 < kc) r1 = _mm512_loadu_si512(w + (k + 1) * NR);
+            if (i8) { /* rows k and k + 1 widened, their columns interleaved: (k, k + 1) pairs in order */
+                if (k < kc) r0 = widen_i8((const int8_t *)w + k * NR);
+                if (k + 1 < kc) r1 = widen_i8((const int8_t *)w + (k + 1) * NR);
+                _mm512_store_si512(bt[b][0][p], _mm512_permutex2var_epi16(r0, pick_lo, r1));
+                _mm512_store_si512(bt[b][1][p], _mm512_permutex2var_epi16(r0, pick_hi, r1));
+                continue;
+            }
+            const uint16_t *w16 = (const uint16_t *)w;
+            if (k < kc) r0 = _mm512_loadu_si512(w16 + k * NR);
+            if (k + 1 < kc) r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
             _mm512_store_si512(bt[b][0][p], _mm512_unpacklo_epi16(r0, r1));
             _mm512_store_si512(bt[b][1][p], _mm512_unpackhi_epi16(r0, r1));
         }
-    const vf one = splat(1.0f);
+    vf s0, s1;
+    col_scales(scale, &s0, &s1);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
         /* 16 rows the same distance apart (a product's own pairs, an expert's rows in a slot-ordered
@@ -497,32 +563,36 @@ static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, c
         _tile_zero(1);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n = kp - b * 16 < 16 ? kp - b * 16 : 16;
-            if (spaced && n == 16) {
-                _tile_loadd(2, a[r0] + b * 16, step * 4);
-                _tile_loadd(3, bt[b][0], 64);
-                _tile_loadd(4, bt[b][1], 64);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-                continue;
-            }
-            for (int i = 0; i < 16; i++) {
-                if (i < mr && n == 16) {
-                    _mm512_store_si512(at[i], _mm512_loadu_si512(a[r0 + i] + b * 16));
-                } else {
-                    _mm512_store_si512(at[i], _mm512_setzero_si512());
-                    if (i < mr) memcpy(at[i], a[r0 + i] + b * 16, sizeof(uint32_t) * n);
-                }
-            }
-            _tile_loadd(2, at, 64);
             _tile_loadd(3, bt[b][0], 64);
             _tile_loadd(4, bt[b][1], 64);
+            if (spaced && n == 16) {
+                _tile_loadd(2, a[r0] + b * 16, step * 4);
+                if (i8) _tile_loadd(5, a[r0] + lo + b * 16, step * 4);
+            } else {
+                for (int part = 0; part <= i8; part++) {
+                    for (int i = 0; i < 16; i++) {
+                        if (i < mr && n == 16) {
+                            _mm512_store_si512(at[part][i], _mm512_loadu_si512(a[r0 + i] + part * lo + b * 16));
+                        } else {
+                            _mm512_store_si512(at[part][i], _mm512_setzero_si512());
+                            if (i < mr) memcpy(at[part][i], a[r0 + i] + part * lo + b * 16, sizeof(uint32_t) * n);
+                        }
+                    }
+                }
+                _tile_loadd(2, at[0], 64);
+                if (i8) _tile_loadd(5, at[1], 64);
+            }
             _tile_dpbf16ps(0, 2, 3);
             _tile_dpbf16ps(1, 2, 4);
+            if (i8) {
+                _tile_dpbf16ps(0, 5, 3);
+                _tile_dpbf16ps(1, 5, 4);
+            }
         }
         _tile_stored(0, ct, NR * sizeof(float));
         _tile_stored(1, &ct[0][VW], NR * sizeof(float));
         for (int i = 0; i < mr; i++)
-            put(load_f(ct[i]), load_f(ct[i] + VW), one, one, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
+            put(load_f(ct[i]), load_f(ct[i] + VW), s0, s1, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
                 mode);
     }
 }
@@ -532,7 +602,19 @@ static const int amx_min_rows = 0;
 int mm_amx_available(void) { return 0; }
 #endif
 
-/* Products of paired bfloat16 weights with this many rows or more through AMX tiles (0: none). */
+/* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
+ * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
+ * each product: its rows are split for int8 weights by that reading, `split_row`). Widening int8
+ * weights and the second part's products cost more than the tiles save below 14-16 rows on the
+ * Xeon of docs/benchmarks.md (an expert of the bench model: 2.26 against 1.41 ms at 8 rows, 2.04
+ * against 2.54 at 16). */
+#define AMX_I8_ROWS 16
+INLINE int amx_takes(int wt, int64_t rows, int min_rows) {
+    return HAVE_AMX && min_rows && rows >= min_rows &&
+           (PAIRED(wt) || (wt == W_I8 && rows >= AMX_I8_ROWS));
+}
+
+/* Products of paired bfloat16 or int8 weights with this many rows or more through AMX tiles (0: none). */
 void mm_set_amx(int min_rows) {
 #if HAVE_AMX
     amx_min_rows = min_rows > 0 && mm_amx_available() ? min_rows : 0;
@@ -543,14 +625,13 @@ void mm_set_amx(int min_rows) {
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
- * the weights are PAIRED) and output (at the panel). next: the panel read after this one (by this
+ * the weights are PAIRED, or split in two bfloat16 parts where AMX tiles take int8 weights:
+ * `amx_takes`) and output (at the panel). next: the panel read after this one (by this
  * thread, unless this one ends its share), prefetched into L2 by the first tile when several tiles
- * reuse this one or it has 8 rows or more, or NULL. */
+ * reuse this one or it has 8 rows or more, or NULL. amx: AMX tiles for every row (`amx_takes`). */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
-                       const char *next) {
-    /* AMX tiles for every row of each chunk (the setting read once: a chunk of KC at most for them) */
-    const int amx = PAIRED(wt) && amx_min_rows && rows >= amx_min_rows;
+                       const char *next, int amx) {
     const int64_t kstep = rows > MR || amx ? KC : K; /* (KC is even: a chunk starts on a pair) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
@@ -567,7 +648,8 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
 #if HAVE_AMX
                 const uint32_t *ap[rows > 0 ? rows : 1];
                 for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;
-                panel_rows_amx(rows, kc, ap, (const uint16_t *)(panel + k0 * NR * es), c, ncols, rowscale, m, nx);
+                panel_rows_amx(rows, kc, ap, wt == W_I8 ? (K + 1) / 2 : 0, panel + k0 * NR * es, wt, c, ncols, scale,
+                               rowscale, m, nx);
 #endif
                 break; /* (every row of this chunk) */
             }
@@ -656,6 +738,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     const void **ap = malloc(sizeof(void *) * (M > 0 ? M : 1)); /* float32 rows, or bfloat16 pairs */
     float **cp = malloc(sizeof(float *) * (M > 0 ? M : 1));
     void *pairs = NULL; /* the rows as bfloat16 pairs, for PAIRED weights */
+    const void **ap2 = NULL; /* the rows split in two bfloat16 parts, for int8 weights AMX tiles take */
     int rc = 0;
     if (!ap || !cp) {
         rc = -1;
@@ -675,6 +758,17 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
         for (int64_t m = 0; m < M; m++) ap[m] = (const uint32_t *)pairs + m * kp;
     }
 #endif
+    const int amx_rows = amx_min_rows; /* (read once: the rows are split by this reading) */
+#if HAVE_AMX
+    if (amx_takes(wt, M < MC ? M : MC, amx_rows) && wt == W_I8) {
+        const int64_t kp = (K + 1) / 2;
+        if (!(ap2 = malloc(sizeof(void *) * M)) || !(pairs = split_rows(M, K, (const float *const *)ap))) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t m = 0; m < M; m++) ap2[m] = (const uint32_t *)pairs + m * 2 * kp;
+    }
+#endif
     if (M <= FEW_ROWS) { /* bound by reading the weights: each thread a contiguous share of panels */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1)
         {
@@ -692,12 +786,15 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             float *cpp[MC];
             for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
-            panel_rows(mc, K, ap + m0, (const char *)w + p * pstride, wt, cpp, ncols, scale ? scale + p * NR : NULL,
-                       NULL, OUT_STORE, p + 1 < panels ? (const char *)w + (p + 1) * pstride : NULL);
+            const int amx = amx_takes(wt, mc, amx_rows);
+            panel_rows(mc, K, (amx && ap2 ? ap2 : ap) + m0, (const char *)w + p * pstride, wt, cpp, ncols,
+                       scale ? scale + p * NR : NULL, NULL, OUT_STORE,
+                       p + 1 < panels ? (const char *)w + (p + 1) * pstride : NULL, amx);
         }
     }
 done:
     free(ap);
+    free(ap2);
     free(cp);
     free(pairs);
     return rc;
@@ -810,6 +907,27 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         free(fill);
     }
     const int64_t rows = count[E];
+    /* AMX tiles for an expert's batch of rows (the setting read once); int8 weights' rows for them
+     * split in two bfloat16 parts (`split_row`: xpairs and actpairs then hold both, 2 hp and 2 ip
+     * apart) */
+    const int amx_rows = amx_min_rows;
+    int split = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = count[e + 1] - count[e];
+        split |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
+    }
+    const int64_t xs = split ? 2 * hp : hp, as = split ? 2 * ip : ip; /* (elements from one row to the next) */
+#if HAVE_AMX
+    if (split) {
+        xpairs = malloc(sizeof(uint32_t) * (rows * xs > 0 ? rows * xs : 1));
+        actpairs = malloc(sizeof(uint32_t) * (rows * as > 0 ? rows * as : 1));
+        if (!xpairs || !actpairs) {
+            rc = -1;
+            goto done;
+        }
+        for (int64_t s = 0; s < rows; s++) split_row(x + tok[s] * H, H, xpairs + s * xs, xpairs + s * xs + hp);
+    }
+#endif
 #if BF16_PAIRS
     int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
     for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
@@ -827,10 +945,10 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
 #endif
     for (int64_t s = 0; s < rows; s++) {
         ax[s] = x + tok[s] * H;
-        ax2[s] = xpairs ? (const void *)(xpairs + s * hp) : ax[s];
+        ax2[s] = xpairs ? (const void *)(xpairs + s * xs) : ax[s];
         hrow[s] = h + s * 2 * I;
         actp[s] = act + s * I;
-        actp2[s] = actpairs ? (const void *)(actpairs + s * ip) : actp[s];
+        actp2[s] = actpairs ? (const void *)(actpairs + s * as) : actp[s];
         outp[s] = out + tok[s] * H;
     }
     /* phase 1 items: (expert, run of CHUNK panels); a few-row expert reads its run's panels as
@@ -861,8 +979,10 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
-                    panel_rows(nb, H, ax2 + r0 + b, we + p * H * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
-                               NULL, OUT_STORE, b == 0 && p + 1 < p13 ? we + (p + 1) * H * NR * es : NULL);
+                    const int amx = amx_takes(wt, nb, amx_rows);
+                    panel_rows(nb, H, (amx || PAIRED(wt) ? ax2 : (const void **)ax) + r0 + b, we + p * H * NR * es, wt, cp, ncols,
+                               se ? se + p * NR : NULL, NULL, OUT_STORE,
+                               b == 0 && p + 1 < p13 ? we + (p + 1) * H * NR * es : NULL, amx);
                 }
             }
         }
@@ -870,6 +990,12 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
+#if HAVE_AMX
+            if (split) {
+                split_row(act + r * I, I, actpairs + r * as, actpairs + r * as + ip);
+                continue;
+            }
+#endif
 #if BF16_PAIRS
             if (actpairs) pair_row(act + r * I, I, actpairs + r * ip);
 #endif
@@ -892,8 +1018,10 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
-                    panel_rows(nb, I, actp2 + r0 + b, we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL,
-                               gate_w + r0 + b, OUT_ADD_SCALED, b == 0 && p + 1 < hi ? we + (p + 1) * I * NR * es : NULL);
+                    const int amx = amx_takes(wt, nb, amx_rows);
+                    panel_rows(nb, I, (amx || PAIRED(wt) ? actp2 : (const void **)actp) + r0 + b, we + p * I * NR * es, wt, cp,
+                               ncols, se ? se + p * NR : NULL, gate_w + r0 + b, OUT_ADD_SCALED,
+                               b == 0 && p + 1 < hi ? we + (p + 1) * I * NR * es : NULL, amx);
                 }
             }
         }
