@@ -701,7 +701,8 @@ class ScreenedHead:
     each can be from the head's logit, and the float32 logits of only the few columns whose interval
     reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum of those
     logits: the one the full product picks, up to the order float32 sums are added in (which already
-    differs between this machine's kernels and torch's). A row with more than 64 candidates (or more
+    differs between this machine's kernels and torch's; and an int8 head's full product of 16 rows
+    or more on AMX tiles takes x to 16 bits, cpu_gemm.c `split_row`). A row with more than 64 candidates (or more
     than 256 still in reach when the kernel's buffer fills), a value that is not finite, or |x| times
     the largest column norm at or above 2^126 takes the full product, and so do all rows of a product
     with more than `max_rows`.

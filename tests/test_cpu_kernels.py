@@ -225,42 +225,49 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
     torch.testing.assert_close(tiles.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
     torch.testing.assert_close(tiles, plain, rtol=1e-5, atol=1e-5 * K ** 0.5)
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-4, atol=1e-4)
-    if M < lib.amx:
+    if min(M, 96) < lib.amx:  # (a gemm's rows go in blocks of 96)
         assert torch.equal(tiles, plain)
 
 
 @pytest.mark.skipif(lib is None or not lib.amx, reason="no AMX tiles here (or MOEMESH_AMX=0)")
-@pytest.mark.parametrize("M,K", [(15, 64), (16, 512), (33, 1031), (97, 600), (130, 1100)])
-def test_amx_tiles_take_int8_weights_within_their_bound(M, K):
+@pytest.mark.parametrize("M,K,I", [(15, 64, 40), (16, 512, 33), (33, 1031, 520), (97, 600, 40), (130, 1100, 519)])
+def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     """Products of int8 weights with 16 rows or more (and lib.amx) go through AMX tiles, the
     activations split in two bfloat16 parts (cpu_gemm.c `split_row`): within 2^-16 of the sum of
     |x w| of the exact product (float64 over the dequantized weights), for a gemm and for a fused
-    MoE whose experts get 7-65 rows; from fewer rows the two paths are one."""
+    MoE whose experts get 7-65 rows (an intermediate size odd, or above the 512-k chunk); from fewer
+    rows the two paths are one. An infinite activation stays infinite."""
     g = torch.Generator().manual_seed(M * K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
     p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
     wq = p.unpack().double()
     want = x.double() @ wq.T
     bound = (x.double().abs() @ wq.abs().T) * 2.0 ** -16 + 1e-6
-    x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, 40)
+    x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, I)
     weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
     p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
     p2 = cpu_gemm.pack(w2, lib.panel_width, torch.int8)
+    inf = x.clone()
+    inf[-1, 0] = float("inf")
     try:
         tiles = cpu_gemm.gemm(x, p, lib)
+        inf_tiles = cpu_gemm.gemm(inf, p, lib)
         moe_tiles = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
         lib.lib.mm_set_amx(0)
         plain = cpu_gemm.gemm(x, p, lib)
+        inf_plain = cpu_gemm.gemm(inf, p, lib)
         moe_plain = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
     finally:
         lib.lib.mm_set_amx(lib.amx)
     assert ((tiles.double() - want).abs() <= bound).all()
     assert ((plain.double() - want).abs() <= bound).all()
+    assert torch.equal(inf_tiles[-1].isinf(), inf_plain[-1].isinf()) and inf_tiles[-1].isinf().any()
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
-    if M < max(lib.amx, 16):
-        assert torch.equal(tiles, plain)
-    else:
-        assert not torch.equal(tiles, plain)  # (the tiles ran: their sums differ in the last bits)
+    takes = max(lib.amx, 16)  # (a gemm's rows go in blocks of 96, an expert's too)
+    assert torch.equal(tiles, plain) == (min(M, 96) < takes)
+    most = int(torch.bincount(ids.flatten()).max())
+    # (the tiles ran where an expert's block reaches them: their sums differ in the last bits)
+    assert torch.equal(moe_tiles, moe_plain) == (min(most, 96) < takes)
 
 
 def test_fused_moe_expert_parallel_halves_add_up():

@@ -19,7 +19,8 @@
  * each k, two weight vectors are loaded (and widened to float32 from bfloat16 or int8) and each of
  * the MR rows' x[m][k] is broadcast and multiplied into them. Weights are float32, bfloat16 or
  * int8 (with one float32 scale per output feature, applied once to the sum). Activations and
- * accumulation are float32.
+ * accumulation are float32 (but for AMX tiles: bfloat16 pairs, and int8 products' activations in
+ * two bfloat16 parts, `panel_rows_amx`).
  *
  * Threads: OpenMP, the same runtime torch uses (the library is loaded after torch, so libgomp.so.1
  * resolves to torch's copy and both share one pool). Work is split by column panels, so threads
@@ -442,8 +443,9 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
  * two float32 tiles. For bfloat16 weights the sums are those of vdpbf16ps up to the order they are
  * added in. For int8 weights the activations go in as two bfloat16 parts (`split_row`: x rounded,
  * then what that rounding left), each multiplied by the weights: 16 bits of each activation where
- * the float32 tiles keep 24, an error of at most 2^-16 of the sum of |x w| (products of bfloat16
- * numbers are exact in float32); the column scales multiply the sums as the float32 tiles' do. */
+ * the float32 tiles keep 24, within 2^-16 of the sum of |x w| beyond the float32 rounding of the
+ * sums (products of bfloat16 numbers are exact in float32); the column scales multiply the sums as
+ * the float32 tiles' do. */
 static int amx_min_rows = 0; /* 0: off */
 
 typedef struct {
@@ -460,9 +462,10 @@ int mm_amx_available(void) {
 }
 
 /* One row of K activations as two bfloat16 parts, ceil(K / 2) pairs each: hi, x rounded to nearest
- * even; lo, x - hi rounded (exact in float32), so that hi + lo carries 16 bits of x. An odd K's last
- * pair has zeros in its high half. (vcvtneps2bf16 reads float32 denormals as zero: parts below
- * 2^-126 are lost, as the tiles would flush them anyway.) */
+ * even; lo, x - hi rounded (exact in float32), so that hi + lo carries 16 bits of x; lo is zero
+ * where hi is not finite (an infinite x, or one that rounds to infinity, stays infinite rather than
+ * inf - inf; NaN stays NaN). An odd K's last pair has zeros in its high half. (vcvtneps2bf16 reads
+ * float32 denormals as zero: parts below 2^-126 are lost, as the tiles would flush them anyway.) */
 static void split_row(const float *x, int64_t K, uint32_t *hi, uint32_t *lo) {
     uint16_t *h = (uint16_t *)hi, *l = (uint16_t *)lo;
     int64_t k = 0;
@@ -471,14 +474,15 @@ static void split_row(const float *x, int64_t K, uint32_t *hi, uint32_t *lo) {
         const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
         const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
         _mm256_storeu_si256((__m256i *)(h + k), hb);
-        _mm256_storeu_si256((__m256i *)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+        const __mmask16 finite = ~_mm512_fpclass_ps_mask(hf, 0x99); /* not QNaN, +-inf, SNaN */
+        _mm256_storeu_si256((__m256i *)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(finite, v, hf)));
     }
     for (; k < K; k++) {
         h[k] = to_bf16(x[k]);
         const uint32_t u = (uint32_t)h[k] << 16;
         float hf;
         memcpy(&hf, &u, 4);
-        l[k] = to_bf16(x[k] - hf);
+        l[k] = hf - hf == 0.0f ? to_bf16(x[k] - hf) : 0;
     }
     if (K % 2) h[K] = l[K] = 0;
 }
