@@ -146,6 +146,7 @@ class _Lib:
         self.tile_rows = lib.mm_tile_rows()
         self.bf16_pairs = bool(lib.mm_bf16_pairs())  # bfloat16 panels paired for vdpbf16ps (AVX512-BF16)
         self.few_rows = lib.mm_few_rows()  # products with up to this many rows read weights as streams
+        self.amx_i8_rows = lib.mm_amx_i8_rows()  # int8 products take AMX tiles from this many rows too
         self.torch_tie_order = bool(lib.mm_torch_tie_order())  # tied router scores broken as torch.topk does
 
 
@@ -262,7 +263,7 @@ AMX_MIN_ROWS = 8  # products of paired bfloat16 weights with this many rows or m
 
 def amx_rows(lib: _Lib) -> int:
     """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
-    `panel_rows_amx`; int8 weights from that many and at least 16, `AMX_I8_ROWS`), or 0 where they do
+    `panel_rows_amx`; int8 weights from that many and at least 13, `AMX_I8_ROWS`), or 0 where they do
     not: a CPU with AMX-BF16 whose kernel lets this process use it, unless MOEMESH_AMX says otherwise
     (0: off; N: from N rows, more than FEW_ROWS)."""
     text = os.environ.get("MOEMESH_AMX", "").strip()

@@ -230,13 +230,14 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
 
 
 @pytest.mark.skipif(lib is None or not lib.amx, reason="no AMX tiles here (or MOEMESH_AMX=0)")
-@pytest.mark.parametrize("M,K,I", [(15, 64, 40), (16, 512, 33), (33, 1031, 520), (97, 600, 40), (130, 1100, 519)])
+@pytest.mark.parametrize("M,K,I", [(12, 200, 40), (15, 64, 40), (16, 512, 33), (33, 1031, 520), (97, 600, 40),
+                                   (130, 1100, 519)])
 def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
-    """Products of int8 weights with 16 rows or more (and lib.amx) go through AMX tiles, the
-    activations split in two bfloat16 parts (cpu_gemm.c `split_row`): within 2^-16 of the sum of
-    |x w| of the exact product (float64 over the dequantized weights), for a gemm and for a fused
-    MoE whose experts get 7-65 rows (an intermediate size odd, or above the 512-k chunk); from fewer
-    rows the two paths are one. An infinite activation stays infinite."""
+    """Products of int8 weights with lib.amx_i8_rows rows or more (and lib.amx) go through AMX
+    tiles, the activations split in two bfloat16 parts (cpu_gemm.c `split_row`): within 2^-16 of
+    the sum of |x w| of the exact product (float64 over the dequantized weights), for a gemm and
+    for a fused MoE whose experts get 6-65 rows (an intermediate size odd, or above the 512-k
+    chunk); from fewer rows the two paths are one. An infinite activation stays infinite."""
     g = torch.Generator().manual_seed(M * K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
     p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
@@ -263,7 +264,7 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     assert ((plain.double() - want).abs() <= bound).all()
     assert torch.equal(inf_tiles[-1].isinf(), inf_plain[-1].isinf()) and inf_tiles[-1].isinf().any()
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
-    takes = max(lib.amx, 16)  # (a gemm's rows go in blocks of 96, an expert's too)
+    takes = max(lib.amx, lib.amx_i8_rows)  # (a gemm's rows go in blocks of 96, an expert's too)
     assert torch.equal(tiles, plain) == (min(M, 96) < takes)
     most = int(torch.bincount(ids.flatten()).max())
     # (the tiles ran where an expert's block reaches them: their sums differ in the last bits)

@@ -516,10 +516,6 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
     static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
     static __thread uint32_t at[2][16][16] __attribute__((aligned(64)));           /* A tiles (high, low) */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
-    static const uint16_t lo_cols[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    static const uint16_t hi_cols[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
     const int i8 = wt == W_I8, es = elem_size(wt);
     /* tiles 0-1 C, 2 A, 3-4 B, 5 the low parts' A, all 16 x 64 bytes; loaded on every call: oneDNN
      * (torch's matmul, in this thread too) configures the tiles its own way */
@@ -531,7 +527,11 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    const __m512i pick_lo = _mm512_loadu_si512(lo_cols), pick_hi = _mm512_loadu_si512(hi_cols);
+    /* an int8 panel's columns are in order, so the B tiles hold columns 0-3, 8-11, 16-19, 24-27
+     * and 4-7, 12-15, ... (what interleaving within 128-bit lanes gives): the sums' positions of
+     * columns 0-15 and 16-31 in the two C tiles' rows side by side */
+    const __m512i pick_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                  pick_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
     for (int64_t b = 0; b < blocks; b++)
         for (int p = 0; p < 16; p++) {
@@ -541,16 +541,14 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                 if (k + 1 < kc) prefetch_next(next, k + 1, es);
             }
             __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-            if (i8) { /* rows k and k + 1 widened, their columns interleaved: (k, k + 1) pairs in order */
+            if (i8) { /* rows k and k + 1 widened (their columns in order: the epilogue restores it) */
                 if (k < kc) r0 = widen_i8((const int8_t *)w + k * NR);
                 if (k + 1 < kc) r1 = widen_i8((const int8_t *)w + (k + 1) * NR);
-                _mm512_store_si512(bt[b][0][p], _mm512_permutex2var_epi16(r0, pick_lo, r1));
-                _mm512_store_si512(bt[b][1][p], _mm512_permutex2var_epi16(r0, pick_hi, r1));
-                continue;
+            } else {
+                const uint16_t *w16 = (const uint16_t *)w;
+                if (k < kc) r0 = _mm512_loadu_si512(w16 + k * NR);
+                if (k + 1 < kc) r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
             }
-            const uint16_t *w16 = (const uint16_t *)w;
-            if (k < kc) r0 = _mm512_loadu_si512(w16 + k * NR);
-            if (k + 1 < kc) r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
             _mm512_store_si512(bt[b][0][p], _mm512_unpacklo_epi16(r0, r1));
             _mm512_store_si512(bt[b][1][p], _mm512_unpackhi_epi16(r0, r1));
         }
@@ -595,9 +593,15 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
         }
         _tile_stored(0, ct, NR * sizeof(float));
         _tile_stored(1, &ct[0][VW], NR * sizeof(float));
-        for (int i = 0; i < mr; i++)
-            put(load_f(ct[i]), load_f(ct[i] + VW), s0, s1, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
-                mode);
+        for (int i = 0; i < mr; i++) {
+            vf t0 = load_f(ct[i]), t1 = load_f(ct[i] + VW);
+            if (i8) {
+                const vf u0 = (vf)_mm512_permutex2var_ps((__m512)t0, pick_lo, (__m512)t1);
+                t1 = (vf)_mm512_permutex2var_ps((__m512)t0, pick_hi, (__m512)t1);
+                t0 = u0;
+            }
+            put(t0, t1, s0, s1, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols, mode);
+        }
     }
 }
 #else
@@ -609,10 +613,12 @@ int mm_amx_available(void) { return 0; }
 /* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
  * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
  * each product: its rows are split for int8 weights by that reading, `split_row`). Widening int8
- * weights and the second part's products cost more than the tiles save below 14-16 rows on the
- * Xeon of docs/benchmarks.md (an expert of the bench model: 2.26 against 1.41 ms at 8 rows, 2.04
- * against 2.54 at 16). */
-#define AMX_I8_ROWS 16
+ * weights and the second part's products cost more than the tiles save up to 12 rows on the Xeon
+ * of docs/benchmarks.md (an expert layer of the bench model: 1.81 against 1.32 ms at 8 rows, 1.92
+ * against 1.78 at 12, 2.00 against 2.25 at 14, where the register tiles take 12 rows and 2). */
+#define AMX_I8_ROWS 13
+
+int mm_amx_i8_rows(void) { return AMX_I8_ROWS; }
 INLINE int amx_takes(int wt, int64_t rows, int min_rows) {
     return HAVE_AMX && min_rows && rows >= min_rows &&
            (PAIRED(wt) || (wt == W_I8 && rows >= AMX_I8_ROWS));
