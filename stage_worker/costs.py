@@ -102,7 +102,7 @@ def _decode_schedules(rows: int, context: int, block_size: int, vocab: int, gen:
 
 @torch.inference_mode()
 def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None, rows: int = 64,
-            context: int = 64, prompt_len: int = 32, chunk: int = 512, moe_backend: str = "auto", repeats: int = 5,
+            context: int = 64, prompt_len: int = 32, chunk: int = 512, moe_backend: str = "auto", repeats: int = 9,
             block_size: int = 16) -> dict:
     """Seconds per token of each layer kind ("sparse", "dense"): `decode`, in a step of `rows`
     sequences with `context` cached tokens each; `prompt`, in a prompt chunk of up to `chunk` tokens
@@ -115,7 +115,8 @@ def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None
     so it moves no boundary) plus, on the last, the head. So a layer's decode cost is the difference
     between a middle stage of two layers and one of one (the next layer's kind), the head's the
     difference between the last stage (its one layer and the head) and a middle stage of one layer
-    of the same kind. A model with no such middle layers (two layers) prices them on a stage alone."""
+    of the same kind, each pair timed in turn (`paired`). A model with no such middle layers (two
+    layers) prices them on a stage alone."""
     config = ModelConfig.from_dir(model_dir)
     n = config.num_layers
     if n < 2:
@@ -135,12 +136,29 @@ def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None
         return StageRunner(model_dir, config, layers, num_blocks, block_size, dtype=tdtype, quant=quant,
                            moe_backend=moe_backend, progress=False)
 
-    def decode_seconds(layers: range) -> float:
-        """A decode step's seconds on the stage of these layers, as its worker runs it."""
+    def decode_step(layers: range):
+        """A decode step on the stage of these layers, as its worker runs it (admitted first)."""
         ex = StageExecutor(runner(layers), config.eos_token_ids)
         fed = None if layers.start == 0 else stream
         ex.run(admit, fed)
-        return _time(lambda: ex.run(step, fed), repeats, evict)
+        return lambda: ex.run(step, fed)
+
+    def paired(minuend: range, subtrahend: range) -> float:
+        """Seconds per row one stage's decode step takes beyond the other's: both timed in turn, the
+        caches evicted before each, and the median of the differences (so that the machine's speed,
+        which drifts by 10-20% over seconds on a shared host, cancels out of each)."""
+        a, b = decode_step(minuend), decode_step(subtrahend)
+        a(), b()  # (a first call builds what the kernels build once: oneDNN's, the screen's buffers)
+        diffs = []
+        for _ in range(repeats):
+            times = []
+            for fn in (a, b):
+                evict()
+                started = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - started)
+            diffs.append(times[0] - times[1])
+        return statistics.median(diffs) / rows
 
     def prompt_seconds(layers: range) -> float:
         r = runner(layers)
@@ -152,18 +170,17 @@ def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None
     for k in dict.fromkeys(kind(i) for i in range(n - 1)):
         i = next(i for i in range(n - 1) if kind(i) == k)
         prompt[k] = prompt_seconds(range(i, i + 1)) / sum(prompts)
-        j = next((j for j in range(1, n - 1) if kind(j) == k), i)  # a middle stage of one such layer
-        middle[k] = decode_seconds(range(j, j + 1)) / rows
+        middle[k] = next((j for j in range(1, n - 1) if kind(j) == k), i)  # a middle stage of one such layer
         a = next((a for a in range(1, n - 2) if kind(a + 1) == k), None)  # and one of two, the second such
-        if a is None:
-            decode[k] = middle[k]  # (too few layers for two in the middle: priced with a stage's own cost)
+        if a is None:  # (too few layers for two in the middle: priced with a stage's own cost)
+            decode[k] = _time(decode_step(range(middle[k], middle[k] + 1)), repeats, evict) / rows
             continue
-        one = middle[k] if a == j else decode_seconds(range(a, a + 1)) / rows
-        decode[k] = max(decode_seconds(range(a, a + 2)) / rows - one, 0.0)
+        decode[k] = max(paired(range(a, a + 2), range(a, a + 1)), 0.0)
     last = kind(n - 1)
     if last not in decode:
         raise ValueError(f"no {last} layer before the last one to price it by")  # (no model of ours is built so)
-    head = decode_seconds(range(n - 1, n)) / rows - middle[last]
+    j = middle[last]
+    head = paired(range(n - 1, n), range(j, j + 1))
     return {"decode": decode, "prompt": prompt, "head": max(head, 0.0), "rows": rows, "context": context,
             "prompt_len": prompt_len, "chunk": sum(prompts), "dtype": str(tdtype).removeprefix("torch."),
             "quantization": quantization, "threads": torch.get_num_threads()}
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(json.dumps(measure(args.model, args.dtype, args.quantization, args.rows, args.context, args.prompt_len,
