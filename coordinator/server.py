@@ -85,7 +85,7 @@ class Coordinator:
         # (`auto` here balances the weights: a coordinator does not know where its stages run; `serve`
         # and `generate` resolve a measured split before they start one, moemesh/step_costs.py)
         self.layout = resolve_layout(self.model_config, cfg.pp, cfg.tp, cfg.layer_partition, cfg.expert_parallel,
-                                     cfg.quantization)
+                                     cfg.quantization, handoff=not cfg.no_mlp_handoff)
         check_num_steps(cfg, cfg.pp, cfg.tp)
         # the MLP hand-off (moemesh.layout.MlpHandoff): None where off or where no step could use it
         self.handoff = None if cfg.no_mlp_handoff else MlpHandoff.for_layout(self.model_config, self.layout.stages)

@@ -7,6 +7,7 @@ that decides and checks it (from flags, before any process starts or loads weigh
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from moemesh.settings import auto_mix
@@ -32,11 +33,12 @@ class Layout:
 
 
 def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None, expert_parallel: bool = False,
-                   quantization: str | None = None, costs: "StepCosts | None" = None) -> Layout:
+                   quantization: str | None = None, costs: "StepCosts | None" = None,
+                   handoff: bool = False) -> Layout:
     """Flags -> a Layout the model can take, or a ConfigError naming the flag. `partition` is None
     (even split, earlier stages taking the remainder), "auto" or "auto:PROMPT:OUTPUT" (`balanced_partition`
-    for that token mix, 1:1 by default, of `costs`: measured ones or, by default, the weights') or
-    layers per stage."""
+    for that token mix, 1:1 by default, of `costs`: measured ones or, by default, the weights, with
+    the MLP hand-off where `handoff`) or layers per stage."""
     n = model.num_layers
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
@@ -44,7 +46,7 @@ def resolve_layout(model: ModelConfig, pp: int = 1, tp: int = 1, partition=None,
         counts = even_partition(n, pp)
     elif isinstance(partition, str):  # auto[:PROMPT:OUTPUT]
         prompt, output = auto_mix(partition)
-        counts = balanced_partition(model, pp, output / (prompt + output), costs)
+        counts = balanced_partition(model, pp, output / (prompt + output), costs, handoff)
     else:
         counts = tuple(partition)
         if len(counts) != pp:
@@ -147,7 +149,7 @@ class StepCosts:
 
 
 def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
-                       costs: StepCosts | None = None) -> tuple[int, ...]:
+                       costs: StepCosts | None = None, handoff: bool = False) -> tuple[int, ...]:
     """`--layer-partition auto`: layers per stage (contiguous, at least one each) that minimise the
     largest stage's cost per token of the workload, so that the stages of a pipeline are equally busy.
     Every token, prompt or generated, goes through every layer; only the tokens sampled after pay
@@ -155,10 +157,17 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
     workload: 1 for pure decode). Balancing decode alone overloads the first stages with prefill
     wherever the head is large beside a layer (docs/benchmarks.md). `costs`: each layer's cost as a
     prompt token and as a generated one, and the head's (default: `StepCosts.of_weights`, where the
-    two are the same)."""
+    two are the same).
+
+    `handoff`: the pipeline runs the MLP hand-off (`MlpHandoff`), which evens prompt steps by moving
+    a stage's last MLP to the next stage: `_handoff_partition` prices that, where the splits are few
+    enough to try each (HANDOFF_SPLITS; more, and the hand-off is left out of the price)."""
     if not 0 <= sampled_share <= 1:
         raise ValueError(f"sampled_share {sampled_share} is outside [0, 1]")
     costs = costs or StepCosts.of_weights(model)
+    n = len(costs.decode)
+    if handoff and 1 < pp <= n and math.comb(n - 1, pp - 1) <= HANDOFF_SPLITS:
+        return _handoff_partition(model, pp, sampled_share, costs)
     layers = [(1 - sampled_share) * p + sampled_share * d for p, d in zip(costs.prompt, costs.decode)]
     head = costs.head * sampled_share
     n = len(layers)
@@ -185,6 +194,41 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
         counts.append(j - i)
         j = i
     return tuple(reversed(counts))
+
+
+HANDOFF_SPLITS = 100_000  # splits `_handoff_partition` tries one by one (56 layers in 4 stages: 26,235)
+
+
+def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float, costs: StepCosts) -> tuple[int, ...]:
+    """`balanced_partition` of a pipeline that runs the MLP hand-off. A step is a prompt step or a
+    decode step (the workload's prompts arrive in chunks, its decodes then step together), and a
+    pipeline's step takes its busiest stage's time, so a split costs (1 - sampled_share) times the
+    busiest stage of a prompt token plus sampled_share times the busiest of a generated one. A prompt
+    step moves each boundary's MLP to the next stage where that lowers the larger of the two (as
+    `MlpHandoff.choose` does; the MLP's share of its layer from the weights, `mlp_costs`); a decode
+    step moves nothing and pays the head on the last stage. So a split that leaves the first stage a
+    layer heavier for prompts, which the hand-off evens, can beat an even one whose last stage
+    carries the head (the bench model in float32, docs/benchmarks.md). Ties go to the first split
+    in order (earlier cuts first)."""
+    n = len(costs.decode)
+    weights, _ = decode_costs(model)
+    share = [m / w if w else 0.0 for m, w in zip(mlp_costs(model), weights)]
+    best, best_counts = float("inf"), None
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        prompt = [sum(costs.prompt[a:b]) for a, b in zip(bounds, bounds[1:])]
+        decode = [sum(costs.decode[a:b]) for a, b in zip(bounds, bounds[1:])]
+        decode[-1] += costs.head
+        for s in range(pp - 1):  # boundary by boundary from the first, as a prompt step hands off
+            last = bounds[s + 1] - 1
+            moved = share[last] * costs.prompt[last]
+            if max(prompt[s] - moved, prompt[s + 1] + moved) < max(prompt[s], prompt[s + 1]):
+                prompt[s] -= moved
+                prompt[s + 1] += moved
+        value = (1 - sampled_share) * max(prompt) + sampled_share * max(decode)
+        if value < best - 1e-12 * abs(best if best != float("inf") else 0.0):
+            best, best_counts = value, tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    return best_counts
 
 
 class MlpHandoff:

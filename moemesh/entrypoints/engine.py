@@ -50,7 +50,8 @@ class LLMEngine:
         pp = len(partition) if isinstance(partition, (tuple, list)) else settings.pp
         costs = partition_costs(settings, settings.model, mc, pp, threads=settings.threads or torch.get_num_threads(),
                                 device=device)
-        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, costs)
+        self.layout = resolve_layout(mc, pp, 1, partition, False, settings.quantization, costs,
+                                     handoff=not settings.no_mlp_handoff)
         check_num_steps(settings, self.layout.pp, 1)
         self.dtype = torch_dtype(resolve_dtype(settings.dtype, mc, device))
         num_blocks = settings.kv_blocks(InProcessPipeline.bytes_per_block(mc, settings.block_size, self.dtype))

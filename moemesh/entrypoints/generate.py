@@ -48,7 +48,7 @@ def engine_settings_from_args(args) -> EngineSettings:
         costs = (partition_costs(settings, model, model_config, pp, device=settings.device,
                                  threads=threads_per_worker(settings.threads, pp)) if settings.tp == 1 else None)
         layout = resolve_layout(model_config, pp, settings.tp, settings.layer_partition, settings.expert_parallel,
-                                settings.quantization, costs)
+                                settings.quantization, costs, handoff=not settings.no_mlp_handoff)
         check_num_steps(settings, pp, settings.tp)
     except ConfigError as e:
         raise CLIError(str(e)) from None

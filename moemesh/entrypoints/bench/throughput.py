@@ -157,8 +157,10 @@ def run_throughput_bench(args) -> int:
                                 args.model, mc, pp, rows=math.ceil(args.concurrency / pp))
         for tp in args.tp:
             try:
+                # (the split of the hand-off's pipeline where any run has it: one split for both)
                 layouts[pp, tp] = resolve_layout(mc, pp, tp, partition, args.expert_parallel and tp > 1,
-                                                 args.quantization, costs=costs if tp == 1 else None)
+                                                 args.quantization, costs=costs if tp == 1 else None,
+                                                 handoff="on" in args.mlp_handoff)
             except ConfigError as e:
                 raise CLIError(f"pp={pp} tp={tp}: {e}") from None
     if args.timeline is not None:
