@@ -167,7 +167,9 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
     costs = costs or StepCosts.of_weights(model)
     n = len(costs.decode)
     if handoff and 1 < pp <= n and math.comb(n - 1, pp - 1) <= HANDOFF_SPLITS:
-        return _handoff_partition(model, pp, sampled_share, costs)
+        counts = _handoff_partition(model, pp, sampled_share, costs)
+        if counts is not None:  # (None: costs that compare with nothing, NaN; the price below then)
+            return counts
     layers = [(1 - sampled_share) * p + sampled_share * d for p, d in zip(costs.prompt, costs.decode)]
     head = costs.head * sampled_share
     n = len(layers)

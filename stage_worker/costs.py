@@ -136,28 +136,36 @@ def measure(model_dir: str, dtype: str = "auto", quantization: str | None = None
         return StageRunner(model_dir, config, layers, num_blocks, block_size, dtype=tdtype, quant=quant,
                            moe_backend=moe_backend, progress=False)
 
+    one_layer = {}  # the middle stages of one layer, kept: two pairs may take the same one
+
     def decode_step(layers: range):
         """A decode step on the stage of these layers, as its worker runs it (admitted first)."""
+        if len(layers) == 1 and layers.start in one_layer:
+            return one_layer[layers.start]
         ex = StageExecutor(runner(layers), config.eos_token_ids)
         fed = None if layers.start == 0 else stream
         ex.run(admit, fed)
-        return lambda: ex.run(step, fed)
+        fn = lambda: ex.run(step, fed)  # noqa: E731
+        if len(layers) == 1 and 0 < layers.start < n - 1:
+            one_layer[layers.start] = fn
+        return fn
 
     def paired(minuend: range, subtrahend: range) -> float:
         """Seconds per row one stage's decode step takes beyond the other's: both timed in turn, the
         caches evicted before each, and the median of the differences (so that the machine's speed,
-        which drifts by 10-20% over seconds on a shared host, cancels out of each)."""
+        which drifts by 10-20% over seconds on a shared host, cancels out of each; the order
+        alternates from round to round)."""
         a, b = decode_step(minuend), decode_step(subtrahend)
         a(), b()  # (a first call builds what the kernels build once: oneDNN's, the screen's buffers)
         diffs = []
-        for _ in range(repeats):
-            times = []
-            for fn in (a, b):
+        for r in range(repeats):
+            took = {}
+            for fn in ((a, b) if r % 2 == 0 else (b, a)):
                 evict()
                 started = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - started)
-            diffs.append(times[0] - times[1])
+                took[fn] = time.perf_counter() - started
+            diffs.append(took[a] - took[b])
         return statistics.median(diffs) / rows
 
     def prompt_seconds(layers: range) -> float:

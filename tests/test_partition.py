@@ -151,3 +151,15 @@ def test_the_hand_off_evens_prompts_so_the_split_evens_decodes(monkeypatch):
     # more splits than it tries one by one: the hand-off is left out of the price
     monkeypatch.setattr(layout, "HANDOFF_SPLITS", 5)
     assert balanced_partition(model, 2, 64 / 96, costs, handoff=True) == (4, 4)
+
+
+def test_resolve_layout_prices_the_hand_off_where_the_pipeline_runs_it():
+    """Every caller passes whether its pipeline runs the hand-off (on unless --no-mlp-handoff):
+    `resolve_layout` gives `auto` the price of that pipeline."""
+    from moemesh.layout import StepCosts, resolve_layout
+
+    costs = StepCosts((65e-6,) * 8, (102e-6,) * 8, 125e-6)
+    assert resolve_layout(config(), 2, partition="auto:32:64", costs=costs, handoff=True).stage_layers == (5, 3)
+    assert resolve_layout(config(), 2, partition="auto:32:64", costs=costs).stage_layers == (4, 4)
+    nan = StepCosts((float("nan"),) * 8, (1.0,) * 8, 1.0)  # (compares with nothing: the price without it)
+    assert balanced_partition(config(), 2, 0.5, nan, handoff=True) == balanced_partition(config(), 2, 0.5, nan)
