@@ -201,7 +201,8 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
 HANDOFF_SPLITS = 100_000  # splits `_handoff_partition` tries one by one (56 layers in 4 stages: 26,235)
 
 
-def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float, costs: StepCosts) -> tuple[int, ...]:
+def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float,
+                       costs: StepCosts) -> tuple[int, ...] | None:
     """`balanced_partition` of a pipeline that runs the MLP hand-off. A step is a prompt step or a
     decode step (the workload's prompts arrive in chunks, its decodes then step together), and a
     pipeline's step takes its busiest stage's time, so a split costs (1 - sampled_share) times the
@@ -211,7 +212,7 @@ def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float, costs:
     step moves nothing and pays the head on the last stage. So a split that leaves the first stage a
     layer heavier for prompts, which the hand-off evens, can beat an even one whose last stage
     carries the head (the bench model in float32, docs/benchmarks.md). Ties go to the first split
-    in order (earlier cuts first)."""
+    in order (earlier cuts first); None where no split has a price that compares (NaN costs)."""
     n = len(costs.decode)
     weights, _ = decode_costs(model)
     share = [m / w if w else 0.0 for m, w in zip(mlp_costs(model), weights)]
