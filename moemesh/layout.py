@@ -207,8 +207,8 @@ def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float,
     decode step (the workload's prompts arrive in chunks, its decodes then step together), and a
     pipeline's step takes its busiest stage's time, so a split costs (1 - sampled_share) times the
     busiest stage of a prompt token plus sampled_share times the busiest of a generated one. A prompt
-    step moves each boundary's MLP to the next stage where that lowers the larger of the two (as
-    `MlpHandoff.choose` does; the MLP's share of its layer from the weights, `mlp_costs`); a decode
+    step moves each boundary's MLP to the next stage where that lowers the larger of the two
+    (`_hand_off`, as `MlpHandoff.choose`; the MLP's share of its layer from the weights, `mlp_costs`); a decode
     step moves nothing and pays the head on the last stage. So a split that leaves the first stage a
     layer heavier for prompts, which the hand-off evens, can beat an even one whose last stage
     carries the head (the bench model in float32, docs/benchmarks.md). Ties go to the first split
@@ -222,12 +222,7 @@ def _handoff_partition(model: ModelConfig, pp: int, sampled_share: float,
         prompt = [sum(costs.prompt[a:b]) for a, b in zip(bounds, bounds[1:])]
         decode = [sum(costs.decode[a:b]) for a, b in zip(bounds, bounds[1:])]
         decode[-1] += costs.head
-        for s in range(pp - 1):  # boundary by boundary from the first, as a prompt step hands off
-            last = bounds[s + 1] - 1
-            moved = share[last] * costs.prompt[last]
-            if max(prompt[s] - moved, prompt[s + 1] + moved) < max(prompt[s], prompt[s + 1]):
-                prompt[s] -= moved
-                prompt[s + 1] += moved
+        _hand_off(prompt, [share[b - 1] * costs.prompt[b - 1] for b in cuts])
         value = (1 - sampled_share) * max(prompt) + sampled_share * max(decode)
         if value < best - 1e-12 * abs(best if best != float("inf") else 0.0):
             best, best_counts = value, tuple(b - a for a, b in zip(bounds, bounds[1:]))
@@ -285,11 +280,18 @@ class MlpHandoff:
         tokens = sum(query_lens)
         cost = [c * tokens for c in self.stage_costs]
         cost[-1] += self.head * head_rows
-        handed = []
-        for s, (layer, mlp) in enumerate(self.boundaries):
-            moved = mlp * tokens
-            if max(cost[s] - moved, cost[s + 1] + moved) < max(cost[s], cost[s + 1]):
-                cost[s] -= moved
-                cost[s + 1] += moved
-                handed.append(layer)
-        return handed
+        handed = _hand_off(cost, [mlp * tokens for _, mlp in self.boundaries])
+        return [self.boundaries[s][0] for s in handed]
+
+
+def _hand_off(cost: list[float], moved: list[float]) -> list[int]:
+    """The MLP hand-off of one step: boundary by boundary from the first, `moved[s]` (stage s's last
+    MLP) goes from stage s to stage s + 1 where that lowers the larger of the two `cost`s (updated in
+    place). Returns the boundaries handed off."""
+    handed = []
+    for s, m in enumerate(moved):
+        if max(cost[s] - m, cost[s + 1] + m) < max(cost[s], cost[s + 1]):
+            cost[s] -= m
+            cost[s + 1] += m
+            handed.append(s)
+    return handed

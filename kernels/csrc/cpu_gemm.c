@@ -479,9 +479,7 @@ static void split_row(const float *x, int64_t K, uint32_t *hi, uint32_t *lo) {
     }
     for (; k < K; k++) {
         h[k] = to_bf16(x[k]);
-        const uint32_t u = (uint32_t)h[k] << 16;
-        float hf;
-        memcpy(&hf, &u, 4);
+        const float hf = load_w1(h, k, W_BF16);
         l[k] = hf - hf == 0.0f ? to_bf16(x[k] - hf) : 0;
     }
     if (K % 2) h[K] = l[K] = 0;
@@ -510,9 +508,11 @@ INLINE __m512i widen_i8(const int8_t *w) {
  * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
  * scale: int8's per column, or NULL; next: the panel read after this one, prefetched while this one
  * is re-laid (as `tile_pairs` does), or NULL. */
-__attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, int64_t lo, const char *w, int wt,
-                           float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
-                           const char *next) {
+/* (out of line: inlined into panel_rows, it slowed the register tiles of every other product) */
+__attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, int64_t lo,
+                                                     const char *w, int wt, float *const *c, int ncols,
+                                                     const float *scale, const float *rowscale, int mode,
+                                                     const char *next) {
     static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
     static __thread uint32_t at[2][16][16] __attribute__((aligned(64)));           /* A tiles (high, low) */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
@@ -990,8 +990,8 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
                     const int amx = amx_takes(wt, nb, amx_rows);
-                    panel_rows(nb, H, (amx || PAIRED(wt) ? ax2 : (const void **)ax) + r0 + b, we + p * H * NR * es, wt, cp, ncols,
-                               se ? se + p * NR : NULL, NULL, OUT_STORE,
+                    panel_rows(nb, H, (amx || PAIRED(wt) ? ax2 : (const void **)ax) + r0 + b, we + p * H * NR * es,
+                               wt, cp, ncols, se ? se + p * NR : NULL, NULL, OUT_STORE,
                                b == 0 && p + 1 < p13 ? we + (p + 1) * H * NR * es : NULL, amx);
                 }
             }
@@ -1029,8 +1029,9 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
                     const int amx = amx_takes(wt, nb, amx_rows);
-                    panel_rows(nb, I, (amx || PAIRED(wt) ? actp2 : (const void **)actp) + r0 + b, we + p * I * NR * es, wt, cp,
-                               ncols, se ? se + p * NR : NULL, gate_w + r0 + b, OUT_ADD_SCALED,
+                    panel_rows(nb, I, (amx || PAIRED(wt) ? actp2 : (const void **)actp) + r0 + b,
+                               we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL, gate_w + r0 + b,
+                               OUT_ADD_SCALED,
                                b == 0 && p + 1 < hi ? we + (p + 1) * I * NR * es : NULL, amx);
                 }
             }
