@@ -94,10 +94,10 @@ def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> W
 
 
 def check_layout(w: "PackedWeight", lib: "_Lib") -> None:
-    """Refuses a bfloat16 weight packed for the other kernels: its columns are in the paired order
-    (`pair_columns`) exactly where the kernels were built with AVX512-BF16."""
+    """Refuses a bfloat16 weight packed for the other kernels: its rows are paired (`pair_panels`)
+    exactly where the kernels were built with AVX512-BF16."""
     if w.pairs != (w.data.dtype == torch.bfloat16 and lib.bf16_pairs):
-        raise ValueError(f"a bfloat16 weight packed with its columns {'paired' if w.pairs else 'in order'} for "
+        raise ValueError(f"a bfloat16 weight packed with its rows {'paired' if w.pairs else 'in order'} for "
                          f"kernels that read them {'paired' if lib.bf16_pairs else 'in order'}")
 
 
@@ -358,8 +358,8 @@ def _measure_prefetch(lib: _Lib, kept: Path) -> tuple[int, int]:
 @dataclass
 class PackedWeight:
     """A weight [..., N, K] packed for the kernels: data [..., ceil(N / NR), K, NR] (weight type
-    float32, bfloat16 or int8; for bfloat16 on a CPU with AVX512-BF16, `pairs`: the NR columns of
-    each panel in `pair_columns` order), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
+    float32, bfloat16 or int8; for bfloat16 on a CPU with AVX512-BF16, `pairs`: each panel's rows
+    of k paired, `pair_panels`), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
@@ -375,7 +375,7 @@ class PackedWeight:
         """The weight [..., N, K] in float32 (int8 times its scales), or in `dtype` (float64: the
         products with the scales exact): for tests, fallbacks and the screened head's bounds."""
         lead = self.data.shape[:-3]
-        data = self.data[..., torch.argsort(pair_columns(self.data.shape[-1]))] if self.pairs else self.data
+        data = unpair_panels(self.data) if self.pairs else self.data
         w = data.to(dtype).transpose(-1, -2).reshape(*lead, -1, self.k)
         if self.scale is not None:
             w = w * self.scale.to(dtype).unsqueeze(-1)
@@ -393,7 +393,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = None,
          pairs: bool | None = None) -> PackedWeight:
     """[..., N, K] -> PackedWeight in `weight_type` (default: w's dtype; torch.int8 quantizes).
-    pairs: bfloat16 panels with their columns in `pair_columns` order (default: as the native kernels
+    pairs: bfloat16 panels with their rows paired (`pair_panels`; default: as the native kernels
     built here read bfloat16)."""
     weight_type = weight_type or w.dtype
     if pairs is None:
@@ -414,19 +414,32 @@ def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = No
         if scale is not None:
             scale = torch.cat([scale, scale.new_ones(*lead, pad)], dim=-1)
     panels = (n + pad) // panel_width
-    w = w.reshape(*lead, panels, panel_width, k)
+    w = w.reshape(*lead, panels, panel_width, k).transpose(-1, -2)
     if pairs:
-        w = w[..., pair_columns(panel_width), :]
-    data = huge_copy(w.transpose(-1, -2))  # (streamed whole by every decode step: kernels/memory.py)
+        w = pair_panels(w)
+    data = huge_copy(w)  # (streamed whole by every decode step: kernels/memory.py)
     return PackedWeight(data, None if scale is None else scale.contiguous(), n, k, pairs=pairs)
 
 
-def pair_columns(panel_width: int) -> torch.Tensor:
-    """The column at each position of a row of a paired bfloat16 panel (`col(q)` in cpu_gemm.c): what
-    interleaving rows k and k + 1 16 bits at a time within 128-bit lanes turns into (k, k + 1) pairs
-    of columns 0 .. NR / 2 - 1, then NR / 2 .. NR - 1."""
-    q = torch.arange(panel_width)
-    return torch.where(q % 8 < 4, 0, panel_width // 2) + q // 8 * 4 + q % 4
+def pair_panels(panels: torch.Tensor) -> torch.Tensor:
+    """Panels [..., K, NR] with their columns in order -> the same with rows k and k + 1 paired, as
+    vdpbf16ps and AMX tiles read them (cpu_gemm.c, BF16_PAIRS): row 2j holds columns 0 .. NR / 2 - 1
+    of k = 2j and 2j + 1 side by side ((2j, 2j + 1) of column 0, then of column 1, ...), row 2j + 1
+    columns NR / 2 .. NR - 1; an odd K's last row stays in order."""
+    *lead, K, NR = panels.shape
+    even = K - K % 2
+    body = panels[..., :even, :].reshape(*lead, even // 2, 2, 2, NR // 2)  # [j, t, h, c]
+    body = body.transpose(-3, -2).transpose(-2, -1).reshape(*lead, even, NR)  # [j, h, c, t]
+    return torch.cat([body, panels[..., even:, :]], dim=-2)
+
+
+def unpair_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pair_panels`: paired panels [..., K, NR] -> their columns in order."""
+    *lead, K, NR = panels.shape
+    even = K - K % 2
+    body = panels[..., :even, :].reshape(*lead, even // 2, 2, NR // 2, 2)  # [j, h, c, t]
+    body = body.transpose(-2, -1).transpose(-3, -2).reshape(*lead, even, NR)  # [j, t, h, c]
+    return torch.cat([body, panels[..., even:, :]], dim=-2)
 
 
 # -- calls ----------------------------------------------------------------------------------------
@@ -754,10 +767,9 @@ class ScreenedHead:
             # mm_greedy_decode runs both alike); torch's rounding to bfloat16 is pack's. Filled a
             # slice of panels at a time: no whole-head temporaries beside it
             data = empty_huge(head.data.shape, torch.bfloat16)
-            order = pair_columns(head.data.shape[-1]) if lib.bf16_pairs else None
             for p in range(0, data.shape[0], step):
                 panels = head.data[p:p + step].to(torch.bfloat16)
-                data[p:p + step] = panels if order is None else panels[..., order]
+                data[p:p + step] = pair_panels(panels) if lib.bf16_pairs else panels
             self.copy = PackedWeight(data, None, head.n, head.k, pairs=lib.bf16_pairs)
             self.max_rows = None
             u, g_copy = 2.0 ** -8, g * (1 + 2.0 ** -8)

@@ -31,7 +31,7 @@ def test_pack_round_trips():
     for wt, pairs in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
         p = cpu_gemm.pack(w, lib.panel_width, wt, pairs=pairs)
         assert p.pairs == pairs
-        assert p.data.shape == (panels, 29, lib.panel_width)  # (pairs: the same rows, columns reordered)
+        assert p.data.shape == (panels, 29, lib.panel_width)  # (pairs: the same shape, rows k and k + 1 paired)
         torch.testing.assert_close(p.unpack(), w.to(wt).float(), rtol=0, atol=0)
     assert cpu_gemm.pack(w, lib.panel_width, torch.bfloat16).pairs == lib.bf16_pairs  # as the kernels read them
     q = cpu_gemm.pack(w, lib.panel_width, torch.int8)
@@ -94,6 +94,24 @@ def test_gemm_matches_torch(wt, seed):
     want = _seen(x, p).double() @ p.unpack().double().T
     assert got.shape == (M, N)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+@pytest.mark.parametrize("K", [6, 7])
+def test_paired_panels_hold_k_and_k_plus_1_side_by_side(K):
+    """The paired layout cpu_gemm.c reads (BF16_PAIRS): row 2j + h of a panel holds columns 16h ..
+    16h + 15 of k = 2j and 2j + 1, pair after pair; an odd K's last row stays in column order."""
+    NR = 32
+    w = torch.randn(2 * NR, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    p = cpu_gemm.pack(w, NR, torch.bfloat16, pairs=True)
+    for panel in range(2):
+        for j in range(K // 2):
+            for h in range(2):
+                for c in range(NR // 2):
+                    for t in range(2):
+                        assert p.data[panel, 2 * j + h, 2 * c + t] == w[panel * NR + 16 * h + c, 2 * j + t]
+        if K % 2:
+            assert torch.equal(p.data[panel, K - 1], w[panel * NR:(panel + 1) * NR, K - 1])
+    assert torch.equal(cpu_gemm.unpair_panels(p.data), w.reshape(2, NR, K).transpose(1, 2))
 
 
 @pytest.mark.parametrize("M,K", [(4, 600), (13, 600), (13, 1031), (97, 77), (130, 1025)])

@@ -63,17 +63,18 @@
  * multiply-adds where an FMA does 16, and the weights need no widening. (Products of two bfloat16
  * are exact in float32; sums are float32, denormals flushed to zero as the instruction does.) This
  * is how llama.cpp multiplies BF16 weights, and what torch's bfloat16 matmul rounds to. Its panels
- * hold the same rows of k as above, with the NR columns of a row in the order that interleaving two
- * rows 16 bits at a time (vpunpcklwd / vpunpckhwd, within 128-bit lanes) brings back to columns
- * 0-15 and 16-31 as (k, k + 1) pairs:
+ * hold rows k and k + 1 of a panel's NR columns as the (k, k + 1) pairs those instructions read:
+ * row 2j of a panel holds columns 0-15 of k = 2j and 2j + 1 side by side, row 2j + 1 columns 16-31,
  *
- *     packed[p][k][q] = W[p * NR + col(q)][k],   col(q) = (q % 8 < 4 ? 0 : 16) + q / 8 * 4 + q % 4
+ *     packed[p][2j + h][2c + t] = W[p * NR + 16h + c][2j + t]     (h, t in {0, 1}, c < 16)
  *
- * (128-bit lane L of a row holds columns 4L .. 4L + 3, then 16 + the same: kernels/cpu_gemm.py
- * `pair_columns`).
- * A product with few rows, bound by reading its weights, reads these rows like any other panel (one
- * row of k at a time, widened the same way) with its activations in float32. Without AVX512-BF16,
- * bfloat16 panels keep the columns in order and are widened to float32. */
+ * and an odd K's last row holds its NR columns in order (kernels/cpu_gemm.py `pair_panels`). So a
+ * vdpbf16ps takes a row as it is, and 16 pairs of rows 2j (or 2j + 1), 128 bytes apart, are an
+ * AMX B tile in memory: the tiles read the weights where they lie (`panel_rows_amx`).
+ * A product with few rows, bound by reading its weights, widens each row's two halves (k, then
+ * k + 1) to float32, with its activations in float32 (`tile_np`): the same products, added in the
+ * same order, as a panel in column order gives. Without AVX512-BF16, bfloat16 panels keep the
+ * columns in order, one row of k to a row, and are widened to float32. */
 #if defined(__AVX512BF16__) && VW == 16
 #define BF16_PAIRS 1
 #else
@@ -147,6 +148,12 @@ INLINE float load_w1(const void *w, int64_t i, const int wt) {
 static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
 
 int mm_bf16_pairs(void) { return BF16_PAIRS; }
+
+/* The element of a paired bfloat16 panel (K rows of k) that holds row k of column c. */
+static inline int64_t paired_at(int64_t k, int64_t c, int64_t K) {
+    if (k >= K - K % 2) return k * NR + c; /* an odd last row: in order */
+    return (k - k % 2 + c / (NR / 2)) * NR + 2 * (c % (NR / 2)) + k % 2;
+}
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
     uint32_t u;
@@ -313,7 +320,41 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
     vf acc[3][4][2];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j][0] = acc[i][j][1] = (vf){0};
-    for (int64_t k = 0; k < kc; k++) {
+    int64_t k = 0;
+#if BF16_PAIRS
+    if (paired) { /* rows k and k + 1 at once: each 32-bit lane holds a column's (k, k + 1) pair */
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+        for (; k + 1 < kc; k += 2) {
+            vf x0[3], x1[3];
+            for (int i = 0; i < mr; i++) {
+                x0[i] = splat(a[i][k]);
+                x1[i] = splat(a[i][k + 1]);
+            }
+            for (int j = 0; j < np; j++) {
+#if PF_DIST
+                if (pf_nta) {
+                    prefetch_nta(w[j], k, wt);
+                    prefetch_nta(w[j], k + 1, wt);
+                }
+#endif
+                const uint16_t *w16 = (const uint16_t *)w[j];
+                const __m512i v0 = _mm512_loadu_si512(w16 + k * NR), v1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
+                /* k's weights (the low halves) and k + 1's, of columns 0-15 and 16-31 */
+                const vf e0 = (vf)_mm512_slli_epi32(v0, 16), e1 = (vf)_mm512_slli_epi32(v1, 16),
+                         o0 = (vf)_mm512_and_si512(v0, high), o1 = (vf)_mm512_and_si512(v1, high);
+                for (int i = 0; i < mr; i++) {
+                    acc[i][j][0] += x0[i] * e0;
+                    acc[i][j][1] += x0[i] * e1;
+                    acc[i][j][0] += x1[i] * o0;
+                    acc[i][j][1] += x1[i] * o1;
+                }
+            }
+        }
+    }
+#else
+    (void)paired;
+#endif
+    for (; k < kc; k++) { /* (a paired panel's odd last row: its columns in order) */
         vf x[3];
         for (int i = 0; i < mr; i++) x[i] = splat(a[i][k]);
         for (int j = 0; j < np; j++) {
@@ -327,21 +368,6 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
             }
         }
     }
-#if BF16_PAIRS
-    if (paired) { /* the sums are in a paired panel's column order: back to columns 0-15 and 16-31 */
-        /* the position of column c in a paired row (bit 4: the second vector) */
-        const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
-                      hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < np; j++) {
-                const __m512 s0 = (__m512)acc[i][j][0], s1 = (__m512)acc[i][j][1];
-                acc[i][j][0] = (vf)_mm512_permutex2var_ps(s0, lo, s1);
-                acc[i][j][1] = (vf)_mm512_permutex2var_ps(s0, hi, s1);
-            }
-    }
-#else
-    (void)paired;
-#endif
     for (int j = 0; j < np; j++) {
         vf s0, s1;
         col_scales(scale[j], &s0, &s1);
@@ -352,7 +378,7 @@ INLINE void tile_np(const int mr, const int np, const int wt, int64_t kc, const 
 
 #if BF16_PAIRS
 /* `tile` for bfloat16 pairs: a[i] row i's activation pairs from this chunk's first pair; w the
- * panel there (kc rows of k, NR columns in the paired order above); no scales (bfloat16 has none). */
+ * panel there (kc rows of k, paired as above); no scales (bfloat16 has none). */
 INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const uint16_t *w, float *const *c,
                        int ncols, const float *rowscale, int mode, int once, const char *next) {
     __m512 acc[MR][2];
@@ -370,10 +396,14 @@ INLINE void tile_pairs(const int mr, int64_t kc, const uint32_t *const *a, const
             prefetch_next(next, k, 2);
             if (k + 1 < kc) prefetch_next(next, k + 1, 2);
         }
-        const __m512i r0 = _mm512_loadu_si512(w + k * NR),
-                      r1 = k + 1 < kc ? _mm512_loadu_si512(w + (k + 1) * NR) : _mm512_setzero_si512();
-        /* (k, k + 1) pairs of columns 0-15 and 16-31 */
-        const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(r0, r1), b1 = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        __m512bh b0, b1; /* (k, k + 1) pairs of columns 0-15 and 16-31 */
+        if (k + 1 < kc) {
+            b0 = (__m512bh)_mm512_loadu_si512(w + k * NR);
+            b1 = (__m512bh)_mm512_loadu_si512(w + (k + 1) * NR);
+        } else { /* an odd last row, its columns in order: (k, 0) pairs */
+            b0 = (__m512bh)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k * NR)));
+            b1 = (__m512bh)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k * NR + VW)));
+        }
         for (int i = 0; i < mr; i++) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[i][k / 2]);
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
@@ -437,9 +467,9 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 /* AMX tiles for products of paired bfloat16 weights, and of int8 ones, with amx_min_rows rows or
  * more, where the CPU has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one
  * tdpbf16ps multiplies 16 rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps,
- * which a Xeon runs at half the rate of its FMAs. A block of 16 rows, and 32 k of a panel re-laid as
- * the two B tiles (the (k, k + 1) pairs of columns 0-15 and 16-31: what `tile_pairs` unpacks in
- * registers; int8 weights widened to bfloat16 on the way, which holds them exactly), accumulate in
+ * which a Xeon runs at half the rate of its FMAs. A block of 16 rows, and 32 k of a panel as the two
+ * B tiles (the (k, k + 1) pairs of columns 0-15 and 16-31: a bfloat16 panel's rows where they lie;
+ * int8 weights re-laid, widened to bfloat16 on the way, which holds them exactly), accumulate in
  * two float32 tiles. For bfloat16 weights the sums are those of vdpbf16ps up to the order they are
  * added in. For int8 weights the activations go in as two bfloat16 parts (`split_row`: x rounded,
  * then what that rounding left), each multiplied by the weights: 16 bits of each activation where
@@ -506,8 +536,8 @@ INLINE __m512i widen_i8(const int8_t *w) {
 /* rows x kc (a chunk of K, kc <= KC) against one panel through AMX tiles; as `tile_pairs` for each
  * block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
  * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
- * scale: int8's per column, or NULL; next: the panel read after this one, prefetched while this one
- * is re-laid (as `tile_pairs` does), or NULL. */
+ * scale: int8's per column, or NULL; next: the panel read after this one, prefetched by the first
+ * block of rows as it reads this one (as `tile_pairs` does), or NULL. */
 /* (out of line: inlined into panel_rows, it slowed the register tiles of every other product) */
 __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, int64_t lo,
                                                      const char *w, int wt, float *const *c, int ncols,
@@ -533,7 +563,12 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
     const __m512i pick_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
                   pick_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
-    for (int64_t b = 0; b < blocks; b++)
+    /* a bfloat16 panel's blocks of 16 whole pairs are B tiles where they lie (rows 128 bytes
+     * apart); the rest (an int8 panel's every block, a bfloat16 one's last when it is partial) is
+     * re-laid in bt, zeros past kc */
+    const uint16_t *w16 = (const uint16_t *)w;
+    const int64_t direct = i8 ? 0 : kc / 32;
+    for (int64_t b = direct; b < blocks; b++)
         for (int p = 0; p < 16; p++) {
             const int64_t k = 2 * (b * 16 + p);
             if (next && k < kc) { /* the next panel's rows k and k + 1, as `tile_pairs` */
@@ -544,13 +579,18 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
             if (i8) { /* rows k and k + 1 widened (their columns in order: the epilogue restores it) */
                 if (k < kc) r0 = widen_i8((const int8_t *)w + k * NR);
                 if (k + 1 < kc) r1 = widen_i8((const int8_t *)w + (k + 1) * NR);
-            } else {
-                const uint16_t *w16 = (const uint16_t *)w;
-                if (k < kc) r0 = _mm512_loadu_si512(w16 + k * NR);
-                if (k + 1 < kc) r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
+                const __m512i lo16 = _mm512_unpacklo_epi16(r0, r1);
+                r1 = _mm512_unpackhi_epi16(r0, r1);
+                r0 = lo16;
+            } else if (k + 1 < kc) { /* paired already */
+                r0 = _mm512_loadu_si512(w16 + k * NR);
+                r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
+            } else if (k < kc) { /* an odd last row, its columns in order: (k, 0) pairs */
+                r0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR)));
+                r1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR + VW)));
             }
-            _mm512_store_si512(bt[b][0][p], _mm512_unpacklo_epi16(r0, r1));
-            _mm512_store_si512(bt[b][1][p], _mm512_unpackhi_epi16(r0, r1));
+            _mm512_store_si512(bt[b][0][p], r0);
+            _mm512_store_si512(bt[b][1][p], r1);
         }
     vf s0, s1;
     col_scales(scale, &s0, &s1);
@@ -565,8 +605,15 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
         _tile_zero(1);
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n = kp - b * 16 < 16 ? kp - b * 16 : 16;
-            _tile_loadd(3, bt[b][0], 64);
-            _tile_loadd(4, bt[b][1], 64);
+            if (b < direct) {
+                if (next && r0 == 0) /* the next panel's rows of this block (re-laid blocks fetch theirs above) */
+                    for (int64_t k = 32 * b; k < 32 * b + 32; k++) prefetch_next(next, k, es);
+                _tile_loadd(3, w16 + 32 * b * NR, 2 * NR * 2);
+                _tile_loadd(4, w16 + (32 * b + 1) * NR, 2 * NR * 2);
+            } else {
+                _tile_loadd(3, bt[b][0], 64);
+                _tile_loadd(4, bt[b][1], 64);
+            }
             if (spaced && n == 16) {
                 _tile_loadd(2, a[r0] + b * 16, step * 4);
                 if (i8) _tile_loadd(5, a[r0] + lo + b * 16, step * 4);
@@ -1796,16 +1843,16 @@ void mm_screened_argmax(int64_t R, int64_t n, int64_t K, const void *approx, int
         for (int c = 0; c < count; c++)
             if (upper[c] >= floor_) cand[kept++] = cand[c];
         if (kept > SCREEN_CAP) continue;
-        /* the candidates' logits, from the packed head: column j is lane j % NR of panel j / NR (in a
-         * paired bfloat16 panel at the position q with col(q) = j % NR) */
+        /* the candidates' logits, from the packed head: column j is lane j % NR of panel j / NR
+         * (`paired_at` in a paired bfloat16 panel) */
         float best = -INFINITY_F;
         int64_t arg = -1;
         for (int c = 0; c < kept; c++) {
-            const int64_t j = cand[c], cj = j % NR, half = cj % (NR / 2);
-            const int64_t q = PAIRED(wt) ? half / 4 * 8 + (cj < NR / 2 ? 0 : 4) + half % 4 : cj;
-            const char *col = (const char *)w + ((j / NR) * K * NR + q) * es;
+            const int64_t j = cand[c], cj = j % NR;
+            const char *panel = (const char *)w + (j / NR) * K * NR * es;
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s = __builtin_fmaf(xr[k], load_w1(col, k * NR, wt), s);
+            for (int64_t k = 0; k < K; k++)
+                s = __builtin_fmaf(xr[k], load_w1(panel, PAIRED(wt) ? paired_at(k, cj, K) : k * NR + cj, wt), s);
             if (w_scale) s *= w_scale[j];
             if (!(s - s == 0.0f)) { /* (not finite: unreachable under the guard above) */
                 arg = -1;
