@@ -543,7 +543,8 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                                                      const char *w, int wt, float *const *c, int ncols,
                                                      const float *scale, const float *rowscale, int mode,
                                                      const char *next) {
-    static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64))); /* B tiles of the chunk */
+    /* B tiles re-laid: an int8 chunk's (kc <= KC), a bfloat16 panel's partial last block */
+    static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64)));
     static __thread uint32_t at[2][16][16] __attribute__((aligned(64)));           /* A tiles (high, low) */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
     const int i8 = wt == W_I8, es = elem_size(wt);
@@ -589,8 +590,8 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                 r0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR)));
                 r1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR + VW)));
             }
-            _mm512_store_si512(bt[b][0][p], r0);
-            _mm512_store_si512(bt[b][1][p], r1);
+            _mm512_store_si512(bt[b - direct][0][p], r0);
+            _mm512_store_si512(bt[b - direct][1][p], r1);
         }
     vf s0, s1;
     col_scales(scale, &s0, &s1);
@@ -611,8 +612,8 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                 _tile_loadd(3, w16 + 32 * b * NR, 2 * NR * 2);
                 _tile_loadd(4, w16 + (32 * b + 1) * NR, 2 * NR * 2);
             } else {
-                _tile_loadd(3, bt[b][0], 64);
-                _tile_loadd(4, bt[b][1], 64);
+                _tile_loadd(3, bt[b - direct][0], 64);
+                _tile_loadd(4, bt[b - direct][1], 64);
             }
             if (spaced && n == 16) {
                 _tile_loadd(2, a[r0] + b * 16, step * 4);
@@ -689,7 +690,9 @@ void mm_set_amx(int min_rows) {
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next, int amx) {
-    const int64_t kstep = rows > MR || amx ? KC : K; /* (KC is even: a chunk starts on a pair) */
+    /* (KC is even: a chunk starts on a pair. AMX tiles keep a bfloat16 product's sums in C tiles over
+     * all of K: its B tiles are read in place, not re-laid a chunk at a time) */
+    const int64_t kstep = amx && wt != W_I8 ? K : rows > MR || amx ? KC : K;
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
