@@ -288,9 +288,9 @@ PREFETCH_POLICIES = ((1, 8), (0, 4), (1, 4), (0, 8))
 
 
 def prefetch_policy(lib: _Lib) -> tuple[int, int]:
-    """The prefetch policy under which products of 1, 4, 6 and 8 rows over a 16 MB float32 weight take
-    the least time here (the rows of a decode step's GEMMs and experts; products of more rows do
-    not depend on it), measured once per library and machine and kept beside the library
+    """The prefetch policy under which MoE layers at 1, 4, 6 and 8 rows per expert take the least
+    time here (the rows of a decode step's experts; products of more rows do not depend on it,
+    `_measure_prefetch`), measured once per library and machine and kept beside the library
     (`<library>.prefetch`). MOEMESH_PREFETCH="NTA,ROWS" sets it instead (e.g. "1,8")."""
     forced = os.environ.get("MOEMESH_PREFETCH")
     if forced:
@@ -321,27 +321,33 @@ def _policy(read) -> tuple[int, int] | None:
 
 def _measure_prefetch(lib: _Lib, kept: Path) -> tuple[int, int]:
     """`prefetch_policy`'s timing, its choice written to `kept` (where it can be: delete the file to
-    measure again)."""
+    measure again). Timed on what a decode step's products are: two MoE layers of 8 experts (512 x
+    1024, float32, 48 MB each, read in turn as a stage reads its layers) with 1, 4, 6 and 8 rows per
+    expert, in three rounds that take the policies in turn (each round in another order); a
+    policy's time is the sum over the row counts of its best round. (Timed on one 16 MB weight, a
+    policy at one at a time, the choice on the Xeon of docs/benchmarks.md went either way from
+    build to build, where MoE layers at 4-8 rows per expert ran 1.2-1.4x slower under one.)"""
     g = torch.Generator().manual_seed(0)
-    w = pack(torch.randn(8192, 512, generator=g), lib.panel_width)
-    x = torch.randn(8, 512, generator=g)
-    y = torch.empty(8, w.n)
-    threads = torch.get_num_threads()
-    took = {}
-    for policy in PREFETCH_POLICIES:
-        lib.lib.mm_set_prefetch(*policy)
-        total = 0.0
-        for rows in (1, 4, 6, 8):
-            best = float("inf")
-            for _ in range(3):
+    E, H, I = 8, 512, 1024
+    layers = [(pack(torch.randn(E, 2 * I, H, generator=g), lib.panel_width),
+               pack(torch.randn(E, H, I, generator=g), lib.panel_width)) for _ in range(2)]
+    cases = []
+    for rows in (1, 4, 6, 8):  # (token t picks experts 2t and 2t + 1 mod E: every expert `rows` rows)
+        T = rows * E // 2
+        cases.append((torch.randn(T, H, generator=g), (torch.arange(2 * T) % E).view(T, 2), torch.full((T, 2), 0.5)))
+    best = {(policy, i): float("inf") for policy in PREFETCH_POLICIES for i in range(len(cases))}
+    n = len(PREFETCH_POLICIES)
+    for r in range(3):
+        for policy in PREFETCH_POLICIES[r % n:] + PREFETCH_POLICIES[:r % n]:
+            lib.lib.mm_set_prefetch(*policy)
+            for i, (x, ids, weights) in enumerate(cases):
                 t = time.perf_counter()
-                lib.lib.mm_gemm(rows, w.n, w.k, x.data_ptr(), x.stride(0), w.data.data_ptr(), w.weight_type, None,
-                                y.data_ptr(), w.n, threads)
-                best = min(best, time.perf_counter() - t)
-            total += best
-        took[policy] = total
+                for w13, w2 in layers:
+                    fused_moe(x, w13, w2, weights, ids, 0, lib)
+                best[policy, i] = min(best[policy, i], time.perf_counter() - t)
+    took = {policy: sum(best[policy, i] for i in range(len(cases))) for policy in PREFETCH_POLICIES}
     policy = min(PREFETCH_POLICIES, key=took.get)
-    log.info("CPU kernels' prefetch policy %s (1, 4, 6 and 8 rows: %s)", policy,
+    log.info("CPU kernels' prefetch policy %s (MoE layers at 1, 4, 6 and 8 rows per expert: %s)", policy,
              ", ".join(f"{p}: {t * 1e3:.2f} ms" for p, t in took.items()))
     try:
         tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
