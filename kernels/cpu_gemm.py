@@ -258,7 +258,11 @@ def native() -> _Lib | None:
     return lib
 
 
-AMX_MIN_ROWS = 8  # products of paired bfloat16 weights with this many rows or more go through AMX tiles
+# products of paired bfloat16 weights with this many rows or more (every product past FEW_ROWS) go
+# through AMX tiles: read in place, 8 rows of them took 0.08-0.09 ms where vdpbf16ps took 0.09-0.15
+# at 4-7 rows, and 4 rows as long either way (docs/benchmarks.md, "bfloat16 panels stored as AMX
+# reads them")
+AMX_MIN_ROWS = 4
 
 
 def amx_rows(lib: _Lib) -> int:

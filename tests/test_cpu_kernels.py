@@ -222,8 +222,8 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
     """Products of bfloat16 weights with lib.amx rows or more go through AMX tiles (cpu_gemm.c
     `panel_rows_amx`): the sums of the activations rounded to bfloat16, as the vdpbf16ps tiles give
     them (within float32 rounding: the order differs), for a gemm and for a fused MoE (its experts
-    get 4 rows at M = 8, below the tiles' threshold, and 7-65 in the others); from fewer rows the
-    two paths are one."""
+    get 4 rows at M = 8 and 7-65 in the others: the tiles from lib.amx rows, vdpbf16ps below); from
+    fewer rows the two paths are one."""
     g = torch.Generator().manual_seed(M + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
     p = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)
@@ -242,7 +242,9 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
         lib.lib.mm_set_amx(lib.amx)
     torch.testing.assert_close(tiles.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
     torch.testing.assert_close(tiles, plain, rtol=1e-5, atol=1e-5 * K ** 0.5)
-    torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-4, atol=1e-4)
+    # (the experts' activations are rounded to bfloat16 between their two products: where the order
+    # of a sum moves one across a rounding boundary, its term in the second product moves by 2^-8)
+    torch.testing.assert_close(moe_tiles, moe_plain, rtol=5e-3, atol=5e-4)
     if min(M, 96) < lib.amx:  # (a gemm's rows go in blocks of 96)
         assert torch.equal(tiles, plain)
 
