@@ -14,8 +14,8 @@ is one, adds csrc/topk_order.cpp: torch.topk's choice among exactly tied router 
 Weights are packed once after loading (`pack`): [N, K] -> [ceil(N / NR), K, NR], each panel the
 K x NR block the kernel's register tile streams through, in float32, bfloat16 or int8 (with a
 float32 scale per output feature). Activations are float32 in and out. Where the CPU has
-AVX512-BF16, a bfloat16 panel's columns are stored in the order that lets the kernels interleave two
-rows into (k, k + 1) pairs, and products with more than three rows multiply them with vdpbf16ps by
+AVX512-BF16, a bfloat16 panel stores rows k and k + 1 paired (`pair_panels`), as vdpbf16ps and AMX
+tiles read them, and products with more than three rows multiply them with vdpbf16ps by
 the activations rounded to bfloat16, as llama.cpp and torch's bfloat16 matmul do: twice the
 multiply-adds per instruction of the float32 FMA.
 """
@@ -328,9 +328,28 @@ def _measure_prefetch(lib: _Lib, kept: Path) -> tuple[int, int]:
     measure again). Timed on what a decode step's products are: two MoE layers of 8 experts (512 x
     1024, float32, 48 MB each, read in turn as a stage reads its layers) with 1, 4, 6 and 8 rows per
     expert, in three rounds that take the policies in turn (each round in another order); a
-    policy's time is the sum over the row counts of its best round. (Timed on one 16 MB weight, a
-    policy at one at a time, the choice on the Xeon of docs/benchmarks.md went either way from
+    policy's time is the sum over the row counts of its best round. (Timed on one 16 MB weight, one
+    policy at a time, the choice on the Xeon of docs/benchmarks.md went either way from
     build to build, where MoE layers at 4-8 rows per expert ran 1.2-1.4x slower under one.)"""
+    try:
+        took = _time_prefetch(lib)
+    except (MemoryError, RuntimeError) as e:  # (no memory for its layers: torch's allocator raises RuntimeError)
+        log.warning("could not time the CPU kernels' prefetch policy (%s): %s, not kept", e, PREFETCH_POLICIES[0])
+        return PREFETCH_POLICIES[0]
+    policy = min(PREFETCH_POLICIES, key=took.get)
+    log.info("CPU kernels' prefetch policy %s (MoE layers at 1, 4, 6 and 8 rows per expert: %s)", policy,
+             ", ".join(f"{p}: {t * 1e3:.2f} ms" for p, t in took.items()))
+    try:
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
+        tmp.write_text(f"{policy[0]},{policy[1]}\n")
+        os.replace(tmp, kept)
+    except OSError:
+        pass
+    return policy
+
+
+def _time_prefetch(lib: _Lib) -> dict[tuple[int, int], float]:
+    """`_measure_prefetch`'s timing: seconds per policy."""
     g = torch.Generator().manual_seed(0)
     E, H, I = 8, 512, 1024
     layers = [(pack(torch.randn(E, 2 * I, H, generator=g), lib.panel_width),
@@ -349,17 +368,7 @@ def _measure_prefetch(lib: _Lib, kept: Path) -> tuple[int, int]:
                 for w13, w2 in layers:
                     fused_moe(x, w13, w2, weights, ids, 0, lib)
                 best[policy, i] = min(best[policy, i], time.perf_counter() - t)
-    took = {policy: sum(best[policy, i] for i in range(len(cases))) for policy in PREFETCH_POLICIES}
-    policy = min(PREFETCH_POLICIES, key=took.get)
-    log.info("CPU kernels' prefetch policy %s (MoE layers at 1, 4, 6 and 8 rows per expert: %s)", policy,
-             ", ".join(f"{p}: {t * 1e3:.2f} ms" for p, t in took.items()))
-    try:
-        tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
-        tmp.write_text(f"{policy[0]},{policy[1]}\n")
-        os.replace(tmp, kept)
-    except OSError:
-        pass
-    return policy
+    return {policy: sum(best[policy, i] for i in range(len(cases))) for policy in PREFETCH_POLICIES}
 
 
 # -- packing ------------------------------------------------------------------------------------

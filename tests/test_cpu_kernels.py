@@ -962,3 +962,15 @@ def test_screened_head_is_built_only_for_a_float32_bfloat16_or_int8_head_where_i
     head.packed = None
     head.screen_packed()
     assert head.screen is None
+
+
+def test_a_prefetch_timing_that_runs_out_of_memory_falls_back_to_the_default(monkeypatch, tmp_path):
+    """Timing the policy needs about 100 MB of layers: where they cannot be had, the kernels' default
+    policy is used and nothing is kept (the next start measures again)."""
+    def no_memory(_lib):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(cpu_gemm, "_time_prefetch", no_memory)
+    kept = tmp_path / "lib.so.prefetch"
+    assert cpu_gemm._measure_prefetch(lib, kept) == cpu_gemm.PREFETCH_POLICIES[0]
+    assert not kept.exists()

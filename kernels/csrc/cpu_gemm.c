@@ -533,7 +533,8 @@ INLINE __m512i widen_i8(const int8_t *w) {
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* (the second operand's 16 in the low half) */
 }
 
-/* rows x kc (a chunk of K, kc <= KC) against one panel through AMX tiles; as `tile_pairs` for each
+/* rows x kc against one panel through AMX tiles (int8 weights: a chunk of K, kc <= KC; bfloat16:
+ * all of K, at most its last, partial block re-laid); as `tile_pairs` for each
  * block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
  * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
  * scale: int8's per column, or NULL; next: the panel read after this one, prefetched by the first
