@@ -114,10 +114,11 @@ def test_paired_panels_hold_k_and_k_plus_1_side_by_side(K):
     assert torch.equal(cpu_gemm.unpair_panels(p.data), w.reshape(2, NR, K).transpose(1, 2))
 
 
-@pytest.mark.parametrize("M,K", [(4, 600), (13, 600), (13, 1031), (97, 77), (130, 1025)])
+@pytest.mark.parametrize("M,K", [(4, 600), (13, 600), (13, 1031), (97, 77), (130, 1025), (40, 4133), (16, 4133)])
 def test_bfloat16_gemm_across_chunks_and_row_blocks(M, K):
     """bfloat16 products with more rows than a register tile and K past the 512-k chunk (odd K too),
-    and past the 96-row block: where the paired kernels step through their activation pairs."""
+    past the 4096-k chunk of AMX tiles that several blocks of 16 rows share (one block takes all of
+    K), and past the 96-row block: where the paired kernels step through their activation pairs."""
     g = torch.Generator().manual_seed(M * K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
     p = cpu_gemm.pack(w, lib.panel_width, torch.bfloat16)

@@ -56,6 +56,11 @@
 #define PF_DIST 256 /* bytes ahead that a few-row product prefetches each weight stream (0: none) */
 #endif
 #define KC 512 /* k chunk when a panel is reused by several row tiles: NR x KC weights stay in L1/L2 */
+/* k chunk of a bfloat16 panel that several blocks of 16 rows read through AMX tiles in place: 256 KB
+ * of it stay in L2 between the blocks (all of K at once read 16k-deep panels from L3 for each block:
+ * 1.15-1.2x slower at 64-192 rows, docs/benchmarks.md); a multiple of 32, so only a product's last
+ * chunk can end in a partial block of pairs */
+#define KC_AMX 4096
 #define INFINITY_F __builtin_inff()
 
 /* On a CPU with AVX512-BF16, a product with more rows than FEW_ROWS multiplies bfloat16 weights by
@@ -533,9 +538,9 @@ INLINE __m512i widen_i8(const int8_t *w) {
     return (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* (the second operand's 16 in the low half) */
 }
 
-/* rows x kc against one panel through AMX tiles (int8 weights: a chunk of K, kc <= KC; bfloat16:
- * all of K, at most its last, partial block re-laid); as `tile_pairs` for each
- * block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
+/* rows x kc against one panel through AMX tiles (int8 weights: a chunk of K, kc <= KC; bfloat16: a
+ * chunk of up to KC_AMX, or all of K, at most its last, partial block re-laid); as `tile_pairs` for
+ * each block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
  * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
  * scale: int8's per column, or NULL; next: the panel read after this one, prefetched by the first
  * block of rows as it reads this one (as `tile_pairs` does), or NULL. */
@@ -692,8 +697,8 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next, int amx) {
     /* (KC is even: a chunk starts on a pair. AMX tiles keep a bfloat16 product's sums in C tiles over
-     * all of K: its B tiles are read in place, not re-laid a chunk at a time) */
-    const int64_t kstep = amx && wt != W_I8 ? K : rows > MR || amx ? KC : K;
+     * KC_AMX k, or all of K for one block of 16 rows: its B tiles are read in place, not re-laid) */
+    const int64_t kstep = amx && wt != W_I8 ? (rows > 16 ? KC_AMX : K) : rows > MR || amx ? KC : K;
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
