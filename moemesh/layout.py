@@ -172,7 +172,6 @@ def balanced_partition(model: ModelConfig, pp: int, sampled_share: float = 1.0,
             return counts
     layers = [(1 - sampled_share) * p + sampled_share * d for p, d in zip(costs.prompt, costs.decode)]
     head = costs.head * sampled_share
-    n = len(layers)
     if not 1 <= pp <= n:
         raise ConfigError(f"--pp {pp} must be between 1 and the model's {n} layers")
     prefix = [0.0]

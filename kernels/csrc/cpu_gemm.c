@@ -983,30 +983,27 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         split |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
     }
     const int64_t xs = split ? 2 * hp : hp, as = split ? 2 * ip : ip; /* (elements from one row to the next) */
-#if HAVE_AMX
-    if (split) {
+#if BF16_PAIRS
+    int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
+    for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
+    if (split || (PAIRED(wt) && many)) {
+        /* each row's x as pairs (or split) in slot order: an expert's rows lie one after another
+         * (AMX tiles load them where they are) */
         xpairs = malloc(sizeof(uint32_t) * (rows * xs > 0 ? rows * xs : 1));
         actpairs = malloc(sizeof(uint32_t) * (rows * as > 0 ? rows * as : 1));
         if (!xpairs || !actpairs) {
             rc = -1;
             goto done;
         }
-        for (int64_t s = 0; s < rows; s++) split_row(x + tok[s] * H, H, xpairs + s * xs, xpairs + s * xs + hp);
-    }
+        for (int64_t s = 0; s < rows; s++) {
+#if HAVE_AMX
+            if (split) {
+                split_row(x + tok[s] * H, H, xpairs + s * xs, xpairs + s * xs + hp);
+                continue;
+            }
 #endif
-#if BF16_PAIRS
-    int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
-    for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
-    if (PAIRED(wt) && many) {
-        /* each row's x as pairs in slot order: an expert's rows lie one after another (AMX tiles
-         * load them where they are) */
-        xpairs = malloc(sizeof(uint32_t) * (rows * hp > 0 ? rows * hp : 1));
-        actpairs = malloc(sizeof(uint32_t) * (rows * ip > 0 ? rows * ip : 1));
-        if (!xpairs || !actpairs) {
-            rc = -1;
-            goto done;
+            pair_row(x + tok[s] * H, H, xpairs + s * hp);
         }
-        for (int64_t s = 0; s < rows; s++) pair_row(x + tok[s] * H, H, xpairs + s * hp);
     }
 #endif
     for (int64_t s = 0; s < rows; s++) {
