@@ -254,23 +254,33 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
 @pytest.mark.parametrize("M,K,I", [(12, 200, 40), (15, 64, 40), (16, 512, 33), (33, 1031, 520), (97, 600, 40),
                                    (130, 1100, 519)])
 def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
-    """Products of int8 weights with lib.amx_i8_rows rows or more (and lib.amx) go through AMX
-    tiles, the activations split in two bfloat16 parts (cpu_gemm.c `split_row`): within 2^-16 of
-    the sum of |x w| of the exact product (float64 over the dequantized weights), for a gemm and
-    for a fused MoE whose experts get 6-65 rows (an intermediate size odd, or above the 512-k
-    chunk); from fewer rows the two paths are one. An infinite activation stays infinite."""
+    """Products of int8 weights with lib.amx_i8_rows rows or more (and lib.amx) go through AMX-INT8
+    tiles, each activation row as three int8 parts under one scale (cpu_gemm.c `quant_row`): within
+    2^-22 of max|x| times the sum of |w| of the exact product (float64 over the dequantized
+    weights; the parts hold x within 2^-24 max|x|, the rest is float32 rounding), and within the
+    register tiles' 2^-16 of the sum of |x w| on rows without outliers, for a gemm and for a fused
+    MoE whose experts get 6-65 rows (an intermediate size odd, or above the 512-k chunk); from fewer
+    rows the two paths are one. A row with an outlier 10^4 times its neighbours keeps the first
+    bound; an infinite activation stays infinite (over every chunk of K), a NaN makes its row NaN, a
+    row of zeros gives zeros."""
     g = torch.Generator().manual_seed(M * K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    x[0] = 0.0
+    if M > 2:
+        x[1, K // 2] = 1e4
     p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
     wq = p.unpack().double()
     want = x.double() @ wq.T
     bound = (x.double().abs() @ wq.abs().T) * 2.0 ** -16 + 1e-6
+    bound[1] = float("inf")  # (the outlier's row: the first bound alone)
+    parts_bound = x.double().abs().amax(dim=1, keepdim=True) * wq.abs().sum(dim=1) * 2.0 ** -22 + 1e-6
     x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, I)
     weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
     p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
     p2 = cpu_gemm.pack(w2, lib.panel_width, torch.int8)
     inf = x.clone()
     inf[-1, 0] = float("inf")
+    inf[-2, 1] = float("nan")
     try:
         tiles = cpu_gemm.gemm(x, p, lib)
         inf_tiles = cpu_gemm.gemm(inf, p, lib)
@@ -282,8 +292,12 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     finally:
         lib.lib.mm_set_amx(lib.amx)
     assert ((tiles.double() - want).abs() <= bound).all()
+    assert ((tiles.double() - want).abs() <= parts_bound).all()
     assert ((plain.double() - want).abs() <= bound).all()
+    assert (tiles[0] == 0).all() and (plain[0] == 0).all()
     assert torch.equal(inf_tiles[-1].isinf(), inf_plain[-1].isinf()) and inf_tiles[-1].isinf().any()
+    assert torch.equal(inf_tiles[-1].isnan(), inf_plain[-1].isnan())
+    assert inf_tiles[-2].isnan().all() and inf_plain[-2].isnan().all()
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
     takes = max(lib.amx, lib.amx_i8_rows)  # (a gemm's rows go in blocks of 96, an expert's too)
     assert torch.equal(tiles, plain) == (min(M, 96) < takes)

@@ -19,8 +19,8 @@
  * each k, two weight vectors are loaded (and widened to float32 from bfloat16 or int8) and each of
  * the MR rows' x[m][k] is broadcast and multiplied into them. Weights are float32, bfloat16 or
  * int8 (with one float32 scale per output feature, applied once to the sum). Activations and
- * accumulation are float32 (but for AMX tiles: bfloat16 pairs, and int8 products' activations in
- * two bfloat16 parts, `panel_rows_amx`).
+ * accumulation are float32 (but for AMX tiles: bfloat16 pairs, `panel_rows_amx`, and int8 products'
+ * activations as three int8 parts under a scale per row, `panel_rows_amx_i8`).
  *
  * Threads: OpenMP, the same runtime torch uses (the library is loaded after torch, so libgomp.so.1
  * resolves to torch's copy and both share one pool). Work is split by column panels, so threads
@@ -62,6 +62,7 @@
  * chunk can end in a partial block of pairs */
 #define KC_AMX 4096
 #define INFINITY_F __builtin_inff()
+#define NAN_F __builtin_nanf("")
 
 /* On a CPU with AVX512-BF16, a product with more rows than FEW_ROWS multiplies bfloat16 weights by
  * its activations rounded to bfloat16, two k at a time with vdpbf16ps: one instruction does 32
@@ -469,18 +470,22 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
+/* int8 weights through AMX-INT8 tiles, re-laid by byte permutes (AVX512-VBMI): every CPU with
+ * AMX-BF16 so far has both */
+#if defined(__AMX_INT8__) && defined(__AVX512VBMI__)
+#define HAVE_AMX_I8 1
+#else
+#define HAVE_AMX_I8 0
+#endif
 /* AMX tiles for products of paired bfloat16 weights, and of int8 ones, with amx_min_rows rows or
  * more, where the CPU has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one
  * tdpbf16ps multiplies 16 rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps,
  * which a Xeon runs at half the rate of its FMAs. A block of 16 rows, and 32 k of a panel as the two
- * B tiles (the (k, k + 1) pairs of columns 0-15 and 16-31: a bfloat16 panel's rows where they lie;
- * int8 weights re-laid, widened to bfloat16 on the way, which holds them exactly), accumulate in
- * two float32 tiles. For bfloat16 weights the sums are those of vdpbf16ps up to the order they are
- * added in. For int8 weights the activations go in as two bfloat16 parts (`split_row`: x rounded,
- * then what that rounding left), each multiplied by the weights: 16 bits of each activation where
- * the float32 tiles keep 24, within 2^-16 of the sum of |x w| beyond the float32 rounding of the
- * sums (products of bfloat16 numbers are exact in float32); the column scales multiply the sums as
- * the float32 tiles' do. */
+ * B tiles (the (k, k + 1) pairs of columns 0-15 and 16-31: a bfloat16 panel's rows where they lie),
+ * accumulate in two float32 tiles: the sums are those of vdpbf16ps up to the order they are added
+ * in. int8 weights go through AMX-INT8 (`panel_rows_amx_i8`): tdpbssd multiplies 16 rows by 64 k by
+ * 16 columns of int8 into int32 sums, exactly, with the activations as three int8 parts
+ * (`quant_row`). */
 static int amx_min_rows = 0; /* 0: off */
 
 typedef struct {
@@ -496,85 +501,218 @@ int mm_amx_available(void) {
     return state > 0;
 }
 
-/* One row of K activations as two bfloat16 parts, ceil(K / 2) pairs each: hi, x rounded to nearest
- * even; lo, x - hi rounded (exact in float32), so that hi + lo carries 16 bits of x; lo is zero
- * where hi is not finite (an infinite x, or one that rounds to infinity, stays infinite rather than
- * inf - inf; NaN stays NaN). An odd K's last pair has zeros in its high half. (vcvtneps2bf16 reads
- * float32 denormals as zero: parts below 2^-126 are lost, as the tiles would flush them anyway.) */
-static void split_row(const float *x, int64_t K, uint32_t *hi, uint32_t *lo) {
-    uint16_t *h = (uint16_t *)hi, *l = (uint16_t *)lo;
+#if HAVE_AMX_I8
+/* An activation row for int8 weights through AMX tiles (`quant_row`): its scale (float32) at the
+ * start of QROW_HEAD bytes, then three parts of qrow_k(K) int8 each, zeros from K on (the tiles read
+ * 64 k at a time). qrow_words: the row's size in 32-bit words. */
+#define QROW_HEAD 64
+INLINE int64_t qrow_k(int64_t K) { return (K + 63) / 64 * 64; }
+INLINE int64_t qrow_words(int64_t K) { return (QROW_HEAD + 3 * qrow_k(K)) / 4; }
+
+/* One row of K activations as a scale s and three int8 parts a, b, c with x = s (a + b / 254 +
+ * c / 254^2) within s / 2 / 254^2 = max|x| 2^-24 (s = max|x| / 127: a is x / s rounded, b what that
+ * left times 254 rounded, c what that left): the products of int8 weights by the three parts are
+ * exact int32 sums, so a product is within 2^-24 max|x| sum|w| of the float64 one beyond the
+ * float32 rounding of the parts' sums. A row with a NaN gets a NaN scale; one with an infinity (and
+ * no NaN) the scale +inf and a = the infinities' signs (zeros elsewhere): the product is then
+ * +-inf, or NaN where the infinities' weights cancel or are zero, as float32 sums give (but where
+ * infinities of both signs meet weights of both; a chunk of K without them adds 0,
+ * `panel_rows_amx_i8`). */
+static void quant_row(const float *x, int64_t K, uint32_t *row) {
+    const int64_t kq = qrow_k(K);
+    int8_t *a = (int8_t *)row + QROW_HEAD, *b = a + kq, *c = b + kq;
+    memset(a, 0, 3 * kq);
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         const __m512 v = _mm512_loadu_ps(x + k);
-        const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
-        _mm256_storeu_si256((__m256i *)(h + k), hb);
-        const __mmask16 finite = ~_mm512_fpclass_ps_mask(hf, 0x99); /* not QNaN, +-inf, SNaN */
-        _mm256_storeu_si256((__m256i *)(l + k), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_sub_ps(finite, v, hf)));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(_mm512_abs_ps(v), mx);
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    for (; k < K; k++) {
+        nan |= x[k] != x[k];
+        m = __builtin_fabsf(x[k]) > m ? __builtin_fabsf(x[k]) : m;
+    }
+    float *scale = (float *)row;
+    if (nan || m == 0.0f || m - m != 0.0f) { /* NaN, zeros, or an infinity */
+        *scale = nan ? NAN_F : m == 0.0f ? 0.0f : INFINITY_F;
+        if (!nan && m != 0.0f)
+            for (k = 0; k < K; k++) a[k] = x[k] == INFINITY_F ? 1 : x[k] == -INFINITY_F ? -1 : 0;
+        return;
+    }
+    *scale = m / 127.0f;
+    const float inv = 127.0f / m;
+    const __m512 vinv = _mm512_set1_ps(inv), f254 = _mm512_set1_ps(254.0f);
+    const int near = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (k = 0; k + 16 <= K; k += 16) {
+        const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + k), vinv);
+        const __m512 ta = _mm512_roundscale_ps(t, near);
+        const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, ta), f254);
+        const __m512 rb = _mm512_roundscale_ps(r, near);
+        const __m512 rc = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(r, rb), f254), near);
+        /* (|ta|, |rb|, |rc| <= 127 but for rounding at the edges: saturated to int8) */
+        _mm_storeu_si128((__m128i *)(a + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(ta)));
+        _mm_storeu_si128((__m128i *)(b + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rb)));
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rc)));
     }
     for (; k < K; k++) {
-        h[k] = to_bf16(x[k]);
-        const float hf = load_w1(h, k, W_BF16);
-        l[k] = hf - hf == 0.0f ? to_bf16(x[k] - hf) : 0;
+        const float t = x[k] * inv, ta = __builtin_nearbyintf(t), r = (t - ta) * 254.0f, rb = __builtin_nearbyintf(r);
+        const float rc = __builtin_nearbyintf((r - rb) * 254.0f);
+        a[k] = (int8_t)(ta > 127.0f ? 127.0f : ta < -127.0f ? -127.0f : ta);
+        b[k] = (int8_t)(rb > 127.0f ? 127.0f : rb < -127.0f ? -127.0f : rb);
+        c[k] = (int8_t)(rc > 127.0f ? 127.0f : rc < -127.0f ? -127.0f : rc);
     }
-    if (K % 2) h[K] = l[K] = 0;
 }
 
-/* rows[m] (K activations each) -> a fresh [M][2][ceil(K / 2)] array of `split_row` parts (row m's
- * high parts, then its low ones); NULL when memory runs out. */
-static uint32_t *split_rows(int64_t M, int64_t K, const float *const *rows) {
-    const int64_t kp = (K + 1) / 2;
-    uint32_t *out = malloc(sizeof(uint32_t) * (M * 2 * kp > 0 ? M * 2 * kp : 1));
+/* rows[m] (K activations each) -> a fresh [M][qrow_words(K)] array of `quant_row` rows; NULL when
+ * memory runs out. */
+static uint32_t *quant_rows(int64_t M, int64_t K, const float *const *rows) {
+    const int64_t w = qrow_words(K);
+    uint32_t *out = aligned_alloc(64, sizeof(uint32_t) * (M > 0 ? M * w : 16));
     if (out)
-        for (int64_t m = 0; m < M; m++) split_row(rows[m], K, out + m * 2 * kp, out + m * 2 * kp + kp);
+        for (int64_t m = 0; m < M; m++) quant_row(rows[m], K, out + m * w);
     return out;
 }
 
-/* 32 int8 weights (a row of an int8 panel) widened to bfloat16, exactly, in order */
-INLINE __m512i widen_i8(const int8_t *w) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
-    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
-                 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* (the second operand's 16 in the low half) */
-}
-
-/* rows x kc against one panel through AMX tiles (int8 weights: a chunk of K, kc <= KC; bfloat16: a
- * chunk of up to KC_AMX, or all of K, at most its last, partial block re-laid); as `tile_pairs` for
- * each block of 16 rows. a[i]: row i's pairs from this chunk's first (bfloat16 weights), or its high
- * parts there and its low parts lo pairs further on (int8 weights: `split_row`); w the panel there;
- * scale: int8's per column, or NULL; next: the panel read after this one, prefetched by the first
- * block of rows as it reads this one (as `tile_pairs` does), or NULL. */
-/* (out of line: inlined into panel_rows, it slowed the register tiles of every other product) */
-__attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a, int64_t lo,
-                                                     const char *w, int wt, float *const *c, int ncols,
-                                                     const float *scale, const float *rowscale, int mode,
-                                                     const char *next) {
-    /* B tiles re-laid: an int8 chunk's (kc <= KC), a bfloat16 panel's partial last block */
-    static __thread uint32_t bt[KC / 32][2][16][16] __attribute__((aligned(64)));
-    static __thread uint32_t at[2][16][16] __attribute__((aligned(64)));           /* A tiles (high, low) */
-    static __thread float ct[16][NR] __attribute__((aligned(64)));
-    const int i8 = wt == W_I8, es = elem_size(wt);
-    /* tiles 0-1 C, 2 A, 3-4 B, 5 the low parts' A, all 16 x 64 bytes; loaded on every call: oneDNN
-     * (torch's matmul, in this thread too) configures the tiles its own way */
+/* rows x kc against one int8 panel through AMX-INT8 tiles (kc <= KC, from k0, a multiple of 64): for
+ * each block of 16 rows and each 16 of the panel's columns, three int32 tiles sum each part of the
+ * rows (`quant_row` rows at rb, rb[i] row i's start) times the weights over the chunk, 64 k at a time
+ * (tdpbssd: exact); then s (a + b / 254 + c / 254^2) in float32 is what `put` scales and stores. The
+ * weights are re-laid once per call into the B tiles' order (each row of a tile: 4 k of 16 columns,
+ * from 128 bytes of the panel by two byte permutes), zeros past kc; the next panel is prefetched
+ * meanwhile (next, or NULL). */
+__attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0, int64_t kc, int64_t kq,
+                                                        const char *const *rb, const int8_t *w, float *const *c,
+                                                        int ncols, const float *scale, const float *rowscale,
+                                                        int mode, const char *next) {
+    static __thread int8_t bt[KC / 64][2][16][64] __attribute__((aligned(64)));
+    static __thread int8_t at[3][16][64] __attribute__((aligned(64)));
+    static __thread int32_t ct[3][16][16] __attribute__((aligned(64)));
+    static __thread float sums[16][NR] __attribute__((aligned(64)));
+    /* tiles 0-2 the parts' sums, 3-5 the parts, 6 the weights; loaded on every call (oneDNN's
+     * products configure the tiles their own way) */
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < 7; t++) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    /* an int8 panel's columns are in order, so the B tiles hold columns 0-3, 8-11, 16-19, 24-27
-     * and 4-7, 12-15, ... (what interleaving within 128-bit lanes gives): the sums' positions of
-     * columns 0-15 and 16-31 in the two C tiles' rows side by side */
-    const __m512i pick_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
-                  pick_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    /* byte 4 j + t of a B tile's row: row t (of 4) and column j (of 16, +16 for the second tile) of
+     * the panel's 4 rows of 32 bytes, which two 64-byte loads hold (rows 0-1, then 2-3) */
+    int8_t i0[64], i1[64];
+    for (int j = 0; j < 16; j++)
+        for (int t = 0; t < 4; t++) {
+            i0[4 * j + t] = (int8_t)(t * 32 + j);
+            i1[4 * j + t] = (int8_t)(t * 32 + 16 + j);
+        }
+    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+    const int64_t blocks = (kc + 63) / 64;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int j = 0; j < 16; j++) {
+            const int64_t k = 64 * b + 4 * j;
+            if (next)
+                for (int t = 0; t < 4 && k + t < kc; t += 2) prefetch_next(next, k + t, 1);
+            __m512i lo, hi;
+            if (k + 4 <= kc) {
+                lo = _mm512_loadu_si512(w + k * NR);
+                hi = _mm512_loadu_si512(w + (k + 2) * NR);
+            } else { /* past kc: zeros */
+                const int64_t n = k < kc ? (kc - k) * NR : 0; /* bytes of the 4 rows that are there */
+                lo = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, w + k * NR);
+                hi = n > 64 ? _mm512_maskz_loadu_epi8((1ULL << (n - 64)) - 1, w + (k + 2) * NR) : _mm512_setzero_si512();
+            }
+            _mm512_store_si512(bt[b][0][j], _mm512_permutex2var_epi8(lo, idx0, hi));
+            _mm512_store_si512(bt[b][1][j], _mm512_permutex2var_epi8(lo, idx1, hi));
+        }
+    vf s0, s1;
+    col_scales(scale, &s0, &s1);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        /* 16 rows the same distance apart (a product's own rows, an expert's rows in slot order) load
+         * as the A tiles where they are: no copy */
+        const int64_t step = mr == 16 ? rb[r0 + 1] - rb[r0] : 0;
+        int spaced = step > 0;
+        for (int i = 2; spaced && i < 16; i++) spaced = rb[r0 + i] - rb[r0] == i * step;
+        for (int half = 0; half < 2; half++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t at_k = QROW_HEAD + k0 + 64 * b; /* the block's first byte in a row's part a */
+                if (spaced) {
+                    _tile_loadd(3, rb[r0] + at_k, step);
+                    _tile_loadd(4, rb[r0] + at_k + kq, step);
+                    _tile_loadd(5, rb[r0] + at_k + 2 * kq, step);
+                } else {
+                    for (int part = 0; part < 3; part++)
+                        for (int i = 0; i < 16; i++)
+                            _mm512_store_si512(at[part][i], i < mr ? _mm512_loadu_si512(rb[r0 + i] + at_k + part * kq)
+                                                                   : _mm512_setzero_si512());
+                    _tile_loadd(3, at[0], 64);
+                    _tile_loadd(4, at[1], 64);
+                    _tile_loadd(5, at[2], 64);
+                }
+                _tile_loadd(6, bt[b][half], 64);
+                _tile_dpbssd(0, 3, 6);
+                _tile_dpbssd(1, 4, 6);
+                _tile_dpbssd(2, 5, 6);
+            }
+            _tile_stored(0, ct[0], 64);
+            _tile_stored(1, ct[1], 64);
+            _tile_stored(2, ct[2], 64);
+            for (int i = 0; i < mr; i++) {
+                const __m512 sa = _mm512_cvtepi32_ps(_mm512_load_si512(ct[0][i])),
+                             sb = _mm512_cvtepi32_ps(_mm512_load_si512(ct[1][i])),
+                             sc = _mm512_cvtepi32_ps(_mm512_load_si512(ct[2][i]));
+                const __m512 part = _mm512_fmadd_ps(sc, _mm512_set1_ps(1.0f / 64516.0f),
+                                                    _mm512_fmadd_ps(sb, _mm512_set1_ps(1.0f / 254.0f), sa));
+                float sx = *(const float *)rb[r0 + i];
+                if (sx == INFINITY_F) { /* a row's infinities weigh in the chunks that hold them, the rest 0 */
+                    int any = 0;
+                    for (int64_t k = 0; k < kc && !any; k++) any = rb[r0 + i][QROW_HEAD + k0 + k] != 0;
+                    if (!any) sx = 0.0f;
+                }
+                _mm512_store_ps(sums[i] + 16 * half, _mm512_mul_ps(part, _mm512_set1_ps(sx)));
+            }
+        }
+        for (int i = 0; i < mr; i++)
+            put(load_f(sums[i]), load_f(sums[i] + VW), s0, s1, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
+                mode);
+    }
+}
+#endif
+
+/* rows x kc against one paired bfloat16 panel through AMX tiles (a chunk of up to KC_AMX, or all of
+ * K, at most its last, partial block re-laid); as `tile_pairs` for each block of 16 rows. a[i]: row
+ * i's pairs from this chunk's first; w the panel there; next: the panel read after this one,
+ * prefetched by the first block of rows as it reads this one (as `tile_pairs` does), or NULL. */
+/* (out of line: inlined into panel_rows, it slowed the register tiles of every other product) */
+__attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, const uint32_t *const *a,
+                                                     const char *w, float *const *c, int ncols,
+                                                     const float *rowscale, int mode, const char *next) {
+    static __thread uint32_t bt[2][16][16] __attribute__((aligned(64))); /* a partial last block, re-laid */
+    static __thread uint32_t at[16][16] __attribute__((aligned(64)));    /* an A tile, copied */
+    static __thread float ct[16][NR] __attribute__((aligned(64)));
+    const int es = 2;
+    /* tiles 0-1 C, 2 A, 3-4 B, all 16 x 64 bytes; loaded on every call: oneDNN (torch's matmul, in
+     * this thread too) configures the tiles its own way */
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
     const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
-    /* a bfloat16 panel's blocks of 16 whole pairs are B tiles where they lie (rows 128 bytes
-     * apart); the rest (an int8 panel's every block, a bfloat16 one's last when it is partial) is
-     * re-laid in bt, zeros past kc */
+    /* the panel's blocks of 16 whole pairs are B tiles where they lie (rows 128 bytes apart); a
+     * partial last one is re-laid in bt, zeros past kc */
     const uint16_t *w16 = (const uint16_t *)w;
-    const int64_t direct = i8 ? 0 : kc / 32;
+    const int64_t direct = kc / 32;
     for (int64_t b = direct; b < blocks; b++)
         for (int p = 0; p < 16; p++) {
             const int64_t k = 2 * (b * 16 + p);
@@ -583,24 +721,17 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                 if (k + 1 < kc) prefetch_next(next, k + 1, es);
             }
             __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-            if (i8) { /* rows k and k + 1 widened (their columns in order: the epilogue restores it) */
-                if (k < kc) r0 = widen_i8((const int8_t *)w + k * NR);
-                if (k + 1 < kc) r1 = widen_i8((const int8_t *)w + (k + 1) * NR);
-                const __m512i lo16 = _mm512_unpacklo_epi16(r0, r1);
-                r1 = _mm512_unpackhi_epi16(r0, r1);
-                r0 = lo16;
-            } else if (k + 1 < kc) { /* paired already */
+            if (k + 1 < kc) { /* paired already */
                 r0 = _mm512_loadu_si512(w16 + k * NR);
                 r1 = _mm512_loadu_si512(w16 + (k + 1) * NR);
             } else if (k < kc) { /* an odd last row, its columns in order: (k, 0) pairs */
                 r0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR)));
                 r1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w16 + k * NR + VW)));
             }
-            _mm512_store_si512(bt[b - direct][0][p], r0);
-            _mm512_store_si512(bt[b - direct][1][p], r1);
+            _mm512_store_si512(bt[0][p], r0);
+            _mm512_store_si512(bt[1][p], r1);
         }
-    vf s0, s1;
-    col_scales(scale, &s0, &s1);
+    const vf ones = splat(1.0f);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
         /* 16 rows the same distance apart (a product's own pairs, an expert's rows in a slot-ordered
@@ -618,64 +749,52 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
                 _tile_loadd(3, w16 + 32 * b * NR, 2 * NR * 2);
                 _tile_loadd(4, w16 + (32 * b + 1) * NR, 2 * NR * 2);
             } else {
-                _tile_loadd(3, bt[b - direct][0], 64);
-                _tile_loadd(4, bt[b - direct][1], 64);
+                _tile_loadd(3, bt[0], 64);
+                _tile_loadd(4, bt[1], 64);
             }
             if (spaced && n == 16) {
                 _tile_loadd(2, a[r0] + b * 16, step * 4);
-                if (i8) _tile_loadd(5, a[r0] + lo + b * 16, step * 4);
             } else {
-                for (int part = 0; part <= i8; part++) {
-                    for (int i = 0; i < 16; i++) {
-                        if (i < mr && n == 16) {
-                            _mm512_store_si512(at[part][i], _mm512_loadu_si512(a[r0 + i] + part * lo + b * 16));
-                        } else {
-                            _mm512_store_si512(at[part][i], _mm512_setzero_si512());
-                            if (i < mr) memcpy(at[part][i], a[r0 + i] + part * lo + b * 16, sizeof(uint32_t) * n);
-                        }
+                for (int i = 0; i < 16; i++) {
+                    if (i < mr && n == 16) {
+                        _mm512_store_si512(at[i], _mm512_loadu_si512(a[r0 + i] + b * 16));
+                    } else {
+                        _mm512_store_si512(at[i], _mm512_setzero_si512());
+                        if (i < mr) memcpy(at[i], a[r0 + i] + b * 16, sizeof(uint32_t) * n);
                     }
                 }
-                _tile_loadd(2, at[0], 64);
-                if (i8) _tile_loadd(5, at[1], 64);
+                _tile_loadd(2, at, 64);
             }
             _tile_dpbf16ps(0, 2, 3);
             _tile_dpbf16ps(1, 2, 4);
-            if (i8) {
-                _tile_dpbf16ps(0, 5, 3);
-                _tile_dpbf16ps(1, 5, 4);
-            }
         }
         _tile_stored(0, ct, NR * sizeof(float));
         _tile_stored(1, &ct[0][VW], NR * sizeof(float));
-        for (int i = 0; i < mr; i++) {
-            vf t0 = load_f(ct[i]), t1 = load_f(ct[i] + VW);
-            if (i8) {
-                const vf u0 = (vf)_mm512_permutex2var_ps((__m512)t0, pick_lo, (__m512)t1);
-                t1 = (vf)_mm512_permutex2var_ps((__m512)t0, pick_hi, (__m512)t1);
-                t0 = u0;
-            }
-            put(t0, t1, s0, s1, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols, mode);
-        }
+        for (int i = 0; i < mr; i++)
+            put(load_f(ct[i]), load_f(ct[i] + VW), ones, ones, rowscale ? rowscale[r0 + i] : 1.0f, c[r0 + i], ncols,
+                mode);
     }
 }
 #else
 #define HAVE_AMX 0
+#define HAVE_AMX_I8 0
 static const int amx_min_rows = 0;
 int mm_amx_available(void) { return 0; }
 #endif
 
 /* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
  * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
- * each product: its rows are split for int8 weights by that reading, `split_row`). Widening int8
- * weights and the second part's products cost more than the tiles save up to 12 rows on the Xeon
- * of docs/benchmarks.md (an expert layer of the bench model: 1.81 against 1.32 ms at 8 rows, 1.92
- * against 1.78 at 12, 2.00 against 2.25 at 14, where the register tiles take 12 rows and 2). */
-#define AMX_I8_ROWS 13
+ * each product: its rows are quantized for int8 weights by that reading, `quant_row`). Re-laying
+ * int8 weights and three parts' products cost more than the tiles save up to 8-9 rows on the Xeon
+ * of docs/benchmarks.md (an expert layer of the bench model: 1.99 against 1.76 ms at 8 rows, 2.00
+ * against 2.11 at 10, 2.10 against 2.30 at 12; a 2048 x 512 gemm even at 10 rows). */
+#define AMX_I8_ROWS 10
 
-int mm_amx_i8_rows(void) { return AMX_I8_ROWS; }
+/* From how many rows int8 products take AMX tiles (1 << 30: never, in this build). */
+int mm_amx_i8_rows(void) { return HAVE_AMX_I8 ? AMX_I8_ROWS : 1 << 30; }
 INLINE int amx_takes(int wt, int64_t rows, int min_rows) {
     return HAVE_AMX && min_rows && rows >= min_rows &&
-           (PAIRED(wt) || (wt == W_I8 && rows >= AMX_I8_ROWS));
+           (PAIRED(wt) || (HAVE_AMX_I8 && wt == W_I8 && rows >= AMX_I8_ROWS));
 }
 
 /* Products of paired bfloat16 or int8 weights with this many rows or more through AMX tiles (0: none). */
@@ -689,8 +808,7 @@ void mm_set_amx(int min_rows) {
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
- * the weights are PAIRED, or split in two bfloat16 parts where AMX tiles take int8 weights:
- * `amx_takes`) and output (at the panel). next: the panel read after this one (by this
+ * the weights are PAIRED, or `quant_row` rows where AMX tiles take int8 weights: `amx_takes`) and output (at the panel). next: the panel read after this one (by this
  * thread, unless this one ends its share), prefetched into L2 by the first tile when several tiles
  * reuse this one or it has 8 rows or more, or NULL. amx: AMX tiles for every row (`amx_takes`). */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
@@ -699,6 +817,7 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
     /* (KC is even: a chunk starts on a pair. AMX tiles keep a bfloat16 product's sums in C tiles over
      * KC_AMX k, or all of K for one block of 16 rows: its B tiles are read in place, not re-laid) */
     const int64_t kstep = amx && wt != W_I8 ? (rows > 16 ? KC_AMX : K) : rows > MR || amx ? KC : K;
+    /* (KC is a multiple of 64: an int8 chunk starts on a block of AMX-INT8's 64 k) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
         const int64_t kc = K - k0 < kstep ? K - k0 : kstep;
@@ -712,10 +831,16 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
 #if BF16_PAIRS
             if (HAVE_AMX && amx) {
 #if HAVE_AMX
-                const uint32_t *ap[rows > 0 ? rows : 1];
-                for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;
-                panel_rows_amx(rows, kc, ap, wt == W_I8 ? (K + 1) / 2 : 0, panel + k0 * NR * es, wt, c, ncols, scale,
-                               rowscale, m, nx);
+                if (wt == W_I8) {
+#if HAVE_AMX_I8
+                    panel_rows_amx_i8(rows, k0, kc, qrow_k(K), (const char *const *)a,
+                                      (const int8_t *)panel + k0 * NR, c, ncols, scale, rowscale, m, nx);
+#endif
+                } else {
+                    const uint32_t *ap[rows > 0 ? rows : 1];
+                    for (int64_t i = 0; i < rows; i++) ap[i] = (const uint32_t *)a[i] + k0 / 2;
+                    panel_rows_amx(rows, kc, ap, panel + k0 * NR * es, c, ncols, rowscale, m, nx);
+                }
 #endif
                 break; /* (every row of this chunk) */
             }
@@ -804,7 +929,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     const void **ap = malloc(sizeof(void *) * (M > 0 ? M : 1)); /* float32 rows, or bfloat16 pairs */
     float **cp = malloc(sizeof(float *) * (M > 0 ? M : 1));
     void *pairs = NULL; /* the rows as bfloat16 pairs, for PAIRED weights */
-    const void **ap2 = NULL; /* the rows split in two bfloat16 parts, for int8 weights AMX tiles take */
+    const void **ap2 = NULL; /* the rows as int8 parts (`quant_row`), for int8 weights AMX tiles take */
     int rc = 0;
     if (!ap || !cp) {
         rc = -1;
@@ -825,14 +950,13 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     }
 #endif
     const int amx_rows = amx_min_rows; /* (read once: the rows are split by this reading) */
-#if HAVE_AMX
+#if HAVE_AMX_I8
     if (amx_takes(wt, M < MC ? M : MC, amx_rows) && wt == W_I8) {
-        const int64_t kp = (K + 1) / 2;
-        if (!(ap2 = malloc(sizeof(void *) * M)) || !(pairs = split_rows(M, K, (const float *const *)ap))) {
+        if (!(ap2 = malloc(sizeof(void *) * M)) || !(pairs = quant_rows(M, K, (const float *const *)ap))) {
             rc = -1;
             goto done;
         }
-        for (int64_t m = 0; m < M; m++) ap2[m] = (const uint32_t *)pairs + m * 2 * kp;
+        for (int64_t m = 0; m < M; m++) ap2[m] = (const uint32_t *)pairs + m * qrow_words(K);
     }
 #endif
     if (M <= FEW_ROWS) { /* bound by reading the weights: each thread a contiguous share of panels */
@@ -974,31 +1098,34 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     }
     const int64_t rows = count[E];
     /* AMX tiles for an expert's batch of rows (the setting read once); int8 weights' rows for them
-     * split in two bfloat16 parts (`split_row`: xpairs and actpairs then hold both, 2 hp and 2 ip
-     * apart) */
+     * as int8 parts (`quant_row`: xpairs and actpairs then hold those rows, qrow_words apart) */
     const int amx_rows = amx_min_rows;
     int split = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = count[e + 1] - count[e];
         split |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
     }
-    const int64_t xs = split ? 2 * hp : hp, as = split ? 2 * ip : ip; /* (elements from one row to the next) */
+#if HAVE_AMX_I8
+    const int64_t xs = split ? qrow_words(H) : hp, as = split ? qrow_words(I) : ip; /* (words from a row to the next) */
+#else
+    const int64_t xs = hp, as = ip;
+#endif
 #if BF16_PAIRS
     int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
     for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
     if (split || (PAIRED(wt) && many)) {
         /* each row's x as pairs (or split) in slot order: an expert's rows lie one after another
          * (AMX tiles load them where they are) */
-        xpairs = malloc(sizeof(uint32_t) * (rows * xs > 0 ? rows * xs : 1));
-        actpairs = malloc(sizeof(uint32_t) * (rows * as > 0 ? rows * as : 1));
+        xpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * xs + 64) / 64 * 64);
+        actpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * as + 64) / 64 * 64);
         if (!xpairs || !actpairs) {
             rc = -1;
             goto done;
         }
         for (int64_t s = 0; s < rows; s++) {
-#if HAVE_AMX
+#if HAVE_AMX_I8
             if (split) {
-                split_row(x + tok[s] * H, H, xpairs + s * xs, xpairs + s * xs + hp);
+                quant_row(x + tok[s] * H, H, xpairs + s * xs);
                 continue;
             }
 #endif
@@ -1053,9 +1180,9 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
-#if HAVE_AMX
+#if HAVE_AMX_I8
             if (split) {
-                split_row(act + r * I, I, actpairs + r * as, actpairs + r * as + ip);
+                quant_row(act + r * I, I, actpairs + r * as);
                 continue;
             }
 #endif
