@@ -614,8 +614,6 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
     for (int64_t b = 0; b < blocks; b++)
         for (int j = 0; j < 16; j++) {
             const int64_t k = 64 * b + 4 * j;
-            if (next)
-                for (int t = 0; t < 4 && k + t < kc; t += 2) prefetch_next(next, k + t, 1);
             __m512i lo, hi;
             if (k + 4 <= kc) {
                 lo = _mm512_loadu_si512(w + k * NR);
@@ -656,6 +654,9 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
                     _tile_loadd(4, at[1], 64);
                     _tile_loadd(5, at[2], 64);
                 }
+                if (next && r0 == 0) /* the next panel's rows of this block, half of them on each pass */
+                    for (int64_t k = 64 * b + 32 * half; k < 64 * b + 32 * half + 32 && k < kc; k += 2)
+                        prefetch_next(next, k, 1);
                 _tile_loadd(6, bt[b][half], 64);
                 _tile_dpbssd(0, 3, 6);
                 _tile_dpbssd(1, 4, 6);
