@@ -786,10 +786,11 @@ int mm_amx_available(void) { return 0; }
 /* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
  * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
  * each product: its rows are quantized for int8 weights by that reading, `quant_row`). Re-laying
- * int8 weights and three parts' products cost more than the tiles save up to 8-9 rows on the Xeon
- * of docs/benchmarks.md (an expert layer of the bench model: 1.99 against 1.76 ms at 8 rows, 2.00
- * against 2.11 at 10, 2.10 against 2.30 at 12; a 2048 x 512 gemm even at 10 rows). */
-#define AMX_I8_ROWS 10
+ * int8 weights and three parts' products cost more than the tiles save up to 7 rows on the Xeon of
+ * docs/benchmarks.md (an expert layer of the bench model, tiles against register tiles: 1.44-1.46
+ * against 1.22-1.24 ms at 4 rows, 1.49-1.52 against 1.37-1.40 at 6, 1.55-1.64 against 1.64 at 8,
+ * 1.64-1.70 against 1.72-1.78 at 9). */
+#define AMX_I8_ROWS 8
 
 /* From how many rows int8 products take AMX tiles (1 << 30: never, in this build). */
 int mm_amx_i8_rows(void) { return HAVE_AMX_I8 ? AMX_I8_ROWS : 1 << 30; }
