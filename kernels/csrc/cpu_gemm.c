@@ -501,6 +501,30 @@ int mm_amx_available(void) {
     return state > 0;
 }
 
+/* The tiles' configuration: all eight 16 rows of 64 bytes (bfloat16 products use 0-4, int8 ones
+ * 0-6). Loading it takes about 70 ns, as long as a few products of a panel, so each thread loads it
+ * once per product that may take the tiles (`tiles_new_product`, at mm_gemm's and mm_moe's start:
+ * what ran between two products, torch's oneDNN, may have configured the tiles its own way), not
+ * once per panel. */
+static uint64_t tile_epoch = 1;
+static __thread uint64_t tile_cfg_epoch = 0; /* (0: never configured; the epoch starts at 1 and never wraps) */
+
+static void tiles_new_product(void) { __atomic_add_fetch(&tile_epoch, 1, __ATOMIC_RELAXED); }
+
+INLINE void tiles_configure(void) {
+    const uint64_t epoch = __atomic_load_n(&tile_epoch, __ATOMIC_RELAXED);
+    if (tile_cfg_epoch == epoch) return;
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    tile_cfg_epoch = epoch;
+}
+
 #if HAVE_AMX_I8
 /* An activation row for int8 weights through AMX tiles (`quant_row`): its scale (float32) at the
  * start of QROW_HEAD bytes, then three parts of qrow_k(K) int8 each, zeros from K on (the tiles read
@@ -591,16 +615,7 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
     static __thread int8_t at[3][16][64] __attribute__((aligned(64)));
     static __thread int32_t ct[3][16][16] __attribute__((aligned(64)));
     static __thread float sums[16][NR] __attribute__((aligned(64)));
-    /* tiles 0-2 the parts' sums, 3-5 the parts, 6 the weights; loaded on every call (oneDNN's
-     * products configure the tiles their own way) */
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_configure(); /* tiles 0-2 the parts' sums, 3-5 the parts, 6 the weights */
     /* byte 4 j + t of a B tile's row: row t (of 4) and column j (of 16, +16 for the second tile) of
      * the panel's 4 rows of 32 bytes, which two 64-byte loads hold (rows 0-1, then 2-3) */
     int8_t i0[64], i1[64];
@@ -699,16 +714,7 @@ __attribute__((noinline)) static void panel_rows_amx(int64_t rows, int64_t kc, c
     static __thread uint32_t at[16][16] __attribute__((aligned(64)));    /* an A tile, copied */
     static __thread float ct[16][NR] __attribute__((aligned(64)));
     const int es = 2;
-    /* tiles 0-1 C, 2 A, 3-4 B, all 16 x 64 bytes; loaded on every call: oneDNN (torch's matmul, in
-     * this thread too) configures the tiles its own way */
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_configure(); /* tiles 0-1 C, 2 A, 3-4 B */
     const int64_t kp = (kc + 1) / 2, blocks = (kp + 15) / 16;
     /* the panel's blocks of 16 whole pairs are B tiles where they lie (rows 128 bytes apart); a
      * partial last one is re-laid in bt, zeros past kc */
@@ -925,6 +931,9 @@ int mm_tile_rows(void) { return MR; }
  * w: packed [ceil(N / NR)][K][NR] of weight type wt; scale: [ceil(N / NR) * NR] or NULL. */
 int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const void *w, int wt,
             const float *scale, float *y, int64_t ldy, int nthreads) {
+#if HAVE_AMX
+    tiles_new_product();
+#endif
     const int64_t panels = (N + NR - 1) / NR, pstride = K * NR * elem_size(wt);
     /* row blocks keep the activations of one pass (MC rows x K) in L2 */
     const int64_t MC = 96;
@@ -1048,6 +1057,9 @@ static void silu_mul(const float *g, const float *u, float *out, int64_t n) {
 int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const int64_t *topk_ids,
            const float *topk_w, int64_t E, int64_t offset, const void *w13, const float *s13, const void *w2,
            const float *s2, int wt, float *out, int nthreads) {
+#if HAVE_AMX
+    tiles_new_product();
+#endif
     const int es = elem_size(wt);
     const int64_t p13 = (2 * I + NR - 1) / NR, p2 = (H + NR - 1) / NR;
     const int64_t w13_stride = p13 * H * NR, w2_stride = p2 * I * NR; /* elements per expert */
