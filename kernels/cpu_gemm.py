@@ -267,7 +267,8 @@ AMX_MIN_ROWS = 4
 
 def amx_rows(lib: _Lib) -> int:
     """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
-    `panel_rows_amx`; int8 weights from that many and at least 8, `AMX_I8_ROWS`), or 0 where they do
+    `panel_rows_amx`; int8 weights from that many and at least 8, `AMX_I8_ROWS`, where the build has
+    AMX-INT8: `lib.amx_i8_rows`), or 0 where they do
     not: a CPU with AMX-BF16 whose kernel lets this process use it, unless MOEMESH_AMX says otherwise
     (0: off; N: from N rows, more than FEW_ROWS)."""
     text = os.environ.get("MOEMESH_AMX", "").strip()
@@ -735,7 +736,7 @@ class ScreenedHead:
     reaches the highest lower end (`mm_screened_argmax`). The token is the first maximum of those
     logits: the one the full product picks, up to the order float32 sums are added in (which already
     differs between this machine's kernels and torch's; and an int8 head's full product of 8 rows
-    or more on AMX tiles reads x as three int8 parts, within 2^-24 of its largest element,
+    or more on AMX tiles reads x as three int8 parts, within 2^-23 of its largest element,
     cpu_gemm.c `quant_row`). A row with more than 64 candidates (or more
     than 256 still in reach when the kernel's buffer fills), a value that is not finite, or |x| times
     the largest column norm at or above 2^126 takes the full product, and so do all rows of a product

@@ -256,24 +256,28 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
 def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     """Products of int8 weights with lib.amx_i8_rows rows or more (and lib.amx) go through AMX-INT8
     tiles, each activation row as three int8 parts under one scale (cpu_gemm.c `quant_row`): within
-    2^-22 of max|x| times the sum of |w| of the exact product (float64 over the dequantized
-    weights; the parts hold x within 2^-24 max|x|, the rest is float32 rounding), and within the
+    2^-21 of max|x| times the sum of |w| of the exact product (float64 over the dequantized
+    weights; the parts hold x within 2^-23 max|x|, the rest is float32 rounding), and within the
     register tiles' 2^-16 of the sum of |x w| on rows without outliers, for a gemm and for a fused
     MoE whose experts get 6-65 rows (an intermediate size odd, or above the 512-k chunk); from fewer
     rows the two paths are one. A row with an outlier 10^4 times its neighbours keeps the first
-    bound; an infinite activation stays infinite (over every chunk of K), a NaN makes its row NaN, a
-    row of zeros gives zeros."""
+    bound, and so does one whose largest element is 10^-37 (scaled by 2^100 on the way); rows with
+    infinities (over every chunk of K: one; two meeting a zero weight; two of one sign meeting
+    weights of both) give what float32 sums give, a NaN makes its row NaN, a row of zeros zeros."""
     g = torch.Generator().manual_seed(M * K)
     x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
     x[0] = 0.0
-    if M > 2:
-        x[1, K // 2] = 1e4
+    x[1, K // 2] = 1e4
+    x[2] *= 1e-37
+    w[:, -1] = 0.0  # (a zero weight in every column, where the infinities below meet it)
+    w[: 2 * lib.panel_width, 1] = torch.where(torch.arange(2 * lib.panel_width) % 2 == 0, 1.0, -1.0)
     p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
     wq = p.unpack().double()
     want = x.double() @ wq.T
     bound = (x.double().abs() @ wq.abs().T) * 2.0 ** -16 + 1e-6
     bound[1] = float("inf")  # (the outlier's row: the first bound alone)
-    parts_bound = x.double().abs().amax(dim=1, keepdim=True) * wq.abs().sum(dim=1) * 2.0 ** -22 + 1e-6
+    bound[2] = float("inf")  # (and the tiny row's, whose float32 sums reach denormals)
+    parts_bound = x.double().abs().amax(dim=1, keepdim=True) * wq.abs().sum(dim=1) * 2.0 ** -21
     x13, w1, w3, w2, gate = moe_case(M + K, M, 4, 2, K, I)
     weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
     p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
@@ -281,6 +285,9 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     inf = x.clone()
     inf[-1, 0] = float("inf")
     inf[-2, 1] = float("nan")
+    inf[-3, [0, K - 1]] = float("inf")  # (one meets a zero weight: NaN everywhere)
+    inf[-4, [0, 1]] = float("inf")  # (column 1's weights alternate in sign: NaN in half the columns)
+    inf[-5, K - 1] = -float("inf")  # (the last k, in the last chunk: a zero weight, NaN)
     try:
         tiles = cpu_gemm.gemm(x, p, lib)
         inf_tiles = cpu_gemm.gemm(inf, p, lib)
@@ -295,9 +302,12 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     assert ((tiles.double() - want).abs() <= parts_bound).all()
     assert ((plain.double() - want).abs() <= bound).all()
     assert (tiles[0] == 0).all() and (plain[0] == 0).all()
-    assert torch.equal(inf_tiles[-1].isinf(), inf_plain[-1].isinf()) and inf_tiles[-1].isinf().any()
-    assert torch.equal(inf_tiles[-1].isnan(), inf_plain[-1].isnan())
-    assert inf_tiles[-2].isnan().all() and inf_plain[-2].isnan().all()
+    assert inf_tiles[-1].isinf().any() and inf_tiles[-4].isnan().any() and inf_tiles[-4].isinf().any()
+    for r in (-1, -2, -3, -4, -5):  # (the same infinities, signs and NaNs as float32 sums)
+        assert torch.equal(inf_tiles[r].isnan(), inf_plain[r].isnan()), r
+        assert torch.equal(inf_tiles[r].nan_to_num(0.0, 1.0, -1.0), inf_plain[r].nan_to_num(0.0, 1.0, -1.0)) \
+            or not inf_plain[r].isinf().any(), r
+    assert inf_tiles[-2].isnan().all() and inf_tiles[-3].isnan().all() and inf_tiles[-5].isnan().all()
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
     takes = max(lib.amx, lib.amx_i8_rows)  # (a gemm's rows go in blocks of 96, an expert's too)
     assert torch.equal(tiles, plain) == (min(M, 96) < takes)

@@ -503,45 +503,48 @@ int mm_amx_available(void) {
 
 /* The tiles' configuration: all eight 16 rows of 64 bytes (bfloat16 products use 0-4, int8 ones
  * 0-6). Loading it takes about 70 ns, as long as a few products of a panel, so each thread loads it
- * once per product that may take the tiles (`tiles_new_product`, at mm_gemm's and mm_moe's start:
- * what ran between two products, torch's oneDNN, may have configured the tiles its own way), not
- * once per panel. */
+ * once per parallel region of a product that may take the tiles (`tiles_new_product`, before
+ * each of mm_gemm's and mm_moe's: what ran on a thread between two of them, torch's oneDNN, may
+ * have configured the tiles its own way; nothing else runs on it during one), not once per panel. */
 static uint64_t tile_epoch = 1;
 static __thread uint64_t tile_cfg_epoch = 0; /* (0: never configured; the epoch starts at 1 and never wraps) */
 
 static void tiles_new_product(void) { __atomic_add_fetch(&tile_epoch, 1, __ATOMIC_RELAXED); }
 
+/* (a constant: _tile_loadconfig's operand is declared as 8 bytes, so stores into a local one may be
+ * dropped by the compiler) */
+static const TileConfig tile_cfg __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
 INLINE void tiles_configure(void) {
     const uint64_t epoch = __atomic_load_n(&tile_epoch, __ATOMIC_RELAXED);
     if (tile_cfg_epoch == epoch) return;
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    _tile_loadconfig(&tile_cfg);
     tile_cfg_epoch = epoch;
 }
 
 #if HAVE_AMX_I8
-/* An activation row for int8 weights through AMX tiles (`quant_row`): its scale (float32) at the
- * start of QROW_HEAD bytes, then three parts of qrow_k(K) int8 each, zeros from K on (the tiles read
- * 64 k at a time). qrow_words: the row's size in 32-bit words. */
+/* An activation row for int8 weights through AMX tiles (`quant_row`): its two scales (float32) at
+ * the start of QROW_HEAD bytes, then three parts of qrow_k(K) int8 each, zeros from K on (the tiles
+ * read 64 k at a time). qrow_words: the row's size in 32-bit words. */
 #define QROW_HEAD 64
 INLINE int64_t qrow_k(int64_t K) { return (K + 63) / 64 * 64; }
 INLINE int64_t qrow_words(int64_t K) { return (QROW_HEAD + 3 * qrow_k(K)) / 4; }
 
-/* One row of K activations as a scale s and three int8 parts a, b, c with x = s (a + b / 254 +
- * c / 254^2) within s / 2 / 254^2 = max|x| 2^-24 (s = max|x| / 127: a is x / s rounded, b what that
- * left times 254 rounded, c what that left): the products of int8 weights by the three parts are
- * exact int32 sums, so a product is within 2^-24 max|x| sum|w| of the float64 one beyond the
- * float32 rounding of the parts' sums. A row with a NaN gets a NaN scale; one with an infinity (and
- * no NaN) the scale +inf and a = the infinities' signs (zeros elsewhere): the product is then
- * +-inf, or NaN where the infinities' weights cancel or are zero, as float32 sums give (but where
- * infinities of both signs meet weights of both; a chunk of K without them adds 0,
- * `panel_rows_amx_i8`). */
+/* One row of K activations as scales s, s2 and three int8 parts a, b, c with x = s2 s (a + b / 254 +
+ * c / 254^2): s = max|x'| / 127 for x' = x / s2 (s2 = 2^-100 where max|x| < 2^-100, so that s and
+ * 127 / s stay normal floats; else 1); a is x' / s rounded, b what that left times 254 rounded, c
+ * what that left times 254 rounded. The parts hold x within s2 s (1 / 2 / 254^2 + 2^-24 127) <=
+ * 2^-23 max|x| (the truncation after c, and the rounding of x' / s), and the products of int8
+ * weights by them are exact int32 sums: a product is within 2^-21 max|x| sum|w| of the float64 one
+ * (adding the float32 roundings of the parts' sums and the epilogue's multiplications, each within
+ * 2^-24 of at most max|x| sum|w|). A row with a NaN gets a NaN scale; one with an infinity (and no
+ * NaN) the scale +inf and a = the infinities' signs, zeros elsewhere (`panel_rows_amx_i8` then
+ * gives each column what float32 sums give: +-inf, or NaN where an infinity meets a zero weight or
+ * the infinities' products have both signs); a row of zeros the scale 0. */
 static void quant_row(const float *x, int64_t K, uint32_t *row) {
     const int64_t kq = qrow_k(K);
     int8_t *a = (int8_t *)row + QROW_HEAD, *b = a + kq, *c = b + kq;
@@ -560,18 +563,21 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
         m = __builtin_fabsf(x[k]) > m ? __builtin_fabsf(x[k]) : m;
     }
     float *scale = (float *)row;
+    scale[1] = 1.0f;
     if (nan || m == 0.0f || m - m != 0.0f) { /* NaN, zeros, or an infinity */
-        *scale = nan ? NAN_F : m == 0.0f ? 0.0f : INFINITY_F;
+        scale[0] = nan ? NAN_F : m == 0.0f ? 0.0f : INFINITY_F;
         if (!nan && m != 0.0f)
             for (k = 0; k < K; k++) a[k] = x[k] == INFINITY_F ? 1 : x[k] == -INFINITY_F ? -1 : 0;
         return;
     }
-    *scale = m / 127.0f;
-    const float inv = 127.0f / m;
-    const __m512 vinv = _mm512_set1_ps(inv), f254 = _mm512_set1_ps(254.0f);
+    const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f; /* (exact: x' = x * pre) */
+    const float s = m * pre / 127.0f;
+    scale[0] = s;
+    scale[1] = 1.0f / pre;
+    const __m512 vpre = _mm512_set1_ps(pre), vs = _mm512_set1_ps(s), f254 = _mm512_set1_ps(254.0f);
     const int near = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (k = 0; k + 16 <= K; k += 16) {
-        const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + k), vinv);
+        const __m512 t = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), vpre), vs);
         const __m512 ta = _mm512_roundscale_ps(t, near);
         const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, ta), f254);
         const __m512 rb = _mm512_roundscale_ps(r, near);
@@ -582,8 +588,8 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
         _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rc)));
     }
     for (; k < K; k++) {
-        const float t = x[k] * inv, ta = __builtin_nearbyintf(t), r = (t - ta) * 254.0f, rb = __builtin_nearbyintf(r);
-        const float rc = __builtin_nearbyintf((r - rb) * 254.0f);
+        const float t = x[k] * pre / s, ta = __builtin_nearbyintf(t), r = (t - ta) * 254.0f;
+        const float rb = __builtin_nearbyintf(r), rc = __builtin_nearbyintf((r - rb) * 254.0f);
         a[k] = (int8_t)(ta > 127.0f ? 127.0f : ta < -127.0f ? -127.0f : ta);
         b[k] = (int8_t)(rb > 127.0f ? 127.0f : rb < -127.0f ? -127.0f : rb);
         c[k] = (int8_t)(rc > 127.0f ? 127.0f : rc < -127.0f ? -127.0f : rc);
@@ -598,6 +604,24 @@ static uint32_t *quant_rows(int64_t M, int64_t K, const float *const *rows) {
     if (out)
         for (int64_t m = 0; m < M; m++) quant_row(rows[m], K, out + m * w);
     return out;
+}
+
+/* A row with an infinity (`quant_row`: a its infinities' signs over kc k) times 16 columns of an
+ * int8 panel chunk (w, rows NR apart), as float32 sums give it: per column, NaN where an infinity
+ * meets a zero weight or the infinities' products have both signs, else +-inf by their sign, 0
+ * where the chunk holds no infinity (the finite elements weigh nothing beside them). */
+static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, float *out) {
+    for (int j = 0; j < 16; j++) {
+        int pos = 0, neg = 0, zero = 0;
+        for (int64_t k = 0; k < kc; k++) {
+            if (!a[k]) continue;
+            const int q = w[k * NR + j];
+            zero |= q == 0;
+            pos |= (q > 0) == (a[k] > 0) && q != 0;
+            neg |= (q > 0) != (a[k] > 0) && q != 0;
+        }
+        out[j] = zero || (pos && neg) ? NAN_F : pos ? INFINITY_F : neg ? -INFINITY_F : 0.0f;
+    }
 }
 
 /* rows x kc against one int8 panel through AMX-INT8 tiles (kc <= KC, from k0, a multiple of 64): for
@@ -636,7 +660,8 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
             } else { /* past kc: zeros */
                 const int64_t n = k < kc ? (kc - k) * NR : 0; /* bytes of the 4 rows that are there */
                 lo = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, w + k * NR);
-                hi = n > 64 ? _mm512_maskz_loadu_epi8((1ULL << (n - 64)) - 1, w + (k + 2) * NR) : _mm512_setzero_si512();
+                hi = n > 64 ? _mm512_maskz_loadu_epi8((1ULL << (n - 64)) - 1, w + (k + 2) * NR)
+                            : _mm512_setzero_si512();
             }
             _mm512_store_si512(bt[b][0][j], _mm512_permutex2var_epi8(lo, idx0, hi));
             _mm512_store_si512(bt[b][1][j], _mm512_permutex2var_epi8(lo, idx1, hi));
@@ -681,18 +706,19 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
             _tile_stored(1, ct[1], 64);
             _tile_stored(2, ct[2], 64);
             for (int i = 0; i < mr; i++) {
+                const float *sx = (const float *)rb[r0 + i];
+                if (sx[0] == INFINITY_F) {
+                    inf_row(kc, (const int8_t *)rb[r0 + i] + QROW_HEAD + k0, w + 16 * half, sums[i] + 16 * half);
+                    continue;
+                }
                 const __m512 sa = _mm512_cvtepi32_ps(_mm512_load_si512(ct[0][i])),
                              sb = _mm512_cvtepi32_ps(_mm512_load_si512(ct[1][i])),
                              sc = _mm512_cvtepi32_ps(_mm512_load_si512(ct[2][i]));
                 const __m512 part = _mm512_fmadd_ps(sc, _mm512_set1_ps(1.0f / 64516.0f),
                                                     _mm512_fmadd_ps(sb, _mm512_set1_ps(1.0f / 254.0f), sa));
-                float sx = *(const float *)rb[r0 + i];
-                if (sx == INFINITY_F) { /* a row's infinities weigh in the chunks that hold them, the rest 0 */
-                    int any = 0;
-                    for (int64_t k = 0; k < kc && !any; k++) any = rb[r0 + i][QROW_HEAD + k0 + k] != 0;
-                    if (!any) sx = 0.0f;
-                }
-                _mm512_store_ps(sums[i] + 16 * half, _mm512_mul_ps(part, _mm512_set1_ps(sx)));
+                /* (s first: the product times s2 rounds only where the result is below 2^-126) */
+                _mm512_store_ps(sums[i] + 16 * half, _mm512_mul_ps(_mm512_mul_ps(part, _mm512_set1_ps(sx[0])),
+                                                                   _mm512_set1_ps(sx[1])));
             }
         }
         for (int i = 0; i < mr; i++)
@@ -816,9 +842,10 @@ void mm_set_amx(int min_rows) {
 
 /* Every row of `rows` against one packed panel (K x NR): row tiles of MR, k in chunks of KC when
  * several tiles reuse the panel. a[r], c[r]: row r's activations (float32, or bfloat16 pairs where
- * the weights are PAIRED, or `quant_row` rows where AMX tiles take int8 weights: `amx_takes`) and output (at the panel). next: the panel read after this one (by this
- * thread, unless this one ends its share), prefetched into L2 by the first tile when several tiles
- * reuse this one or it has 8 rows or more, or NULL. amx: AMX tiles for every row (`amx_takes`). */
+ * the weights are PAIRED, or `quant_row` rows where AMX tiles take int8 weights: `amx_takes`) and
+ * output (at the panel). next: the panel read after this one (by this thread, unless this one ends
+ * its share), prefetched into L2 by the first tile when several tiles reuse this one or it has 8
+ * rows or more, or NULL. amx: AMX tiles for every row (`amx_takes`). */
 static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char *panel, int wt,
                        float *const *c, int ncols, const float *scale, const float *rowscale, int mode,
                        const char *next, int amx) {
@@ -931,9 +958,6 @@ int mm_tile_rows(void) { return MR; }
  * w: packed [ceil(N / NR)][K][NR] of weight type wt; scale: [ceil(N / NR) * NR] or NULL. */
 int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const void *w, int wt,
             const float *scale, float *y, int64_t ldy, int nthreads) {
-#if HAVE_AMX
-    tiles_new_product();
-#endif
     const int64_t panels = (N + NR - 1) / NR, pstride = K * NR * elem_size(wt);
     /* row blocks keep the activations of one pass (MC rows x K) in L2 */
     const int64_t MC = 96;
@@ -960,7 +984,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
         for (int64_t m = 0; m < M; m++) ap[m] = (const uint32_t *)pairs + m * kp;
     }
 #endif
-    const int amx_rows = amx_min_rows; /* (read once: the rows are split by this reading) */
+    const int amx_rows = amx_min_rows; /* (read once: the rows are quantized by this reading) */
 #if HAVE_AMX_I8
     if (amx_takes(wt, M < MC ? M : MC, amx_rows) && wt == W_I8) {
         if (!(ap2 = malloc(sizeof(void *) * M)) || !(pairs = quant_rows(M, K, (const float *const *)ap))) {
@@ -982,6 +1006,9 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
     }
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
+#if HAVE_AMX
+        tiles_new_product();
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && panels > 1)
         for (int64_t p = 0; p < panels; p++) {
             float *cpp[MC];
@@ -1114,21 +1141,21 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     /* AMX tiles for an expert's batch of rows (the setting read once); int8 weights' rows for them
      * as int8 parts (`quant_row`: xpairs and actpairs then hold those rows, qrow_words apart) */
     const int amx_rows = amx_min_rows;
-    int split = 0;
+    int quant = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = count[e + 1] - count[e];
-        split |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
+        quant |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
     }
-#if HAVE_AMX_I8
-    const int64_t xs = split ? qrow_words(H) : hp, as = split ? qrow_words(I) : ip; /* (words from a row to the next) */
+#if HAVE_AMX_I8 /* (words from a row to the next) */
+    const int64_t xs = quant ? qrow_words(H) : hp, as = quant ? qrow_words(I) : ip;
 #else
     const int64_t xs = hp, as = ip;
 #endif
 #if BF16_PAIRS
     int many = 0; /* an expert's product with more than FEW_ROWS rows multiplies bfloat16 pairs */
     for (int64_t e = 0; e < E; e++) many |= count[e + 1] - count[e] > FEW_ROWS;
-    if (split || (PAIRED(wt) && many)) {
-        /* each row's x as pairs (or split) in slot order: an expert's rows lie one after another
+    if (quant || (PAIRED(wt) && many)) {
+        /* each row's x as pairs (or `quant_row` rows) in slot order: an expert's rows lie one after another
          * (AMX tiles load them where they are) */
         xpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * xs + 64) / 64 * 64);
         actpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * as + 64) / 64 * 64);
@@ -1138,7 +1165,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         }
         for (int64_t s = 0; s < rows; s++) {
 #if HAVE_AMX_I8
-            if (split) {
+            if (quant) {
                 quant_row(x + tok[s] * H, H, xpairs + s * xs);
                 continue;
             }
@@ -1195,7 +1222,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
         for (int64_t r = 0; r < rows; r++) {
             silu_mul(h + r * 2 * I, h + r * 2 * I + I, act + r * I, I);
 #if HAVE_AMX_I8
-            if (split) {
+            if (quant) {
                 quant_row(act + r * I, I, actpairs + r * as);
                 continue;
             }
