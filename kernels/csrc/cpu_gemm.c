@@ -642,13 +642,14 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
     tiles_configure(); /* tiles 0-2 the parts' sums, 3-5 the parts, 6 the weights */
     /* byte 4 j + t of a B tile's row: row t (of 4) and column j (of 16, +16 for the second tile) of
      * the panel's 4 rows of 32 bytes, which two 64-byte loads hold (rows 0-1, then 2-3) */
-    int8_t i0[64], i1[64];
-    for (int j = 0; j < 16; j++)
-        for (int t = 0; t < 4; t++) {
-            i0[4 * j + t] = (int8_t)(t * 32 + j);
-            i1[4 * j + t] = (int8_t)(t * 32 + 16 + j);
-        }
-    const __m512i idx0 = _mm512_loadu_si512(i0), idx1 = _mm512_loadu_si512(i1);
+#define Q4(j, c) (j) + (c), 32 + (j) + (c), 64 + (j) + (c), 96 + (j) + (c)
+#define Q16(c)                                                                                            \
+    Q4(0, c), Q4(1, c), Q4(2, c), Q4(3, c), Q4(4, c), Q4(5, c), Q4(6, c), Q4(7, c), Q4(8, c), Q4(9, c),     \
+        Q4(10, c), Q4(11, c), Q4(12, c), Q4(13, c), Q4(14, c), Q4(15, c)
+    static const uint8_t quads[2][64] __attribute__((aligned(64))) = {{Q16(0)}, {Q16(16)}};
+#undef Q16
+#undef Q4
+    const __m512i idx0 = _mm512_load_si512(quads[0]), idx1 = _mm512_load_si512(quads[1]);
     const int64_t blocks = (kc + 63) / 64;
     for (int64_t b = 0; b < blocks; b++)
         for (int j = 0; j < 16; j++) {
