@@ -549,19 +549,18 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
     const int64_t kq = qrow_k(K);
     int8_t *a = (int8_t *)row + QROW_HEAD, *b = a + kq, *c = b + kq;
     memset(a, 0, 3 * kq);
+    /* (16 elements at a time, the last 16 masked: zeros past K, which the parts hold anyway) */
+#define QROW_LOAD(k) \
+    _mm512_maskz_loadu_ps(K - (k) >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - (k))) - 1u), x + (k))
     __m512 mx = _mm512_setzero_ps();
     __mmask16 nan = 0;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m512 v = _mm512_loadu_ps(x + k);
+    int64_t k;
+    for (k = 0; k < K; k += 16) {
+        const __m512 v = QROW_LOAD(k);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         mx = _mm512_max_ps(_mm512_abs_ps(v), mx);
     }
-    float m = _mm512_reduce_max_ps(mx);
-    for (; k < K; k++) {
-        nan |= x[k] != x[k];
-        m = __builtin_fabsf(x[k]) > m ? __builtin_fabsf(x[k]) : m;
-    }
+    const float m = _mm512_reduce_max_ps(mx);
     float *scale = (float *)row;
     scale[1] = 1.0f;
     if (nan || m == 0.0f || m - m != 0.0f) { /* NaN, zeros, or an infinity */
@@ -576,8 +575,8 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
     scale[1] = 1.0f / pre;
     const __m512 vpre = _mm512_set1_ps(pre), vs = _mm512_set1_ps(s), f254 = _mm512_set1_ps(254.0f);
     const int near = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    for (k = 0; k + 16 <= K; k += 16) {
-        const __m512 t = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), vpre), vs);
+    for (k = 0; k < K; k += 16) { /* (the stores stay within qrow_k(K), a multiple of 64) */
+        const __m512 t = _mm512_div_ps(_mm512_mul_ps(QROW_LOAD(k), vpre), vs);
         const __m512 ta = _mm512_roundscale_ps(t, near);
         const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, ta), f254);
         const __m512 rb = _mm512_roundscale_ps(r, near);
@@ -587,13 +586,7 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
         _mm_storeu_si128((__m128i *)(b + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rb)));
         _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rc)));
     }
-    for (; k < K; k++) {
-        const float t = x[k] * pre / s, ta = __builtin_nearbyintf(t), r = (t - ta) * 254.0f;
-        const float rb = __builtin_nearbyintf(r), rc = __builtin_nearbyintf((r - rb) * 254.0f);
-        a[k] = (int8_t)(ta > 127.0f ? 127.0f : ta < -127.0f ? -127.0f : ta);
-        b[k] = (int8_t)(rb > 127.0f ? 127.0f : rb < -127.0f ? -127.0f : rb);
-        c[k] = (int8_t)(rc > 127.0f ? 127.0f : rc < -127.0f ? -127.0f : rc);
-    }
+#undef QROW_LOAD
 }
 
 /* rows[m] (K activations each) -> a fresh [M][qrow_words(K)] array of `quant_row` rows; NULL when
