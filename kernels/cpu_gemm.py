@@ -81,7 +81,8 @@ class LayerDesc(ctypes.Structure):
                 ("gate_up", WeightDesc), ("down", WeightDesc), ("router", WeightDesc), ("shared_gate", WeightDesc),
                 ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("expert_offset", ctypes.c_int64),
                 ("moe_intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int64), ("moe_wt", ctypes.c_int64),
-                ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("s13", ctypes.c_void_p), ("s2", ctypes.c_void_p)]
+                ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("s13", ctypes.c_void_p), ("s2", ctypes.c_void_p),
+                ("moe_wt2", ctypes.c_int64)]
 
 
 def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> WeightDesc:
@@ -94,8 +95,13 @@ def weight_desc(w: "PackedWeight | None", bias: torch.Tensor | None = None) -> W
 
 
 def check_layout(w: "PackedWeight", lib: "_Lib") -> None:
-    """Refuses a bfloat16 weight packed for the other kernels: its rows are paired (`pair_panels`)
-    exactly where the kernels were built with AVX512-BF16."""
+    """Refuses a weight packed for other kernels: bfloat16 rows are paired (`pair_panels`) exactly
+    where the kernels were built with AVX512-BF16; int8 ones may be in quads (`quad_panels`) only
+    where they were built with AMX-INT8 (and in rows anywhere)."""
+    if w.data.dtype == torch.int8:
+        if w.pairs and not (lib.i8_quads and w.k % 4 == 0):
+            raise ValueError("an int8 weight packed in AMX-INT8's quads for kernels that read its rows in order")
+        return
     if w.pairs != (w.data.dtype == torch.bfloat16 and lib.bf16_pairs):
         raise ValueError(f"a bfloat16 weight packed with its rows {'paired' if w.pairs else 'in order'} for "
                          f"kernels that read them {'paired' if lib.bf16_pairs else 'in order'}")
@@ -107,7 +113,7 @@ class _Lib:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.mm_gemm.argtypes = [i64, i64, i64, ptr, i64, ptr, i32, ptr, ptr, i64, i32]
         lib.mm_gemm.restype = i32
-        lib.mm_moe.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i32]
+        lib.mm_moe.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, i32, ptr, i32]
         lib.mm_moe.restype = i32
         lib.mm_decode_attention.argtypes = [i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i32, i64, ptr, i64,
                                             ptr, ctypes.c_float, i32]
@@ -133,6 +139,7 @@ class _Lib:
         lib.mm_read_sum.argtypes = [ptr, i64, i32]
         lib.mm_read_sum.restype = ctypes.c_float
         lib.mm_bf16_pairs.restype = i32
+        lib.mm_i8_quads.restype = i32
         lib.mm_torch_tie_order.restype = i32
         lib.mm_set_prefetch.argtypes = [i32, i32]
         lib.mm_set_prefetch.restype = None
@@ -145,6 +152,7 @@ class _Lib:
         self.panel_width = lib.mm_panel_width()
         self.tile_rows = lib.mm_tile_rows()
         self.bf16_pairs = bool(lib.mm_bf16_pairs())  # bfloat16 panels paired for vdpbf16ps (AVX512-BF16)
+        self.i8_quads = bool(lib.mm_i8_quads())  # int8 panels (K a multiple of 4) in AMX-INT8's quads
         self.few_rows = lib.mm_few_rows()  # products with up to this many rows read weights as streams
         self.amx_i8_rows = lib.mm_amx_i8_rows()  # int8 products take AMX tiles from this many rows too
         self.torch_tie_order = bool(lib.mm_torch_tie_order())  # tied router scores broken as torch.topk does
@@ -378,8 +386,10 @@ def _time_prefetch(lib: _Lib) -> dict[tuple[int, int], float]:
 @dataclass
 class PackedWeight:
     """A weight [..., N, K] packed for the kernels: data [..., ceil(N / NR), K, NR] (weight type
-    float32, bfloat16 or int8; for bfloat16 on a CPU with AVX512-BF16, `pairs`: each panel's rows
-    of k paired, `pair_panels`), scale [..., ceil(N / NR) * NR] float32 for int8, else None."""
+    float32, bfloat16 or int8; `pairs`: for bfloat16 on a CPU with AVX512-BF16, each panel's rows
+    of k paired, `pair_panels`; for int8 on one with AMX-INT8 and K a multiple of 4, each panel's
+    rows in AMX-INT8's quads, `quad_panels`), scale [..., ceil(N / NR) * NR] float32 for int8, else
+    None."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
@@ -389,13 +399,14 @@ class PackedWeight:
 
     @property
     def weight_type(self) -> int:
-        return WEIGHT_TYPES[self.data.dtype]
+        return 3 if self.pairs and self.data.dtype == torch.int8 else WEIGHT_TYPES[self.data.dtype]  # (3: W_I8Q)
 
     def unpack(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [..., N, K] in float32 (int8 times its scales), or in `dtype` (float64: the
         products with the scales exact): for tests, fallbacks and the screened head's bounds."""
         lead = self.data.shape[:-3]
-        data = unpair_panels(self.data) if self.pairs else self.data
+        data = self.data if not self.pairs else unquad_panels(self.data) if self.data.dtype == torch.int8 \
+            else unpair_panels(self.data)
         w = data.to(dtype).transpose(-1, -2).reshape(*lead, -1, self.k)
         if self.scale is not None:
             w = w * self.scale.to(dtype).unsqueeze(-1)
@@ -413,13 +424,13 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = None,
          pairs: bool | None = None) -> PackedWeight:
     """[..., N, K] -> PackedWeight in `weight_type` (default: w's dtype; torch.int8 quantizes).
-    pairs: bfloat16 panels with their rows paired (`pair_panels`; default: as the native kernels
-    built here read bfloat16)."""
+    pairs: bfloat16 panels with their rows paired (`pair_panels`), int8 ones in quads
+    (`quad_panels`, K a multiple of 4); default: as the native kernels built here read them."""
     weight_type = weight_type or w.dtype
     if pairs is None:
-        lib = native() if weight_type == torch.bfloat16 else None
-        pairs = lib is not None and lib.bf16_pairs
-    pairs = pairs and weight_type == torch.bfloat16
+        lib = native() if weight_type in (torch.bfloat16, torch.int8) else None
+        pairs = lib is not None and (lib.bf16_pairs if weight_type == torch.bfloat16 else lib.i8_quads)
+    pairs = pairs and (weight_type == torch.bfloat16 or (weight_type == torch.int8 and w.shape[-1] % 4 == 0))
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"no CPU kernel for {weight_type} weights (float32, bfloat16, int8)")
     *lead, n, k = w.shape
@@ -436,7 +447,7 @@ def pack(w: torch.Tensor, panel_width: int, weight_type: torch.dtype | None = No
     panels = (n + pad) // panel_width
     w = w.reshape(*lead, panels, panel_width, k).transpose(-1, -2)
     if pairs:
-        w = pair_panels(w)
+        w = pair_panels(w) if weight_type == torch.bfloat16 else quad_panels(w)
     data = huge_copy(w)  # (streamed whole by every decode step: kernels/memory.py)
     return PackedWeight(data, None if scale is None else scale.contiguous(), n, k, pairs=pairs)
 
@@ -460,6 +471,23 @@ def unpair_panels(panels: torch.Tensor) -> torch.Tensor:
     body = panels[..., :even, :].reshape(*lead, even // 2, 2, NR // 2, 2)  # [j, h, c, t]
     body = body.transpose(-2, -1).transpose(-3, -2).reshape(*lead, even, NR)  # [j, t, h, c]
     return torch.cat([body, panels[..., even:, :]], dim=-2)
+
+
+def quad_panels(panels: torch.Tensor) -> torch.Tensor:
+    """int8 panels [..., K, NR] with their columns in order (K a multiple of 4) -> the same bytes as
+    AMX-INT8's B tiles read them (cpu_gemm.c, W_I8Q): each 4 rows of k a block of 4 NR bytes,
+    columns 0 .. NR / 2 - 1 then NR / 2 .. NR - 1, each column's 4 k side by side."""
+    *lead, K, NR = panels.shape
+    assert K % 4 == 0
+    q = panels.reshape(*lead, K // 4, 4, 2, NR // 2)  # [g, t, h, c]
+    return q.permute(*range(len(lead)), -4, -2, -1, -3).reshape(*lead, K, NR)  # [g, h, c, t]
+
+
+def unquad_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of `quad_panels`."""
+    *lead, K, NR = panels.shape
+    q = panels.reshape(*lead, K // 4, 2, NR // 2, 4)  # [g, h, c, t]
+    return q.permute(*range(len(lead)), -4, -1, -3, -2).reshape(*lead, K, NR)  # [g, t, h, c]
 
 
 # -- calls ----------------------------------------------------------------------------------------
@@ -515,7 +543,7 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     if T:
         rc = lib.lib.mm_moe(T, H, w2.k, ids.shape[1], x.data_ptr(), ids.data_ptr(), weights.data_ptr(), E,
                             expert_offset, w13.data.data_ptr(), _ptr(w13.scale), w2.data.data_ptr(), _ptr(w2.scale),
-                            w13.weight_type, out.data_ptr(), torch.get_num_threads())
+                            w13.weight_type, w2.weight_type, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("CPU fused MoE: out of memory")
     return out
@@ -846,7 +874,8 @@ class ScreenedHead:
             return out
         if not self.screens(x.shape[0]):
             return argmax_rows(gemm(x, self.head, self.lib)[:, :self.vocab], self.lib)
-        if self.copy_t is not None and self.head.pairs and x.shape[0] > self.lib.few_rows:
+        if self.copy_t is not None and self.head.pairs and self.head.data.dtype == torch.bfloat16 \
+                and x.shape[0] > self.lib.few_rows:
             # the full product of a paired bfloat16 head (AVX512-BF16) reads more than FEW_ROWS rows as
             # bfloat16: its logits are those of x so rounded, and so are the ones screened here (elsewhere
             # it reads x as it is, and the radius's u covers torch's rounding of the rows)
@@ -874,15 +903,18 @@ def _int8_copy(head: PackedWeight) -> PackedWeight:
     panels, K, NR = head.data.shape
     data = empty_huge((panels, K, NR), torch.int8)
     scale = torch.ones(panels * NR, dtype=torch.float32)  # (padding columns: scale 1, as pack's)
+    lib = native()
+    quads = lib is not None and lib.i8_quads and K % 4 == 0  # (as pack lays int8 panels out)
     step = _panels_per_slice(head)
     for p in range(0, panels, step):
         cols = _columns(head, p, step, head.n).float()
         q, s = quantize_int8(cols)
         chunk = torch.zeros(min(step, panels - p) * NR, K, dtype=torch.int8)
         chunk[:len(q)] = q
-        data[p:p + step] = chunk.view(-1, NR, K).transpose(1, 2)
+        chunk = chunk.view(-1, NR, K).transpose(1, 2)
+        data[p:p + step] = quad_panels(chunk) if quads else chunk
         scale[p * NR:p * NR + len(s)] = s
-    return PackedWeight(data, scale, head.n, head.k, pairs=False)
+    return PackedWeight(data, scale, head.n, head.k, pairs=quads)
 
 
 def _columns(w: PackedWeight, p: int, step: int, vocab: int) -> torch.Tensor:

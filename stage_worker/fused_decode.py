@@ -77,6 +77,7 @@ def _layer_desc(layer, f32: _Float32) -> cpu_gemm.LayerDesc | None:
         cpu_gemm.check_layout(w, cpu_gemm.native())
     d.experts, d.top_k, d.expert_offset = experts.num_local_experts, experts.top_k, experts.expert_offset
     d.moe_intermediate, d.renormalize, d.moe_wt = w2.k, int(experts.renormalize), w13.weight_type
+    d.moe_wt2 = w2.weight_type
     d.w13, d.w2 = w13.data.data_ptr(), w2.data.data_ptr()
     d.s13, d.s2 = cpu_gemm._ptr(w13.scale), cpu_gemm._ptr(w2.scale)
     if mlp.shared_expert is not None:

@@ -143,7 +143,7 @@ def _seen(x: torch.Tensor, p: cpu_gemm.PackedWeight, rows: int | None = None) ->
     """The activations a product of `rows` rows (default: x's) with `p` multiplies: paired bfloat16
     rounds them to bfloat16 (vdpbf16ps), unless the product has a few rows."""
     rows = x.shape[0] if rows is None else rows
-    return x.bfloat16().float() if p.pairs and rows > lib.few_rows else x
+    return x.bfloat16().float() if p.pairs and p.data.dtype == torch.bfloat16 and rows > lib.few_rows else x
 
 
 def test_gemm_reads_strided_rows_and_any_input_dtype():
@@ -309,11 +309,75 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
             or not inf_plain[r].isinf().any(), r
     assert inf_tiles[-2].isnan().all() and inf_tiles[-3].isnan().all() and inf_tiles[-5].isnan().all()
     torch.testing.assert_close(moe_tiles, moe_plain, rtol=1e-3, atol=1e-3)
+    if p.pairs:  # int8 quads: without the tiles, the same parts' exact sums through AVX512-VNNI
+        assert ((plain.double() - want).abs() <= parts_bound).all()
+        if K <= 512:  # (one chunk of k either way: the same int32 sums, the same epilogue)
+            assert torch.equal(tiles, plain)
+        return
     takes = max(lib.amx, lib.amx_i8_rows)  # (a gemm's rows go in blocks of 96, an expert's too)
     assert torch.equal(tiles, plain) == (min(M, 96) < takes)
     most = int(torch.bincount(ids.flatten()).max())
     # (the tiles ran where an expert's block reaches them: their sums differ in the last bits)
     assert torch.equal(moe_tiles, moe_plain) == (min(most, 96) < takes)
+
+
+@pytest.mark.skipif(lib is None or not lib.i8_quads, reason="int8 panels in rows here (no AMX-INT8 and AVX512-VNNI)")
+@pytest.mark.parametrize("M,K", [(1, 4), (2, 68), (3, 200), (4, 1028), (7, 600), (9, 1100), (2, 32788)])
+def test_vnni_takes_int8_quads_within_their_bound(M, K):
+    """Products of int8 quad panels with fewer rows than AMX tiles take (any number with the tiles
+    off) go through AVX512-VNNI (cpu_gemm.c `tile_vnni`: the weights' sign bits flipped, 128 times
+    each part's sum taken off) on the tiles' int8 parts of each row: within 2^-21 max|x| sum|w| of
+    the exact product, and within 2^-16 of sum|x w| on rows without outliers; rows of 1-4, blocks of
+    8 rows a column half at a time, K past one chunk of VNNI_KC. Rows with infinities give what
+    float32 sums give, a NaN makes its row NaN, zeros give zeros; a fused MoE whose experts get 1-4
+    rows keeps the bound too."""
+    g = torch.Generator().manual_seed(M + K)
+    x, w = torch.randn(max(M, 4), K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    x[0] = 0.0
+    x[1, K // 2] = 1e4
+    x[2] *= 1e-37
+    w[:, -1] = 0.0  # (a zero weight in every column, where the infinities below meet it)
+    w[: 2 * lib.panel_width, 1] = torch.where(torch.arange(2 * lib.panel_width) % 2 == 0, 1.0, -1.0)
+    p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    assert p.pairs and p.weight_type == 3  # (W_I8Q)
+    wq = p.unpack().double()
+    inf = x[:1].repeat(5, 1)
+    inf[0, 0] = float("inf")
+    inf[1, 1] = float("nan")
+    inf[2, [0, K - 1]] = float("inf")  # (one meets a zero weight: NaN everywhere)
+    inf[3, [0, 1]] = float("inf")  # (column 1's weights alternate in sign: NaN in half the columns)
+    inf[4, K - 1] = -float("inf")  # (the last k: a zero weight, NaN)
+    rows = torch.cat([x, inf])
+    try:
+        if M > 4:
+            lib.lib.mm_set_amx(0)
+        got = torch.cat([cpu_gemm.gemm(rows[i:i + M], p, lib) for i in range(0, len(rows), M)])
+    finally:
+        lib.lib.mm_set_amx(lib.amx)
+    n = len(x)
+    want = x.double() @ wq.T
+    err = (got[:n].double() - want).abs()
+    assert (err <= x.double().abs().amax(dim=1, keepdim=True) * wq.abs().sum(dim=1) * 2.0 ** -21).all()
+    plain = torch.ones(n, dtype=torch.bool)
+    plain[1:3] = False  # (the outlier's row, and the tiny one's, whose float32 sums reach denormals)
+    assert (err[plain] <= (x.double().abs() @ wq.abs().T)[plain] * 2.0 ** -16 + 1e-6).all()
+    assert (got[0] == 0).all()
+    ref = inf @ wq.float().T  # (float32 sums' infinities and NaNs)
+    assert torch.equal(got[n:].isnan(), ref.isnan())
+    assert torch.equal(got[n:].nan_to_num(0.0, 1.0, -1.0).sign() * ref.isinf(), ref.nan_to_num(0.0, 1.0, -1.0).sign() *
+                       ref.isinf())
+    assert got[n + 1].isnan().all() and got[n + 2].isnan().all() and got[n + 4].isnan().all()
+    if K > 1100:
+        return
+    x13, w1, w3, w2, gate = moe_case(M + K, 4 * M, 4, 2, K, 36)
+    weights, ids = torch.topk(torch.softmax(x13 @ gate.T, dim=-1), 2, dim=-1)
+    p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
+    p2 = cpu_gemm.pack(w2, lib.panel_width, torch.int8)
+    got = cpu_gemm.fused_moe(x13, p13, p2, weights, ids, 0, lib)
+    w13q, w2q = p13.unpack(), p2.unpack()
+    want = reference_moe(x13.double(), gate.double(), w13q[:, :36].double(), w13q[:, 36:].double(), w2q.double(), 2,
+                         renormalize=False)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_moe_expert_parallel_halves_add_up():

@@ -93,7 +93,25 @@ typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef int8_t vb __attribute__((vector_size(VW)));
 
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+/* Weight types. W_I8Q: int8 panels stored as AMX-INT8 reads them (`I8_QUADS` builds, K a multiple
+ * of 4): each 4 rows of k a block of 128 bytes, columns 0-15 then 16-31, each column's 4 k side by
+ * side (element (k, j) at (k / 4) 128 + (j / 16) 64 + (j % 16) 4 + k % 4), so that the tiles load
+ * them where they lie. */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I8Q = 3 };
+#define IS_I8(wt) ((wt) == W_I8 || (wt) == W_I8Q)
+#define QROW_PAD 16 /* rows of room after an array of `quant_row` rows */
+#if BF16_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && NR == 32
+#define I8_QUADS 1
+#else
+#define I8_QUADS 0
+#endif
+
+/* The element of a quad-stored int8 panel (W_I8Q) at flat index i = k NR + j. */
+static inline int64_t quad_at(int64_t i) {
+    const int64_t k = i / NR, j = i % NR;
+    return (k >> 2) * 4 * NR + (j >> 4) * 64 + (j & 15) * 4 + (k & 3);
+}
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -145,6 +163,7 @@ INLINE vf load_w(const void *w, int64_t i, const int wt) {
 INLINE float load_w1(const void *w, int64_t i, const int wt) {
     if (wt == W_F32) return ((const float *)w)[i];
     if (wt == W_I8) return (float)((const int8_t *)w)[i];
+    if (wt == W_I8Q) return (float)((const int8_t *)w)[quad_at(i)];
     const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
     float f;
     memcpy(&f, &bits, 4);
@@ -154,6 +173,7 @@ INLINE float load_w1(const void *w, int64_t i, const int wt) {
 static inline int elem_size(int wt) { return wt == W_F32 ? 4 : wt == W_BF16 ? 2 : 1; }
 
 int mm_bf16_pairs(void) { return BF16_PAIRS; }
+int mm_i8_quads(void) { return I8_QUADS; }
 
 /* The element of a paired bfloat16 panel (K rows of k) that holds row k of column c. */
 static inline int64_t paired_at(int64_t k, int64_t c, int64_t K) {
@@ -257,6 +277,20 @@ INLINE void put(vf r0, vf r1, vf s0, vf s1, float g, float *c, int ncols, int mo
         store_f(tmp, r0);
         store_f(tmp + VW, r1);
         for (int j = 0; j < ncols; j++) c[j] = mode == OUT_STORE ? tmp[j] : c[j] + tmp[j];
+    }
+}
+
+/* `put` for one half of a tile row: r (times s, and g for OUT_ADD_SCALED) into c[0:n] (n > 0). */
+INLINE void put16(vf r, vf s, float g, float *c, int n, int mode) {
+    r *= s;
+    if (mode == OUT_ADD_SCALED) r *= splat(g);
+    if (n >= VW) {
+        if (mode != OUT_STORE) r += load_f(c);
+        store_f(c, r);
+    } else {
+        float tmp[VW];
+        store_f(tmp, r);
+        for (int j = 0; j < n; j++) c[j] = mode == OUT_STORE ? tmp[j] : c[j] + tmp[j];
     }
 }
 
@@ -472,11 +506,7 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #define HAVE_AMX 1
 /* int8 weights through AMX-INT8 tiles, re-laid by byte permutes (AVX512-VBMI): every CPU with
  * AMX-BF16 so far has both */
-#if defined(__AMX_INT8__) && defined(__AVX512VBMI__)
-#define HAVE_AMX_I8 1
-#else
-#define HAVE_AMX_I8 0
-#endif
+#define HAVE_AMX_I8 I8_QUADS
 /* AMX tiles for products of paired bfloat16 weights, and of int8 ones, with amx_min_rows rows or
  * more, where the CPU has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one
  * tdpbf16ps multiplies 16 rows by 32 k by 16 columns, 16 times the multiply-adds of a vdpbf16ps,
@@ -589,26 +619,27 @@ static void quant_row(const float *x, int64_t K, uint32_t *row) {
 #undef QROW_LOAD
 }
 
-/* rows[m] (K activations each) -> a fresh [M][qrow_words(K)] array of `quant_row` rows; NULL when
- * memory runs out. */
+/* rows[m] (K activations each) -> a fresh [M][qrow_words(K)] array of `quant_row` rows, with room
+ * for QROW_PAD rows more (`panel_rows_amx_i8` loads 16 rows from any row on); NULL when memory runs
+ * out. */
 static uint32_t *quant_rows(int64_t M, int64_t K, const float *const *rows) {
     const int64_t w = qrow_words(K);
-    uint32_t *out = aligned_alloc(64, sizeof(uint32_t) * (M > 0 ? M * w : 16));
+    uint32_t *out = aligned_alloc(64, sizeof(uint32_t) * (M + QROW_PAD) * w);
     if (out)
         for (int64_t m = 0; m < M; m++) quant_row(rows[m], K, out + m * w);
     return out;
 }
 
-/* A row with an infinity (`quant_row`: a its infinities' signs over kc k) times 16 columns of an
- * int8 panel chunk (w, rows NR apart), as float32 sums give it: per column, NaN where an infinity
+/* A row with an infinity (`quant_row`: a its infinities' signs over kc k) times columns j0 .. j0 + 15
+ * of an int8 panel chunk (w, rows NR apart, or quads: W_I8Q), as float32 sums give it: per column, NaN where an infinity
  * meets a zero weight or the infinities' products have both signs, else +-inf by their sign, 0
  * where the chunk holds no infinity (the finite elements weigh nothing beside them). */
-static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, float *out) {
+static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, int quads, int j0, float *out) {
     for (int j = 0; j < 16; j++) {
         int pos = 0, neg = 0, zero = 0;
         for (int64_t k = 0; k < kc; k++) {
             if (!a[k]) continue;
-            const int q = w[k * NR + j];
+            const int q = w[quads ? quad_at(k * NR + j0 + j) : k * NR + j0 + j];
             zero |= q == 0;
             pos |= (q > 0) == (a[k] > 0) && q != 0;
             neg |= (q > 0) != (a[k] > 0) && q != 0;
@@ -625,9 +656,9 @@ static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, float *out) {
  * from 128 bytes of the panel by two byte permutes), zeros past kc; the next panel is prefetched
  * meanwhile (next, or NULL). */
 __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0, int64_t kc, int64_t kq,
-                                                        const char *const *rb, const int8_t *w, float *const *c,
-                                                        int ncols, const float *scale, const float *rowscale,
-                                                        int mode, const char *next) {
+                                                        const char *const *rb, const int8_t *w, int quads,
+                                                        float *const *c, int ncols, const float *scale,
+                                                        const float *rowscale, int mode, const char *next) {
     static __thread int8_t bt[KC / 64][2][16][64] __attribute__((aligned(64)));
     static __thread int8_t at[3][16][64] __attribute__((aligned(64)));
     static __thread int32_t ct[3][16][16] __attribute__((aligned(64)));
@@ -639,14 +670,22 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
 #define Q16(c)                                                                                            \
     Q4(0, c), Q4(1, c), Q4(2, c), Q4(3, c), Q4(4, c), Q4(5, c), Q4(6, c), Q4(7, c), Q4(8, c), Q4(9, c),     \
         Q4(10, c), Q4(11, c), Q4(12, c), Q4(13, c), Q4(14, c), Q4(15, c)
-    static const uint8_t quads[2][64] __attribute__((aligned(64))) = {{Q16(0)}, {Q16(16)}};
+    static const uint8_t relay[2][64] __attribute__((aligned(64))) = {{Q16(0)}, {Q16(16)}};
 #undef Q16
 #undef Q4
-    const __m512i idx0 = _mm512_load_si512(quads[0]), idx1 = _mm512_load_si512(quads[1]);
+    const __m512i idx0 = _mm512_load_si512(relay[0]), idx1 = _mm512_load_si512(relay[1]);
     const int64_t blocks = (kc + 63) / 64;
-    for (int64_t b = 0; b < blocks; b++)
+    /* a quad panel's (W_I8Q) whole blocks are B tiles where they lie (rows 128 bytes apart), its
+     * partial last one is copied (zeros past kc, a multiple of 4); a panel in rows is re-laid */
+    const int64_t direct = quads ? kc / 64 : 0;
+    for (int64_t b = direct; b < blocks; b++)
         for (int j = 0; j < 16; j++) {
             const int64_t k = 64 * b + 4 * j;
+            if (quads) {
+                for (int h = 0; h < 2; h++)
+                    _mm512_store_si512(bt[b][h][j], k < kc ? _mm512_loadu_si512(w + k * NR + 64 * h) : _mm512_setzero_si512());
+                continue;
+            }
             __m512i lo, hi;
             if (k + 4 <= kc) {
                 lo = _mm512_loadu_si512(w + k * NR);
@@ -664,11 +703,12 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
     col_scales(scale, &s0, &s1);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 < 16 ? (int)(rows - r0) : 16;
-        /* 16 rows the same distance apart (a product's own rows, an expert's rows in slot order) load
-         * as the A tiles where they are: no copy */
-        const int64_t step = mr == 16 ? rb[r0 + 1] - rb[r0] : 0;
-        int spaced = step > 0;
-        for (int i = 2; spaced && i < 16; i++) spaced = rb[r0 + i] - rb[r0] == i * step;
+        /* rows one after another (a product's own rows, an expert's rows in slot order) load as the A
+         * tiles where they are, 16 rows whatever mr: the arrays that hold them (`quant_rows`, mm_moe's)
+         * have room for 16 rows more, whose sums land in C rows nobody reads */
+        const int64_t step = QROW_HEAD + 3 * kq;
+        int spaced = 1;
+        for (int i = 1; spaced && i < mr; i++) spaced = rb[r0 + i] - rb[r0] == i * step;
         for (int half = 0; half < 2; half++) {
             _tile_zero(0);
             _tile_zero(1);
@@ -691,7 +731,10 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
                 if (next && r0 == 0) /* the next panel's rows of this block, half of them on each pass */
                     for (int64_t k = 64 * b + 32 * half; k < 64 * b + 32 * half + 32 && k < kc; k += 2)
                         prefetch_next(next, k, 1);
-                _tile_loadd(6, bt[b][half], 64);
+                if (b < direct)
+                    _tile_loadd(6, w + 64 * b * NR + 64 * half, 4 * NR);
+                else
+                    _tile_loadd(6, bt[b][half], 64);
                 _tile_dpbssd(0, 3, 6);
                 _tile_dpbssd(1, 4, 6);
                 _tile_dpbssd(2, 5, 6);
@@ -702,7 +745,7 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
             for (int i = 0; i < mr; i++) {
                 const float *sx = (const float *)rb[r0 + i];
                 if (sx[0] == INFINITY_F) {
-                    inf_row(kc, (const int8_t *)rb[r0 + i] + QROW_HEAD + k0, w + 16 * half, sums[i] + 16 * half);
+                    inf_row(kc, (const int8_t *)rb[r0 + i] + QROW_HEAD + k0, w, quads, 16 * half, sums[i] + 16 * half);
                     continue;
                 }
                 const __m512 sa = _mm512_cvtepi32_ps(_mm512_load_si512(ct[0][i])),
@@ -720,6 +763,140 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
                 mode);
     }
 }
+#endif
+
+#if HAVE_AMX_I8
+/* The products of int8 quad panels (W_I8Q) with fewer rows than AMX tiles take (or all of them,
+ * where this process may not use the tiles): AVX512-VNNI's vpdpbusd multiplies 4 k of 16 columns
+ * (one 64-byte half of a quad block, as it lies) by 4 k of a row's part (`quant_row`), broadcast,
+ * into exact int32 sums. It multiplies unsigned bytes by signed ones: the weights go in as w + 128
+ * (their sign bit flipped), so each sum also holds 128 times the part's sum over the chunk, taken off
+ * before the epilogue, which is panel_rows_amx_i8's: the same bounds, the same special rows.
+ *
+ * mr rows (rb[i]: row i's `quant_row` row, parts kq apart, from k0) times one panel chunk (w, at k0)
+ * over kc k (a multiple of 4, at most VNNI_KC): both halves of its columns (nh 2, mr <= 4), or half
+ * h0's 16 (nh 1, mr <= 8): three sums a row and 16 columns, at most 24 of the 32 vector registers.
+ * c[i]: row i's output at the panel; scale, rowscale, mode as `tile`; next: the panel read after this
+ * one, prefetched into L2, or NULL; once: prefetch this one PF_DIST ahead (pf_nta). */
+#define VNNI_KC 32768 /* (each sum within kc 255 127 < 2^31) */
+INLINE void tile_vnni(const int mr, const int nh, int h0, int64_t kc, int64_t k0, int64_t kq, const char *const *rb,
+                      const char *w, float *const *c, int ncols, const float *scale, const float *rowscale,
+                      int mode, int once, const char *next) {
+    /* (every loop over the sums unrolled, so that they stay in registers) */
+    __m512i acc[8][3][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+        for (int p = 0; p < 3; p++)
+#pragma GCC unroll 2
+            for (int h = 0; h < nh; h++) acc[i][p][h] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#if !PF_DIST
+    (void)once;
+#endif
+    for (int64_t k = 0; k < kc; k += 4) {
+        if (next) { /* (the block's 128 bytes: rows k .. k + 3) */
+            prefetch_next(next, k, 1);
+            prefetch_next(next, k + 2, 1);
+        }
+#if PF_DIST
+        if (once && pf_nta) {
+            prefetch_nta(w, k, W_I8);
+            prefetch_nta(w, k + 2, W_I8);
+        }
+#endif
+        __m512i wv[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < nh; h++)
+            wv[h] = _mm512_xor_si512(_mm512_loadu_si512(w + k * NR + 64 * (nh == 2 ? h : h0)), flip);
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+            for (int p = 0; p < 3; p++) { /* (4 k of the part, broadcast from memory) */
+                int32_t v;
+                memcpy(&v, rb[i] + QROW_HEAD + k0 + p * kq + k, 4);
+                const __m512i x = _mm512_set1_epi32(v);
+#pragma GCC unroll 2
+                for (int h = 0; h < nh; h++) acc[i][p][h] = _mm512_dpbusd_epi32(acc[i][p][h], wv[h], x);
+            }
+    }
+    int32_t sums32[8][3][2][16] __attribute__((aligned(64)));
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 3
+        for (int p = 0; p < 3; p++)
+#pragma GCC unroll 2
+            for (int h = 0; h < nh; h++) _mm512_store_si512(sums32[i][p][h], acc[i][p][h]);
+    const __m512i ones = _mm512_set1_epi8(1);
+    vf s0, s1;
+    col_scales(scale, &s0, &s1);
+    for (int i = 0; i < mr; i++) {
+        const float *sx = (const float *)rb[i];
+        const int8_t *ra = (const int8_t *)rb[i] + QROW_HEAD + k0;
+        /* 128 times each part's sum over the chunk (its zeros past K included: a chunk ends at K or
+         * on a multiple of 64) */
+        __m512i off[3];
+        for (int p = 0; p < 3; p++) {
+            __m512i t = _mm512_setzero_si512();
+            for (int64_t k = 0; k < kc; k += 64) t = _mm512_dpbusd_epi32(t, ones, _mm512_loadu_si512(ra + p * kq + k));
+            off[p] = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(t));
+        }
+        float sums[NR] __attribute__((aligned(64)));
+        for (int hh = 0; hh < nh; hh++) {
+            const int h = nh == 2 ? hh : h0; /* (sums32's half hh holds column half h) */
+            if (sx[0] == INFINITY_F) {
+                inf_row(kc, ra, (const int8_t *)w, 1, 16 * h, sums + 16 * h);
+                continue;
+            }
+            const __m512 sa = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][0][hh]), off[0])),
+                         sb = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][1][hh]), off[1])),
+                         sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][2][hh]), off[2]));
+            const __m512 part = _mm512_fmadd_ps(sc, _mm512_set1_ps(1.0f / 64516.0f),
+                                                _mm512_fmadd_ps(sb, _mm512_set1_ps(1.0f / 254.0f), sa));
+            _mm512_store_ps(sums + 16 * h,
+                            _mm512_mul_ps(_mm512_mul_ps(part, _mm512_set1_ps(sx[0])), _mm512_set1_ps(sx[1])));
+        }
+        const float g = rowscale ? rowscale[i] : 1.0f;
+        if (nh == 2)
+            put(load_f(sums), load_f(sums + VW), s0, s1, g, c[i], ncols, mode);
+        else if (ncols > 16 * h0)
+            put16(load_f(sums + 16 * h0), h0 ? s1 : s0, g, c[i] + 16 * h0, ncols - 16 * h0, mode);
+    }
+}
+
+/* rows (any number) against one int8 quad panel chunk through `tile_vnni`: up to 4 rows in one
+ * pass over all 32 columns, more in blocks of 8 rows, one pass per half (the second from L1). a[i]
+ * row i's `quant_row` row; the rest as `panel_rows` hands it (k0, kc <= VNNI_KC, qrow_k(K), the
+ * panel at k0, outputs at the panel, mode, once, next). */
+__attribute__((noinline)) static void panel_rows_vnni(int64_t rows, int64_t k0, int64_t kc, int64_t kq,
+                                                      const char *const *a, const char *w, float *const *c,
+                                                      int ncols, const float *scale, const float *rowscale,
+                                                      int mode, int once, const char *next) {
+#define VNNI_ROWS(MRV, NH, H) \
+    case MRV: tile_vnni(MRV, NH, H, kc, k0, kq, a + r0, w, c + r0, ncols, scale, rs, mode, on, nx); break;
+    if (rows <= 4) {
+        const int64_t r0 = 0;
+        const float *rs = rowscale;
+        const char *nx = next;
+        const int on = once;
+        switch (rows) { VNNI_ROWS(1, 2, 0) VNNI_ROWS(2, 2, 0) VNNI_ROWS(3, 2, 0) VNNI_ROWS(4, 2, 0) }
+        return;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        const int mr = rows - r0 < 8 ? (int)(rows - r0) : 8;
+        const float *rs = rowscale ? rowscale + r0 : NULL;
+        for (int h = 0; h < 2; h++) {
+            const char *nx = r0 == 0 && h == 0 ? next : NULL;
+            const int on = once && r0 == 0 && h == 0;
+            switch (mr) {
+                VNNI_ROWS(1, 1, h) VNNI_ROWS(2, 1, h) VNNI_ROWS(3, 1, h) VNNI_ROWS(4, 1, h)
+                VNNI_ROWS(5, 1, h) VNNI_ROWS(6, 1, h) VNNI_ROWS(7, 1, h) VNNI_ROWS(8, 1, h)
+            }
+        }
+    }
+#undef VNNI_ROWS
+}
+
 #endif
 
 /* rows x kc against one paired bfloat16 panel through AMX tiles (a chunk of up to KC_AMX, or all of
@@ -811,18 +988,18 @@ int mm_amx_available(void) { return 0; }
 
 /* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
  * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
- * each product: its rows are quantized for int8 weights by that reading, `quant_row`). Re-laying
- * int8 weights and three parts' products cost more than the tiles save up to 7 rows on the Xeon of
- * docs/benchmarks.md (an expert layer of the bench model, tiles against register tiles: 1.44-1.46
- * against 1.22-1.24 ms at 4 rows, 1.49-1.52 against 1.37-1.40 at 6, 1.55-1.64 against 1.64 at 8,
- * 1.64-1.70 against 1.72-1.78 at 9). */
-#define AMX_I8_ROWS 8
+ * each product: its rows are quantized for int8 weights by that reading, `quant_row`). With the
+ * panels in quads (no re-lay) and 16 rows loaded where they lie whatever the block's rows, an expert
+ * layer of the bench model takes the tiles' time from 5 rows to 16 on the Xeon of docs/
+ * benchmarks.md (0.81-0.86 ms); `tile_vnni` is faster up to 4 rows (0.51-0.66 ms) and slower from
+ * 5 (1.03-1.35 ms). */
+#define AMX_I8_ROWS 5
 
 /* From how many rows int8 products take AMX tiles (1 << 30: never, in this build). */
 int mm_amx_i8_rows(void) { return HAVE_AMX_I8 ? AMX_I8_ROWS : 1 << 30; }
 INLINE int amx_takes(int wt, int64_t rows, int min_rows) {
     return HAVE_AMX && min_rows && rows >= min_rows &&
-           (PAIRED(wt) || (HAVE_AMX_I8 && wt == W_I8 && rows >= AMX_I8_ROWS));
+           (PAIRED(wt) || (HAVE_AMX_I8 && IS_I8(wt) && rows >= AMX_I8_ROWS));
 }
 
 /* Products of paired bfloat16 or int8 weights with this many rows or more through AMX tiles (0: none). */
@@ -845,7 +1022,10 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
                        const char *next, int amx) {
     /* (KC is even: a chunk starts on a pair. AMX tiles keep a bfloat16 product's sums in C tiles over
      * KC_AMX k, or all of K for one block of 16 rows: its B tiles are read in place, not re-laid) */
-    const int64_t kstep = amx && wt != W_I8 ? (rows > 16 ? KC_AMX : K) : rows > MR || amx ? KC : K;
+    int64_t kstep = amx && !IS_I8(wt) ? (rows > 16 ? KC_AMX : K) : rows > MR || amx ? KC : K;
+#if HAVE_AMX_I8
+    if (wt == W_I8Q && kstep > VNNI_KC) kstep = VNNI_KC;
+#endif
     /* (KC is a multiple of 64: an int8 chunk starts on a block of AMX-INT8's 64 k) */
     const int es = elem_size(wt);
     for (int64_t k0 = 0; k0 < K; k0 += kstep) {
@@ -856,14 +1036,14 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
-            const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows) ? next + k0 * NR * es : NULL;
+            const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows || wt == W_I8Q) ? next + k0 * NR * es : NULL;
 #if BF16_PAIRS
             if (HAVE_AMX && amx) {
 #if HAVE_AMX
-                if (wt == W_I8) {
+                if (IS_I8(wt)) {
 #if HAVE_AMX_I8
                     panel_rows_amx_i8(rows, k0, kc, qrow_k(K), (const char *const *)a,
-                                      (const int8_t *)panel + k0 * NR, c, ncols, scale, rowscale, m, nx);
+                                      (const int8_t *)panel + k0 * NR, wt == W_I8Q, c, ncols, scale, rowscale, m, nx);
 #endif
                 } else {
                     const uint32_t *ap[rows > 0 ? rows : 1];
@@ -873,6 +1053,13 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
 #endif
                 break; /* (every row of this chunk) */
             }
+#if HAVE_AMX_I8
+            if (wt == W_I8Q) { /* every row of this chunk, through AVX512-VNNI */
+                panel_rows_vnni(rows, k0, kc, qrow_k(K), (const char *const *)a, panel + k0 * NR, c, ncols, scale,
+                                rowscale, m, rows <= MR, nx);
+                break;
+            }
+#endif
             if (PAIRED(wt)) {
                 const uint32_t *ap[MR];
                 for (int i = 0; i < mr; i++) ap[i] = (const uint32_t *)a[r0 + i] + k0 / 2;
@@ -891,6 +1078,10 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
 #define FEW_ROWS 3 /* up to this many rows, panels are read several at a time (tile_np) */
 
 int mm_few_rows(void) { return FEW_ROWS; }
+/* Up to how many rows a product of weight type wt reads its panels as streams (`few_rows`): int8
+ * quads never; their products of 1-3 rows (`panel_rows_vnni`), each panel read as the next one is
+ * fetched into L2, are 1.35-2.2x faster than streams on the Xeon of docs/benchmarks.md. */
+INLINE int few_for(int wt) { return wt == W_I8Q ? 0 : FEW_ROWS; }
 
 static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *const *a, const char *const *w,
                              float *const *c, const int64_t *coff, const int *ncols, const float *const *scale,
@@ -909,7 +1100,8 @@ static void tile_np_dispatch(int mr, int np, int wt, int64_t kc, const float *co
 /* rows <= FEW_ROWS rows against the panels p0 .. p1 - 1 of one packed weight (K x NR panels at w):
  * the range is cut into np runs read side by side (4 streams for one row, 2 for two or three).
  * Outputs c[i] + p * NR, valid columns up to N; scale: per column (int8) or NULL. Activations are
- * float32 whatever the weights (a PAIRED panel's rows are widened like any other's, tile_np). */
+ * float32 whatever the weights (a PAIRED panel's rows are widened like any other's, tile_np). Not
+ * for int8 quads (`few_for`). */
 static void few_rows(int rows, int64_t K, const float *const *a, const char *w, int wt, int64_t p0, int64_t p1,
                      int64_t N, float *const *c, const float *scale, const float *rowscale, int mode) {
     const int np = rows == 1 ? 4 : 2;
@@ -980,7 +1172,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
 #endif
     const int amx_rows = amx_min_rows; /* (read once: the rows are quantized by this reading) */
 #if HAVE_AMX_I8
-    if (amx_takes(wt, M < MC ? M : MC, amx_rows) && wt == W_I8) {
+    if (wt == W_I8Q || (amx_takes(wt, M < MC ? M : MC, amx_rows) && IS_I8(wt))) { /* (quads: always, tile_vnni) */
         if (!(ap2 = malloc(sizeof(void *) * M)) || !(pairs = quant_rows(M, K, (const float *const *)ap))) {
             rc = -1;
             goto done;
@@ -988,13 +1180,12 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
         for (int64_t m = 0; m < M; m++) ap2[m] = (const uint32_t *)pairs + m * qrow_words(K);
     }
 #endif
-    if (M <= FEW_ROWS) { /* bound by reading the weights: each thread a contiguous share of panels */
+    if (M <= few_for(wt)) { /* bound by reading the weights: each thread a contiguous share of panels */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && panels > 1)
         {
             int64_t lo, hi;
             my_range(panels, &lo, &hi);
-            few_rows((int)M, K, (const float *const *)ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL,
-                     OUT_STORE);
+            few_rows((int)M, K, (const float *const *)ap, (const char *)w, wt, lo, hi, N, cp, scale, NULL, OUT_STORE);
         }
         goto done;
     }
@@ -1009,7 +1200,7 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
             const int amx = amx_takes(wt, mc, amx_rows);
-            panel_rows(mc, K, (amx && ap2 ? ap2 : ap) + m0, (const char *)w + p * pstride, wt, cpp, ncols,
+            panel_rows(mc, K, ((amx || wt == W_I8Q) && ap2 ? ap2 : ap) + m0, (const char *)w + p * pstride, wt, cpp, ncols,
                        scale ? scale + p * NR : NULL, NULL, OUT_STORE,
                        p + 1 < panels ? (const char *)w + (p + 1) * pstride : NULL, amx);
         }
@@ -1070,6 +1261,7 @@ static void silu_mul(const float *g, const float *u, float *out, int64_t n) {
  * x [T, H], out [T, H] float32 (out is overwritten). w13: per expert a packed [2I -> panels][H][NR]
  * (gate rows, then up rows), w13 experts w13_stride elements apart; w2: per expert packed
  * [H -> panels][I][NR]. s13 [E][ceil(2I/NR) * NR], s2 [E][ceil(H/NR) * NR]: int8 scales, else NULL.
+ * wt, wt2: w13's and w2's weight types (the same but for int8, whose quads need K a multiple of 4).
  *
  * Rows are grouped by expert; phase 1 runs (expert, w13 panel) items in parallel, then SiLU-and-mul,
  * then phase 2 runs w2's column panels in parallel, each over every expert, adding router-weighted
@@ -1077,7 +1269,7 @@ static void silu_mul(const float *g, const float *u, float *out, int64_t n) {
  * same element). Returns 0, or -1 when memory runs out. */
 int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const int64_t *topk_ids,
            const float *topk_w, int64_t E, int64_t offset, const void *w13, const float *s13, const void *w2,
-           const float *s2, int wt, float *out, int nthreads) {
+           const float *s2, int wt, int wt2, float *out, int nthreads) {
 #if HAVE_AMX
     tiles_new_product();
 #endif
@@ -1138,8 +1330,9 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     int quant = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = count[e + 1] - count[e];
-        quant |= wt == W_I8 && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
+        quant |= IS_I8(wt) && amx_takes(wt, n < MR * 8 ? n : MR * 8, amx_rows);
     }
+    quant |= wt == W_I8Q || wt2 == W_I8Q; /* (quads take `quant_row` rows at any count: tile_vnni) */
 #if HAVE_AMX_I8 /* (words from a row to the next) */
     const int64_t xs = quant ? qrow_words(H) : hp, as = quant ? qrow_words(I) : ip;
 #else
@@ -1151,8 +1344,9 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
     if (quant || (PAIRED(wt) && many)) {
         /* each row's x as pairs (or `quant_row` rows) in slot order: an expert's rows lie one after another
          * (AMX tiles load them where they are) */
-        xpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * xs + 64) / 64 * 64);
-        actpairs = aligned_alloc(64, (sizeof(uint32_t) * rows * as + 64) / 64 * 64);
+        const int64_t pad = quant ? QROW_PAD : 0; /* (as `quant_rows`) */
+        xpairs = aligned_alloc(64, (sizeof(uint32_t) * (rows + pad) * xs + 64) / 64 * 64);
+        actpairs = aligned_alloc(64, (sizeof(uint32_t) * (rows + pad) * as + 64) / 64 * 64);
         if (!xpairs || !actpairs) {
             rc = -1;
             goto done;
@@ -1195,7 +1389,7 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
             const int64_t pa = q * CHUNK, pb = pa + CHUNK < p13 ? pa + CHUNK : p13;
             const char *we = (const char *)w13 + e * w13_stride * es;
             const float *se = s13 ? s13 + e * p13 * NR : NULL;
-            if (n <= FEW_ROWS) {
+            if (n <= few_for(wt)) {
                 few_rows((int)n, H, ax + r0, we, wt, pa, pb, 2 * I, hrow + r0, se, NULL, OUT_STORE);
                 continue;
             }
@@ -1205,7 +1399,8 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = hrow[r0 + b + i] + p * NR;
                     const int amx = amx_takes(wt, nb, amx_rows);
-                    panel_rows(nb, H, (amx || PAIRED(wt) ? ax2 : (const void **)ax) + r0 + b, we + p * H * NR * es,
+                    panel_rows(nb, H, (amx || PAIRED(wt) || wt == W_I8Q ? ax2 : (const void **)ax) + r0 + b,
+                               we + p * H * NR * es,
                                wt, cp, ncols, se ? se + p * NR : NULL, NULL, OUT_STORE,
                                b == 0 && p + 1 < p13 ? we + (p + 1) * H * NR * es : NULL, amx);
                 }
@@ -1234,8 +1429,8 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
             if (n == 0) continue;
             const char *we = (const char *)w2 + e * w2_stride * es;
             const float *se = s2 ? s2 + e * p2 * NR : NULL;
-            if (n <= FEW_ROWS) {
-                few_rows((int)n, I, actp + r0, we, wt, lo, hi, H, outp + r0, se, gate_w + r0, OUT_ADD_SCALED);
+            if (n <= few_for(wt2)) {
+                few_rows((int)n, I, actp + r0, we, wt2, lo, hi, H, outp + r0, se, gate_w + r0, OUT_ADD_SCALED);
                 continue;
             }
             for (int64_t p = lo; p < hi; p++) {
@@ -1243,9 +1438,9 @@ int mm_moe(int64_t T, int64_t H, int64_t I, int64_t Ktop, const float *x, const 
                 for (int64_t b = 0; b < n; b += MR * 8) {
                     const int64_t nb = n - b < MR * 8 ? n - b : MR * 8;
                     for (int64_t i = 0; i < nb; i++) cp[i] = outp[r0 + b + i] + p * NR;
-                    const int amx = amx_takes(wt, nb, amx_rows);
-                    panel_rows(nb, I, (amx || PAIRED(wt) ? actp2 : (const void **)actp) + r0 + b,
-                               we + p * I * NR * es, wt, cp, ncols, se ? se + p * NR : NULL, gate_w + r0 + b,
+                    const int amx = amx_takes(wt2, nb, amx_rows);
+                    panel_rows(nb, I, (amx || PAIRED(wt2) || wt2 == W_I8Q ? actp2 : (const void **)actp) + r0 + b,
+                               we + p * I * NR * es, wt2, cp, ncols, se ? se + p * NR : NULL, gate_w + r0 + b,
                                OUT_ADD_SCALED,
                                b == 0 && p + 1 < hi ? we + (p + 1) * I * NR * es : NULL, amx);
                 }
@@ -1726,6 +1921,7 @@ typedef struct {
     int64_t experts, top_k, expert_offset, moe_intermediate, renormalize, moe_wt;
     const void *w13, *w2;
     const float *s13, *s2;
+    int64_t moe_wt2; /* w2's weight type: moe_wt's, but for int8 where only one of them is in quads */
 } mm_layer;
 
 static int linear_rows(const mm_weight *m, int64_t T, const float *x, int64_t ldx, float *y, int nthreads) {
@@ -1808,7 +2004,7 @@ static int decoder_layer(const mm_layer *L, int64_t T, float *hidden, float *res
         if (linear_rows(&L->router, T, xn, H, logits, nthreads)) goto done;
         mm_topk_softmax(T, L->experts, logits, L->experts, L->top_k, (int)L->renormalize, topw, topi);
         if (mm_moe(T, H, L->moe_intermediate, L->top_k, xn, topi, topw, L->experts, L->expert_offset, L->w13, L->s13,
-                   L->w2, L->s2, (int)L->moe_wt, hidden, nthreads))
+                   L->w2, L->s2, (int)L->moe_wt, (int)L->moe_wt2, hidden, nthreads))
             goto done;
         if (L->gate_up.w) { /* + sigmoid(shared_gate x) * the shared expert's MLP */
             float *g = logits + T * L->experts; /* [T, 1] */
