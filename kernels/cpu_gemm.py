@@ -779,8 +779,11 @@ class ScreenedHead:
     plus g |x'| |w'| <= g (1 + u) |x| |w'| for the sum that computes x'.w', and g |x| |w| for the one
     that computes the head's logit: |approx - logit| <= |x| radius[j] with radius = |w - w'| +
     (u + g (1 + u)) |w'| + g |w|. The int8 copy's product reads x as it is (u = 0: a bfloat16 head
-    widens its weights for up to FEW_ROWS rows, and so does int8) and multiplies its sum by the
-    column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. Torch's product
+    widens its weights for up to FEW_ROWS rows, and so does int8 in rows) and multiplies its sum by
+    the column's scale, one more rounding: g + 2^-24 (1 + g) in place of g for |w'|. A copy in quads
+    (AMX-INT8 and AVX512-VNNI) multiplies each row's int8 parts (cpu_gemm.c `quant_row`), exact sums
+    whose result is within 2^-21 max|x| sum|w'| <= 2^-21 sqrt(K) |x| |w'| of x.w' (scales included):
+    the larger of that factor and the other in place of g for |w'|. Torch's product
     ("onednn") writes its float32 sums rounded to bfloat16: one more error of at most 2u times the
     sum (2u: rounded to nearest or cut), |x'.w'| (1 + g) <= |x| (1 + u) (1 + g) |w'|, so its radius has
     2u (1 + u) (1 + g) |w'| more. A bfloat16 head's "onednn" screen multiplies the head itself (w' = w);
@@ -831,7 +834,9 @@ class ScreenedHead:
             # (a bfloat16 head's product of more rows rounds x to bfloat16 and pairs it: not this copy's)
             self.copy = _int8_copy(head)
             self.max_rows = lib.few_rows
-            u, g_copy = 0.0, g + 2.0 ** -24 * (1 + g)
+            # (a copy in quads multiplies the rows' int8 parts: within 2^-21 max|x| sum|w'| <= 2^-21 sqrt(K)
+            # |x| |w'|, which g covers from K = 64 on)
+            u, g_copy = 0.0, max(g + 2.0 ** -24 * (1 + g), 2.0 ** -21 * K ** 0.5 if self.copy.pairs else 0.0)
         radius, wn_max = torch.empty(vocab, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for p in range(0, -(-vocab // NR), step):
             w = _columns(head, p, step, vocab)

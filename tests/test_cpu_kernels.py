@@ -844,14 +844,16 @@ def _screen_case(V: int, K: int, seed: int, dtype=torch.float32) -> tuple[cpu_ge
                                             (torch.int8, "onednn")])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 64])
 @pytest.mark.parametrize("seed", range(3))
-def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype, product):
+@pytest.mark.parametrize("K", [96, 40])
+def test_screened_head_picks_the_full_products_first_maximum(rows, seed, dtype, product, K):
     """A float32 head through its bfloat16 copy (multiplied by these kernels or by torch's matmul, whose
     bfloat16 sums the bound also covers), a bfloat16 head through its int8 copy (up to three rows; more
     go to the full product) or through torch's matmul of the head itself (its rows rounded to bfloat16
     where the full product rounds them: more than three), an int8 head through torch's matmul of its
     bfloat16 copy: the token is the full product's first maximum, and the bound holds for every
-    column of every row the copy decides."""
-    V, K = 1003, 96
+    column of every row the copy decides (rows of 40 too: below 64, an int8 copy in quads widens the
+    radius for its rows' int8 parts)."""
+    V = 1003
     packed, w = _screen_case(V, K, seed, dtype)
     screen = cpu_gemm.ScreenedHead(packed, V, lib, product)
     g = torch.Generator().manual_seed(100 + seed)
