@@ -275,8 +275,8 @@ AMX_MIN_ROWS = 4
 
 def amx_rows(lib: _Lib) -> int:
     """From how many rows products of bfloat16 weights multiply through AMX tiles here (cpu_gemm.c
-    `panel_rows_amx`; int8 weights from that many and at least 8, `AMX_I8_ROWS`, where the build has
-    AMX-INT8: `lib.amx_i8_rows`), or 0 where they do
+    `panel_rows_amx`; int8 weights from that many and at least 5 in quads, `AMX_I8Q_ROWS`, or 8 in
+    rows, `AMX_I8_ROWS`, `lib.amx_i8_rows`, where the build has AMX-INT8), or 0 where they do
     not: a CPU with AMX-BF16 whose kernel lets this process use it, unless MOEMESH_AMX says otherwise
     (0: off; N: from N rows, more than FEW_ROWS)."""
     text = os.environ.get("MOEMESH_AMX", "").strip()

@@ -933,8 +933,9 @@ def test_a_bfloat16_heads_copy_is_int8_and_its_radius_the_formulas():
     w64, q64 = w[:290].double(), (want.unpack()[:290].double() / want.scale[:290].double().unsqueeze(1)).round()
     c64 = q64 * want.scale[:290].double().unsqueeze(1)  # (the copy's columns, scale times int8, exactly)
     g = 40 * 2.0 ** -24 / (1 - 40 * 2.0 ** -24)
-    radius = ((w64 - c64).norm(dim=1) + (g + 2.0 ** -24 * (1 + g)) * c64.norm(dim=1) + g * w64.norm(dim=1)) \
-        * (1 + 2.0 ** -10)
+    # (a copy in quads multiplies the rows' int8 parts: 2^-21 sqrt(K), the larger below K = 64)
+    g_copy = max(g + 2.0 ** -24 * (1 + g), 2.0 ** -21 * 40 ** 0.5 if want.pairs else 0.0)
+    radius = ((w64 - c64).norm(dim=1) + g_copy * c64.norm(dim=1) + g * w64.norm(dim=1)) * (1 + 2.0 ** -10)
     assert torch.equal(screen.radius, radius.float())
 
 

@@ -987,19 +987,24 @@ int mm_amx_available(void) { return 0; }
 #endif
 
 /* Whether a product of `rows` rows of weights of type wt goes through AMX tiles: paired bfloat16
- * weights with min_rows rows or more, int8 ones with AMX_I8_ROWS too (amx_min_rows, read once by
- * each product: its rows are quantized for int8 weights by that reading, `quant_row`). With the
- * panels in quads (no re-lay) and 16 rows loaded where they lie whatever the block's rows, an expert
- * layer of the bench model takes the tiles' time from 5 rows to 16 on the Xeon of docs/
- * benchmarks.md (0.81-0.86 ms); `tile_vnni` is faster up to 4 rows (0.51-0.66 ms) and slower from
- * 5 (1.03-1.35 ms). */
-#define AMX_I8_ROWS 5
+ * weights with min_rows rows or more, int8 ones with AMX_I8Q_ROWS (quads) or AMX_I8_ROWS (in rows)
+ * too (amx_min_rows, read once by each product: its rows are quantized for int8 weights by that
+ * reading, `quant_row`). With the panels in quads (no re-lay) and 16 rows loaded where they lie
+ * whatever the block's rows, an expert layer of the bench model takes the tiles' time from 5 rows to
+ * 16 on the Xeon of docs/benchmarks.md (0.81-0.86 ms); `tile_vnni` is faster up to 4 rows
+ * (0.51-0.66 ms) and slower from 5 (1.03-1.35 ms). Panels in rows (K not a multiple of 4) are
+ * re-laid on every call, which cost more than the tiles save up to 7 rows against the register
+ * tiles (the same layer: 1.44-1.46 against 1.22-1.24 ms at 4 rows, 1.49-1.52 against 1.37-1.40 at
+ * 6, 1.55-1.64 against 1.64 at 8). */
+#define AMX_I8Q_ROWS 5
+#define AMX_I8_ROWS 8
 
-/* From how many rows int8 products take AMX tiles (1 << 30: never, in this build). */
+/* From how many rows products of int8 weights in rows (W_I8) take AMX tiles (1 << 30: never, in
+ * this build); quads from AMX_I8Q_ROWS. */
 int mm_amx_i8_rows(void) { return HAVE_AMX_I8 ? AMX_I8_ROWS : 1 << 30; }
 INLINE int amx_takes(int wt, int64_t rows, int min_rows) {
     return HAVE_AMX && min_rows && rows >= min_rows &&
-           (PAIRED(wt) || (HAVE_AMX_I8 && IS_I8(wt) && rows >= AMX_I8_ROWS));
+           (PAIRED(wt) || (HAVE_AMX_I8 && IS_I8(wt) && rows >= (wt == W_I8Q ? AMX_I8Q_ROWS : AMX_I8_ROWS)));
 }
 
 /* Products of paired bfloat16 or int8 weights with this many rows or more through AMX tiles (0: none). */
