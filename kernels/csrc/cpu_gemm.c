@@ -504,8 +504,8 @@ static void tile_dispatch(int mr, int wt, int64_t kc, const float *const *a, con
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
-/* int8 weights through AMX-INT8 tiles, re-laid by byte permutes (AVX512-VBMI): every CPU with
- * AMX-BF16 so far has both */
+/* int8 weights through AMX-INT8 tiles, in quads or re-laid into them by byte permutes (AVX512-VBMI),
+ * and through AVX512-VNNI below the tiles (`I8_QUADS`): every CPU with AMX-BF16 so far has all three */
 #define HAVE_AMX_I8 I8_QUADS
 /* AMX tiles for products of paired bfloat16 weights, and of int8 ones, with amx_min_rows rows or
  * more, where the CPU has AMX-BF16 and the kernel lets this process use it (`mm_set_amx`): one
@@ -631,9 +631,10 @@ static uint32_t *quant_rows(int64_t M, int64_t K, const float *const *rows) {
 }
 
 /* A row with an infinity (`quant_row`: a its infinities' signs over kc k) times columns j0 .. j0 + 15
- * of an int8 panel chunk (w, rows NR apart, or quads: W_I8Q), as float32 sums give it: per column, NaN where an infinity
- * meets a zero weight or the infinities' products have both signs, else +-inf by their sign, 0
- * where the chunk holds no infinity (the finite elements weigh nothing beside them). */
+ * of an int8 panel chunk (w, rows NR apart, or in quads: W_I8Q), as float32 sums give it: per
+ * column, NaN where an infinity meets a zero weight or the infinities' products have both signs,
+ * else +-inf by their sign, 0 where the chunk holds no infinity (the finite elements weigh nothing
+ * beside them). */
 static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, int quads, int j0, float *out) {
     for (int j = 0; j < 16; j++) {
         int pos = 0, neg = 0, zero = 0;
@@ -683,7 +684,8 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
             const int64_t k = 64 * b + 4 * j;
             if (quads) {
                 for (int h = 0; h < 2; h++)
-                    _mm512_store_si512(bt[b][h][j], k < kc ? _mm512_loadu_si512(w + k * NR + 64 * h) : _mm512_setzero_si512());
+                    _mm512_store_si512(bt[b][h][j],
+                                       k < kc ? _mm512_loadu_si512(w + k * NR + 64 * h) : _mm512_setzero_si512());
                 continue;
             }
             __m512i lo, hi;
@@ -1041,7 +1043,10 @@ static void panel_rows(int64_t rows, int64_t K, const void *const *a, const char
         for (int64_t r0 = 0; r0 < rows; r0 += MR) {
             const int mr = rows - r0 < MR ? (int)(rows - r0) : MR;
             const float *rs = rowscale ? rowscale + r0 : NULL;
-            const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows || wt == W_I8Q) ? next + k0 * NR * es : NULL;
+            /* (quads always fetch the next panel: `few_for`) */
+            const char *nx = next && r0 == 0 && (rows > MR || rows >= pf_next_rows || wt == W_I8Q)
+                                 ? next + k0 * NR * es
+                                 : NULL;
 #if BF16_PAIRS
             if (HAVE_AMX && amx) {
 #if HAVE_AMX
@@ -1205,8 +1210,8 @@ int mm_gemm(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const 
             for (int64_t i = 0; i < mc; i++) cpp[i] = cp[m0 + i] + p * NR;
             const int ncols = N - p * NR < NR ? (int)(N - p * NR) : NR;
             const int amx = amx_takes(wt, mc, amx_rows);
-            panel_rows(mc, K, ((amx || wt == W_I8Q) && ap2 ? ap2 : ap) + m0, (const char *)w + p * pstride, wt, cpp, ncols,
-                       scale ? scale + p * NR : NULL, NULL, OUT_STORE,
+            panel_rows(mc, K, ((amx || wt == W_I8Q) && ap2 ? ap2 : ap) + m0, (const char *)w + p * pstride, wt, cpp,
+                       ncols, scale ? scale + p * NR : NULL, NULL, OUT_STORE,
                        p + 1 < panels ? (const char *)w + (p + 1) * pstride : NULL, amx);
         }
     }
