@@ -152,7 +152,7 @@ class _Lib:
         self.panel_width = lib.mm_panel_width()
         self.tile_rows = lib.mm_tile_rows()
         self.bf16_pairs = bool(lib.mm_bf16_pairs())  # bfloat16 panels paired for vdpbf16ps (AVX512-BF16)
-        self.i8_quads = bool(lib.mm_i8_quads())  # int8 panels (K a multiple of 4) in AMX-INT8's quads
+        self.i8_quads = bool(lib.mm_i8_quads())  # int8 panels (K a multiple of 4) in AMX-INT8's quads (`native`)
         self.few_rows = lib.mm_few_rows()  # products with up to this many rows read weights as streams
         self.amx_i8_rows = lib.mm_amx_i8_rows()  # int8 products take AMX tiles from this many rows too
         self.torch_tie_order = bool(lib.mm_torch_tie_order())  # tied router scores broken as torch.topk does
@@ -263,6 +263,10 @@ def native() -> _Lib | None:
     lib.lib.mm_set_prefetch(*lib.prefetch)
     lib.amx = amx_rows(lib)
     lib.lib.mm_set_amx(lib.amx)
+    # int8 weights in quads only where this process takes AMX tiles: without them, quads' products of
+    # 5-16 rows per expert (AVX512-VNNI in half passes) ran 0.83-0.93x the register tiles' on panels
+    # in rows (docs/benchmarks.md, "int8 panels in the tiles' quads")
+    lib.i8_quads = lib.i8_quads and lib.amx > 0
     return lib
 
 
