@@ -321,7 +321,8 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     assert torch.equal(moe_tiles, moe_plain) == (min(most, 96) < takes)
 
 
-@pytest.mark.skipif(lib is None or not lib.i8_quads, reason="int8 panels in rows here (no AMX-INT8 and AVX512-VNNI)")
+@pytest.mark.skipif(lib is None or not lib.i8_quads,
+                    reason="int8 panels in rows here (no AMX-INT8, AVX512-VNNI, or AMX tiles for this process)")
 @pytest.mark.parametrize("M,K", [(1, 4), (2, 68), (3, 200), (4, 1028), (7, 600), (9, 1100), (2, 32788)])
 def test_vnni_takes_int8_quads_within_their_bound(M, K):
     """Products of int8 quad panels with fewer rows than AMX tiles take (any number with the tiles
