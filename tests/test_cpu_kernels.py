@@ -250,6 +250,33 @@ def test_amx_tiles_give_the_paired_products_sums(M, K):
         assert torch.equal(tiles, plain)
 
 
+def _int8_bound_case(seed: int, M: int, K: int) -> tuple[torch.Tensor, cpu_gemm.PackedWeight]:
+    """M rows of K activations (row 0 zeros, row 1 with an outlier 10^4 times its neighbours, row 2
+    at 10^-37) and an int8 weight of 3 panels and 5 columns whose last k is zero in every column and
+    whose k = 1 alternates in sign over the first two panels' columns (`_put_infinities` meets
+    them)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
+    x[0] = 0.0
+    x[1, K // 2] = 1e4
+    x[2] *= 1e-37
+    w[:, -1] = 0.0  # (a zero weight in every column, where the infinities below meet it)
+    w[: 2 * lib.panel_width, 1] = torch.where(torch.arange(2 * lib.panel_width) % 2 == 0, 1.0, -1.0)
+    return x, cpu_gemm.pack(w, lib.panel_width, torch.int8)
+
+
+def _put_infinities(x: torch.Tensor, rows: tuple[int, int, int, int, int]) -> None:
+    """Rows of x (K wide) given, in order: an infinity; a NaN; two infinities, one meeting the zero
+    weights of the last k (NaN everywhere); two meeting k = 1's weights of both signs (NaN in half
+    the columns); a -inf at the last k only (a zero weight, NaN), as `_int8_bound_case` lays out."""
+    K = x.shape[1]
+    x[rows[0], 0] = float("inf")
+    x[rows[1], 1] = float("nan")
+    x[rows[2], [0, K - 1]] = float("inf")
+    x[rows[3], [0, 1]] = float("inf")
+    x[rows[4], K - 1] = -float("inf")
+
+
 @pytest.mark.skipif(lib is None or not lib.amx, reason="no AMX tiles here (or MOEMESH_AMX=0)")
 @pytest.mark.parametrize("M,K,I", [(12, 200, 40), (15, 64, 40), (16, 512, 33), (33, 1031, 520), (97, 600, 40),
                                    (130, 1100, 519)])
@@ -264,14 +291,7 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     bound, and so does one whose largest element is 10^-37 (scaled by 2^100 on the way); rows with
     infinities (over every chunk of K: one; two meeting a zero weight; two of one sign meeting
     weights of both) give what float32 sums give, a NaN makes its row NaN, a row of zeros zeros."""
-    g = torch.Generator().manual_seed(M * K)
-    x, w = torch.randn(M, K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
-    x[0] = 0.0
-    x[1, K // 2] = 1e4
-    x[2] *= 1e-37
-    w[:, -1] = 0.0  # (a zero weight in every column, where the infinities below meet it)
-    w[: 2 * lib.panel_width, 1] = torch.where(torch.arange(2 * lib.panel_width) % 2 == 0, 1.0, -1.0)
-    p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    x, p = _int8_bound_case(M * K, M, K)
     wq = p.unpack().double()
     want = x.double() @ wq.T
     bound = (x.double().abs() @ wq.abs().T) * 2.0 ** -16 + 1e-6
@@ -283,11 +303,7 @@ def test_amx_tiles_take_int8_weights_within_their_bound(M, K, I):
     p13 = cpu_gemm.pack(torch.cat([w1, w3], dim=1), lib.panel_width, torch.int8)
     p2 = cpu_gemm.pack(w2, lib.panel_width, torch.int8)
     inf = x.clone()
-    inf[-1, 0] = float("inf")
-    inf[-2, 1] = float("nan")
-    inf[-3, [0, K - 1]] = float("inf")  # (one meets a zero weight: NaN everywhere)
-    inf[-4, [0, 1]] = float("inf")  # (column 1's weights alternate in sign: NaN in half the columns)
-    inf[-5, K - 1] = -float("inf")  # (the last k, in the last chunk: a zero weight, NaN)
+    _put_infinities(inf, (-1, -2, -3, -4, -5))
     try:
         tiles = cpu_gemm.gemm(x, p, lib)
         inf_tiles = cpu_gemm.gemm(inf, p, lib)
@@ -332,22 +348,11 @@ def test_vnni_takes_int8_quads_within_their_bound(M, K):
     8 rows a column half at a time, K past one chunk of VNNI_KC. Rows with infinities give what
     float32 sums give, a NaN makes its row NaN, zeros give zeros; a fused MoE whose experts get 1-4
     rows keeps the bound too."""
-    g = torch.Generator().manual_seed(M + K)
-    x, w = torch.randn(max(M, 4), K, generator=g), torch.randn(3 * lib.panel_width + 5, K, generator=g)
-    x[0] = 0.0
-    x[1, K // 2] = 1e4
-    x[2] *= 1e-37
-    w[:, -1] = 0.0  # (a zero weight in every column, where the infinities below meet it)
-    w[: 2 * lib.panel_width, 1] = torch.where(torch.arange(2 * lib.panel_width) % 2 == 0, 1.0, -1.0)
-    p = cpu_gemm.pack(w, lib.panel_width, torch.int8)
+    x, p = _int8_bound_case(M + K, max(M, 4), K)
     assert p.pairs and p.weight_type == 3  # (W_I8Q)
     wq = p.unpack().double()
     inf = x[:1].repeat(5, 1)
-    inf[0, 0] = float("inf")
-    inf[1, 1] = float("nan")
-    inf[2, [0, K - 1]] = float("inf")  # (one meets a zero weight: NaN everywhere)
-    inf[3, [0, 1]] = float("inf")  # (column 1's weights alternate in sign: NaN in half the columns)
-    inf[4, K - 1] = -float("inf")  # (the last k: a zero weight, NaN)
+    _put_infinities(inf, (0, 1, 2, 3, 4))
     rows = torch.cat([x, inf])
     try:
         if M > 4:

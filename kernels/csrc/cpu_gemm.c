@@ -649,6 +649,16 @@ static void inf_row(int64_t kc, const int8_t *a, const int8_t *w, int quads, int
     }
 }
 
+/* 16 columns' exact int32 sums of a row's three parts (a, b, c: `quant_row`) -> s2 s (a + b / 254 +
+ * c / 254^2) in float32; sx the row's scales (s, s2). */
+INLINE __m512 parts_sum(__m512i a, __m512i b, __m512i c, const float *sx) {
+    const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(1.0f / 64516.0f),
+                                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_set1_ps(1.0f / 254.0f),
+                                                        _mm512_cvtepi32_ps(a)));
+    /* (s first: the product times s2 rounds only where the result is below 2^-126) */
+    return _mm512_mul_ps(_mm512_mul_ps(part, _mm512_set1_ps(sx[0])), _mm512_set1_ps(sx[1]));
+}
+
 /* rows x kc against one int8 panel through AMX-INT8 tiles (kc <= KC, from k0, a multiple of 64): for
  * each block of 16 rows and each 16 of the panel's columns, three int32 tiles sum each part of the
  * rows (`quant_row` rows at rb, rb[i] row i's start) times the weights over the chunk, 64 k at a time
@@ -750,14 +760,8 @@ __attribute__((noinline)) static void panel_rows_amx_i8(int64_t rows, int64_t k0
                     inf_row(kc, (const int8_t *)rb[r0 + i] + QROW_HEAD + k0, w, quads, 16 * half, sums[i] + 16 * half);
                     continue;
                 }
-                const __m512 sa = _mm512_cvtepi32_ps(_mm512_load_si512(ct[0][i])),
-                             sb = _mm512_cvtepi32_ps(_mm512_load_si512(ct[1][i])),
-                             sc = _mm512_cvtepi32_ps(_mm512_load_si512(ct[2][i]));
-                const __m512 part = _mm512_fmadd_ps(sc, _mm512_set1_ps(1.0f / 64516.0f),
-                                                    _mm512_fmadd_ps(sb, _mm512_set1_ps(1.0f / 254.0f), sa));
-                /* (s first: the product times s2 rounds only where the result is below 2^-126) */
-                _mm512_store_ps(sums[i] + 16 * half, _mm512_mul_ps(_mm512_mul_ps(part, _mm512_set1_ps(sx[0])),
-                                                                   _mm512_set1_ps(sx[1])));
+                _mm512_store_ps(sums[i] + 16 * half, parts_sum(_mm512_load_si512(ct[0][i]), _mm512_load_si512(ct[1][i]),
+                                                               _mm512_load_si512(ct[2][i]), sx));
             }
         }
         for (int i = 0; i < mr; i++)
@@ -850,13 +854,9 @@ INLINE void tile_vnni(const int mr, const int nh, int h0, int64_t kc, int64_t k0
                 inf_row(kc, ra, (const int8_t *)w, 1, 16 * h, sums + 16 * h);
                 continue;
             }
-            const __m512 sa = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][0][hh]), off[0])),
-                         sb = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][1][hh]), off[1])),
-                         sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums32[i][2][hh]), off[2]));
-            const __m512 part = _mm512_fmadd_ps(sc, _mm512_set1_ps(1.0f / 64516.0f),
-                                                _mm512_fmadd_ps(sb, _mm512_set1_ps(1.0f / 254.0f), sa));
-            _mm512_store_ps(sums + 16 * h,
-                            _mm512_mul_ps(_mm512_mul_ps(part, _mm512_set1_ps(sx[0])), _mm512_set1_ps(sx[1])));
+            __m512i part[3];
+            for (int p = 0; p < 3; p++) part[p] = _mm512_sub_epi32(_mm512_load_si512(sums32[i][p][hh]), off[p]);
+            _mm512_store_ps(sums + 16 * h, parts_sum(part[0], part[1], part[2], sx));
         }
         const float g = rowscale ? rowscale[i] : 1.0f;
         if (nh == 2)
