@@ -11,11 +11,15 @@ host share its clock; across hosts they are as far apart as the hosts' clocks ar
 chrome://tracing open: a row per stage and one for the coordinator, a box per step.
 `idle_split` says, per stage, how long it sat idle before steps that carry prompt tokens and before
 pure decode steps: in a pipeline, which phase of the workload each stage waits through.
+`handovers` says how long each hand-over of a decode step takes: from one stage to the next, and
+round the ring from the last stage through the coordinator back to the first.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 
 from moemesh.protocol import StatusReply, StepSpan
 
@@ -69,3 +73,55 @@ def idle_split(spans: list[StepSpan], start: float, end: float) -> dict:
         at = max(at, hi)
     return {"busy": busy, "idle_before_prompt_steps": before_prompt, "idle_before_decode_steps": before_decode,
             "idle_at_end": max(0.0, end - at)}
+
+
+def handovers(status: StatusReply, start: float = -math.inf, end: float = math.inf) -> dict:
+    """The median hand-over times of the decode steps within wall-clock `start` and `end`, in seconds
+    (None where no step gives one):
+    - `hops`, one per stage boundary: from the later of (the earlier stage ending the step, the later
+      stage ending its own previous step) to the later stage starting it. That is how long the later
+      stage sat idle with the step's input on its way: a stage still busy when the input came did
+      not wait for it.
+    - `to_coordinator`: the last stage ending a step, to the coordinator having taken its result.
+    - `coordinator`: a result taken, to the coordinator's next schedule going out.
+    - `to_first_stage`: from the later of (a schedule going out, the first stage ending its
+      previous step) to the first stage starting it.
+    The first stage's idle time before a decode step is about the last three together, when it
+    waits on the ring. Spans of one host share its clock; across hosts, clock skew enters
+    `hops` and the ring's two trips."""
+    def inside(spans):
+        return [s for s in _sound(spans) if s.start >= start and s.start + s.seconds <= end]
+
+    stages = [_by_step(inside(spans)) for spans in status.stage_spans]
+    coord = {s.step_id: s for s in inside(status.coordinator_spans)}
+    out: dict = {"hops": [], "to_coordinator": None, "coordinator": None, "to_first_stage": None}
+    if not stages:
+        return out
+    for earlier, later in zip(stages, stages[1:]):
+        out["hops"].append(_median([s.start - max(_end(earlier[k][0]), later[k][1])
+                                    for k, (s, _) in later.items() if k in earlier and later[k][1] is not None]))
+    first, last = stages[0], stages[-1]
+    out["to_coordinator"] = _median([_end(coord[k]) - _end(s) for k, (s, _) in last.items() if k in coord])
+    issued = sorted(c.start for c in coord.values())
+    turns = []
+    for k, (s, _) in last.items():  # each decode result taken -> the next schedule out
+        if k in coord and (i := bisect.bisect_left(issued, _end(coord[k]))) < len(issued):
+            turns.append(issued[i] - _end(coord[k]))
+    out["coordinator"] = _median(turns)
+    out["to_first_stage"] = _median([s.start - max(coord[k].start, prev) for k, (s, prev) in first.items()
+                                     if k in coord and prev is not None])
+    return out
+
+
+def _by_step(spans: list[StepSpan]) -> dict[int, tuple[StepSpan, float | None]]:
+    """A stage's decode steps by id: (its span, when the stage ended the step it ran before it, or None)."""
+    ordered = sorted(_sound(spans), key=lambda s: s.start)
+    return {s.step_id: (s, _end(ordered[i - 1]) if i else None) for i, s in enumerate(ordered) if is_decode(s)}
+
+
+def _end(span: StepSpan) -> float:
+    return span.start + span.seconds
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None

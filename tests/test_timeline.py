@@ -3,6 +3,8 @@ the phase of the work it waited for."""
 
 import json
 
+import pytest
+
 from moemesh.protocol import StatusReply, StepSpan
 from moemesh.timeline import chrome_trace, idle_split
 
@@ -58,3 +60,39 @@ def test_bench_splits_a_long_run_over_the_part_its_timeline_holds(tmp_path, monk
     assert row["timeline_seconds"] == 3.5  # from 15.0, stage 0's oldest step
     assert row["stage_idle_before_decode_steps_s"] == [0.0, 1.0]
     assert json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+
+
+def test_handovers_time_each_hand_over_of_the_decode_steps(tmp_path):
+    """Two stages, two microbatches in flight: a stage waits on its input only from when it was free
+    (counting from the input's leaving would count its own busy time); the ring's three legs come
+    from the last stage's end, the coordinator's spans and the first stage's start."""
+    from moemesh.timeline import handovers
+
+    ms = 1e-3
+    s0 = [StepSpan(0, 0.0, 10 * ms, 64, 64), StepSpan(1, 10 * ms, 10 * ms, 64, 64),
+          StepSpan(2, 23 * ms, 10 * ms, 64, 64), StepSpan(3, 34 * ms, 10 * ms, 64, 64)]
+    s1 = [StepSpan(0, 11 * ms, 10 * ms, 64, 64), StepSpan(1, 21.5 * ms, 10 * ms, 64, 64),
+          StepSpan(2, 34.5 * ms, 10.5 * ms, 64, 64), StepSpan(3, 45.5 * ms, 10 * ms, 64, 64)]
+    # two schedules out at 0, then one right after each result is taken (1 ms after stage 1 ends it)
+    coord = [StepSpan(0, 0.0, 22 * ms, 64, 64), StepSpan(1, 0.0, 32.5 * ms, 64, 64),
+             StepSpan(2, 22.5 * ms, 23.5 * ms, 64, 64), StepSpan(3, 33 * ms, 23.5 * ms, 64, 64)]
+    h = handovers(status([s0, s1], coord))
+    # stage 1 free at 21 -> step 1 at 21.5; step 2 left stage 0 at 33 -> 34.5; free at 45 -> step 3 at 45.5
+    assert h["hops"] == [pytest.approx(0.5 * ms)]
+    assert h["to_coordinator"] == pytest.approx(1 * ms)
+    # results of 0 and 1 taken at 22 and 32.5 ms, the next schedules out at 22.5 and 33 (none after 2 and 3)
+    assert h["coordinator"] == pytest.approx(0.5 * ms)
+    # stage 0 free at 10 -> step 1 at 10; step 2 out at 22.5 -> 23; step 3 out at 33, free at 33 -> 34
+    assert h["to_first_stage"] == pytest.approx(0.5 * ms)
+    # a window leaves out what lies outside it; prompt steps are not decode hand-overs
+    assert handovers(status([s0, s1], coord), start=100.0)["to_coordinator"] is None
+    prompt = [StepSpan(s.step_id, s.start, s.seconds, 512, 16) for s in s1]
+    assert handovers(status([s0, prompt], coord))["hops"] == [None]
+    one = handovers(status([s0], coord))  # one stage: no hop, the ring alone
+    assert one["hops"] == [] and one["to_coordinator"] is not None
+    # what `bench throughput --timeline` prints of them, in ms
+    from moemesh.entrypoints.bench import throughput
+
+    row = throughput._write_timeline(tmp_path, {"status": status([s0, s1], coord), "window": (0.0, 1.0)}, "run")
+    assert (row["decode_hop_ms"], row["decode_result_to_coordinator_ms"], row["decode_coordinator_turn_ms"],
+            row["decode_schedule_to_first_stage_ms"]) == ([0.5], 1.0, 0.5, 0.5)

@@ -43,7 +43,7 @@ from moemesh.protocol import TIMELINE_SPANS, StatusReply
 from moemesh.sampling import SamplingParams
 from moemesh.settings import CoordinatorSettings, EngineSettings, WorkerSettings
 from moemesh.step_costs import partition_costs
-from moemesh.timeline import chrome_trace, idle_split
+from moemesh.timeline import chrome_trace, handovers, idle_split
 
 
 def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -313,17 +313,28 @@ def _write_timeline(directory: Path, r: dict, name: str) -> dict:
         if len(spans) >= TIMELINE_SPANS:  # (older steps were dropped: the window starts at its oldest)
             start = max(start, spans[0].start)
     splits = [idle_split(spans, start, end) for spans in status.stage_spans]
-    return {"timeline": str(path), "timeline_seconds": round(end - start, 2),
-            "stage_idle_before_prompt_steps_s": [round(x["idle_before_prompt_steps"], 3) for x in splits],
-            "stage_idle_before_decode_steps_s": [round(x["idle_before_decode_steps"], 3) for x in splits]}
+    row = {"timeline": str(path), "timeline_seconds": round(end - start, 2),
+           "stage_idle_before_prompt_steps_s": [round(x["idle_before_prompt_steps"], 3) for x in splits],
+           "stage_idle_before_decode_steps_s": [round(x["idle_before_decode_steps"], 3) for x in splits]}
+    # each decode hand-over's median (moemesh.timeline.handovers): stage to stage, then round the ring
+    h = handovers(status, start, end)
+    if h["hops"] and None not in h["hops"]:
+        row["decode_hop_ms"] = [round(1e3 * x, 3) for x in h["hops"]]
+    for key, name in (("to_coordinator", "decode_result_to_coordinator_ms"), ("coordinator", "decode_coordinator_turn_ms"),
+                      ("to_first_stage", "decode_schedule_to_first_stage_ms")):
+        if h[key] is not None:
+            row[name] = round(1e3 * h[key], 3)
+    return row
 
 
 # what a row of every round contributes to the medians: figures, each ratio to another row of the same
 # round (a ratio of medians would pair runs minutes apart), and per-stage figures stage by stage
 _MEDIAN_KEYS = ("tok_per_s", "total_tok_per_s", "seconds", "ttft_p50_ms", "vs_in_process", "vs_ceiling",
                 "vs_pp1_tp1", "curve_on_vs_off", "mlp_handoff_on_vs_off", "caching_on_time_speedup",
-                "caching_on_ttft_speedup")
-_MEDIAN_LISTS = ("stage_busy_fraction", "stage_idle_before_prompt_steps_s", "stage_idle_before_decode_steps_s")
+                "caching_on_ttft_speedup", "decode_result_to_coordinator_ms", "decode_coordinator_turn_ms",
+                "decode_schedule_to_first_stage_ms")
+_MEDIAN_LISTS = ("stage_busy_fraction", "stage_idle_before_prompt_steps_s", "stage_idle_before_decode_steps_s",
+                 "decode_hop_ms")
 _SAME_ROW = ("impl", "engines", "pp", "tp", "layers", "prefix_caching", "curve", "mlp_handoff")  # what a row measured
 
 
