@@ -77,18 +77,23 @@ def idle_split(spans: list[StepSpan], start: float, end: float) -> dict:
 
 def handovers(status: StatusReply, start: float = -math.inf, end: float = math.inf) -> dict:
     """The median hand-over times of the decode steps within wall-clock `start` and `end`, in seconds
-    (None where no step gives one):
+    (None where no step gives one; a schedule of several decode steps is one step here):
     - `hops`, one per stage boundary: from the later of (the earlier stage ending the step, the later
       stage ending its own previous step) to the later stage starting it. That is how long the later
       stage sat idle with the step's input on its way: a stage still busy when the input came did
       not wait for it.
-    - `to_coordinator`: the last stage ending a step, to the coordinator having taken its result.
-    - `coordinator`: a result taken, to the coordinator's next schedule going out.
-    - `to_first_stage`: from the later of (a schedule going out, the first stage ending its
-      previous step) to the first stage starting it.
+    - `to_coordinator`: the last stage ending a step, to the coordinator having taken its result
+      (with any time the coordinator was still busy with other work).
+    - `coordinator`: a result taken, to the coordinator issuing its next schedule (made, not yet
+      encoded and sent; with any wait for work to schedule).
+    - `to_first_stage`: from the later of (a schedule issued, the first stage ending its previous
+      step) to the first stage starting it: the coordinator's encoding and sending, the trip, and
+      the stage's own hand-over to its compute thread.
     The first stage's idle time before a decode step is about the last three together, when it
     waits on the ring. Spans of one host share its clock; across hosts, clock skew enters
-    `hops` and the ring's two trips."""
+    `hops` and the ring's two trips. A stage's previous step is the one before it among the spans
+    held: where a stage's spans were lost (a heartbeat with them), the next step's wait comes out
+    too long."""
     def inside(spans):
         return [s for s in _sound(spans) if s.start >= start and s.start + s.seconds <= end]
 
@@ -104,7 +109,7 @@ def handovers(status: StatusReply, start: float = -math.inf, end: float = math.i
     out["to_coordinator"] = _median([_end(coord[k]) - _end(s) for k, (s, _) in last.items() if k in coord])
     issued = sorted(c.start for c in coord.values())
     turns = []
-    for k, (s, _) in last.items():  # each decode result taken -> the next schedule out
+    for k, (s, _) in last.items():  # each decode result taken -> the next schedule issued
         if k in coord and (i := bisect.bisect_left(issued, _end(coord[k]))) < len(issued):
             turns.append(issued[i] - _end(coord[k]))
     out["coordinator"] = _median(turns)

@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "ui.perfetto.dev or chrome://tracing) and print each stage's idle time before steps with "
                          "prompt tokens and before decode steps, and the median time of each hand-over of a decode "
                          "step: stage to stage, the last stage's result to the coordinator, the coordinator's "
-                         "turn, its schedule to the first stage")
+                         "turn to its next schedule, that schedule to the first stage")
     tb.add_argument("--rounds", type=positive_int, default=1,
                     help="run the baseline, the ceilings and every layout this many times over, one round after "
                          "the other, then print each figure's median and the median of each round's ratios")

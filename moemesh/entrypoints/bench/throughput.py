@@ -320,10 +320,10 @@ def _write_timeline(directory: Path, r: dict, name: str) -> dict:
     h = handovers(status, start, end)
     if h["hops"] and None not in h["hops"]:
         row["decode_hop_ms"] = [round(1e3 * x, 3) for x in h["hops"]]
-    for key, name in (("to_coordinator", "decode_result_to_coordinator_ms"), ("coordinator", "decode_coordinator_turn_ms"),
-                      ("to_first_stage", "decode_schedule_to_first_stage_ms")):
+    for key, label in (("to_coordinator", "decode_result_to_coordinator_ms"), ("coordinator", "decode_coordinator_turn_ms"),
+                       ("to_first_stage", "decode_schedule_to_first_stage_ms")):
         if h[key] is not None:
-            row[name] = round(1e3 * h[key], 3)
+            row[label] = round(1e3 * h[key], 3)
     return row
 
 
