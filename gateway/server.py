@@ -13,6 +13,7 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import errno
 import functools
 import hashlib
@@ -64,9 +65,11 @@ class SlowClient(Exception):
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 code: str | None = None):
+        """code: OpenAI's name for the error where it has one (context_length_exceeded); else the status."""
         super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        self.status, self.message, self.param, self.headers, self.code = status, message, param, headers or {}, code
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -74,7 +77,7 @@ class HTTPError(Exception):
                 429: "rate_limit_error",
                 503: "service_unavailable"}.get(
             self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code or self.status}}
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
@@ -309,9 +312,11 @@ class Gateway:
         given = self._prompts(body.prompt)
         prompts = [self._truncated(body, p) for p in given]
         # echo shows a text prompt as it was sent (the ids may decode otherwise: a BOS, normalization), and
-        # token ids, or a prompt cut by truncate_prompt_tokens, as they decode
+        # token ids, or a prompt cut by truncate_prompt_tokens, as they decode: up to a character they end
+        # inside of, which the generated text starts with, whole (IncrementalDetokenizer)
         texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        echoes = [t if isinstance(t, str) and len(p) == len(g) else self.tokenizer.decode(p, skip_special_tokens=False)
+        echoes = [t if isinstance(t, str) and len(p) == len(g)
+                  else self.tokenizer.decode(p, skip_special_tokens=False).rstrip("\ufffd")
                   for t, p, g in zip(texts, prompts, given)] if body.echo else None
         def max_tokens(prompt):  # (left out: OpenAI's 16; null: the rest of the context, as vLLM)
             if body.max_tokens is msgspec.UNSET:
@@ -340,7 +345,7 @@ class Gateway:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [self._params(body, len(ids), max_tokens, logprobs, None, param)]
+        params = [self._params(body, len(ids), max_tokens, logprobs, None, param, "messages")]
         return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
 
     def _truncated(self, body: SamplingFields, prompt: list[int]) -> list[int]:
@@ -355,7 +360,7 @@ class Gateway:
         return prompt[-k:]
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
-                max_tokens_param: str = "max_tokens"):
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt"):
         unsupported = [name for name, given in [
             ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None))),
             ("response_format", (getattr(body, "response_format", None) or {}).get("type", "text") != "text"),
@@ -369,10 +374,14 @@ class Gateway:
         if max_tokens < 1:
             raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
         max_tokens = min(max_tokens, self.defaults.get("max_tokens", max_tokens))  # (vLLM caps it there too)
+        if prompt_len >= self.max_model_len:  # (whatever max_tokens asks, or the context's rest it defaults to)
+            raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
+                                 f"prompt has {prompt_len}, which leaves no room for a completion",
+                            prompt_param, code="context_length_exceeded")
         if prompt_len + max_tokens > self.max_model_len:
             raise HTTPError(400, f"this model's maximum context length is {self.max_model_len} tokens; the "
                                  f"prompt has {prompt_len} tokens and {max_tokens_param} asks for {max_tokens}, "
-                                 f"{prompt_len + max_tokens} in all", max_tokens_param)
+                                 f"{prompt_len + max_tokens} in all", max_tokens_param, code="context_length_exceeded")
         if not 1 <= body.n <= MAX_N:
             raise HTTPError(400, f"n must be in [1, {MAX_N}]", "n")
         if body.best_of is not None and body.best_of != body.n:
@@ -537,7 +546,7 @@ class Gateway:
                 lp = None
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
-                                                   prompt_lps.get(index), 0, body.skip_special_tokens)[0]
+                                                   prompt_lps.get(index), None, body.skip_special_tokens)[0]
                 if body.echo:
                     text = echoes[index // body.n] + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
@@ -571,7 +580,7 @@ class Gateway:
             return c
 
         choices: dict[int, Choice] = {}
-        offsets: dict[int, int] = {}  # completions: text_offset where each choice's next token starts
+        offsets: dict[int, TextAt] = {}  # completions: where each choice's next token starts
         events = self._gather(rid, jobs, shown)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
@@ -611,7 +620,7 @@ class Gateway:
                         if body.echo and index not in offsets:  # the first chunk carries the prompt
                             echo = jobs[index][1]
                             prefix = echoes[index // body.n]
-                        start = offsets.setdefault(index, 0)
+                        start = offsets.setdefault(index, TextAt())
                         if d.text or prefix or d.finish_reason or d.has_tokens:
                             lp = None
                             if body.logprobs is not None:  # (offsets by tokens, as the non-streamed answer's)
@@ -733,34 +742,52 @@ class Gateway:
         return self._encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
-        def entry(token_id, logprob):
-            text = self.tokenizer.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        def entry(token_id, logprob):  # (a piece of a character: "bytes:\\xNN" and its own bytes)
+            return {"token": self.tokenizer.token_label(token_id), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token_id))}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, offset: int = 0,
-                             skip_special_tokens: bool = True) -> tuple[dict, int]:
-        """-> (the logprobs object, where the text after these tokens starts). `offset`: where the first
-        token starts (a stream's later chunk: the end of the one before). Each position's top_logprobs
-        holds its own token too (OpenAI: "up to logprobs+1 elements", as vLLM gives)."""
+    def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, at: TextAt | None = None,
+                             skip_special_tokens: bool = True) -> tuple[dict, TextAt]:
+        """-> (the logprobs object, where the text after these tokens starts). `at`: where the first
+        token starts (a stream's later chunk: where the one before ended). Each position's top_logprobs
+        holds its own token too (OpenAI: "up to logprobs+1 elements", as vLLM gives). A token is named
+        by its text, or by its bytes where it holds a piece of a character (`token_label`); its
+        text_offset counts the whole characters before it, so a character's pieces share its offset."""
         tokens, token_lps, tops, offsets = [], [], [], []
+        at = at or TextAt()
         entries = []  # (token, its logprobs, whether the returned text shows it)
         if echo_prompt is not None:  # (the echo keeps special tokens, the generated text drops them)
             entries = [(t, prompt_lps[i] if prompt_lps else None, True) for i, t in enumerate(echo_prompt)]
         special = self.tokenizer.special_ids if skip_special_tokens else frozenset()
         entries += [(lp.token_id, lp, lp.token_id not in special) for lp in lps]
         for token_id, lp, shown in entries:
-            text = self.tokenizer.token_text(token_id)
-            tokens.append(text)
+            label = self.tokenizer.token_label(token_id)
+            tokens.append(label)
             token_lps.append(lp.logprob if lp is not None else None)
             top = None
             if lp is not None:
-                top = {self.tokenizer.token_text(t): v for t, v in lp.top}
-                top.setdefault(text, lp.logprob)
+                top = {self.tokenizer.token_label(t): v for t, v in lp.top}
+                top.setdefault(label, lp.logprob)
             tops.append(top)
-            offsets.append(offset)
-            offset += len(text) if shown else 0
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+            offsets.append(at.offset)
+            if shown:
+                at = at.after(token_id, self.tokenizer)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, at
+
+
+@dataclass(frozen=True)
+class TextAt:
+    """Where a completion's text stands after some of its tokens: `offset`, its characters so far;
+    `tail`, the bytes after them that begin a character not yet whole (a character split across
+    tokens). Bytes that cannot begin or continue one count as a U+FFFD each run, as in the text."""
+    offset: int = 0
+    tail: bytes = b""
+
+    def after(self, token_id: int, tokenizer) -> TextAt:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text = decoder.decode(self.tail + tokenizer.token_bytes(token_id))
+        return TextAt(self.offset + len(text), decoder.getstate()[0])
 
 
 _DEFAULTS = SamplingFields()

@@ -12,6 +12,23 @@ from moemesh.config import read_json_object
 from moemesh.errors import ConfigError
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): a printable character for each byte, the byte itself
+    where it is printable Latin-1, else 256 + its rank among the others."""
+    kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_BYTE_OF = _byte_alphabet()
+
+
 class TextTokenizer:
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
@@ -53,14 +70,60 @@ class TextTokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token as text, as it reads inside a text (its bytes decoded; a partial character shows as
-        U+FFFD): decoded after an ordinary token, since SentencePiece-style decoders (Llama, Mistral)
-        strip the leading space of a decode's first token ("▁Paris" alone decodes to "Paris")."""
+        U+FFFD)."""
+        return self.tokens_text([token_id])
+
+    def tokens_text(self, ids: list[int]) -> str:
+        """Tokens as text, as they read inside a text: decoded after an ordinary token, since
+        SentencePiece-style decoders (Llama, Mistral) strip the leading space of a decode's first token
+        ("▁Paris" alone decodes to "Paris")."""
         anchor, anchor_text = self._anchor
         if anchor is not None:
-            text = self.decode([anchor, token_id], skip_special_tokens=False)
+            text = self.decode([anchor, *ids], skip_special_tokens=False)
             if text.startswith(anchor_text):
                 return text[len(anchor_text):]
-        return self.decode([token_id], skip_special_tokens=False)
+        return self.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes as it reads inside a text: a byte-level vocabulary's entry (GPT-2, Llama 3,
+        Qwen) mapped back through its byte alphabet, a SentencePiece byte-fallback entry (<0xNN>) its
+        byte; else its text in UTF-8 (a special token's, an ordinary SentencePiece piece's)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added_ids:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if self._byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+        return self.token_text(token_id).encode()
+
+    def token_label(self, token_id: int) -> str:
+        """A token as logprobs name it (OpenAI's way): its text, or where its bytes are not whole
+        characters (a character split across tokens), "bytes:" and the bytes as \\xNN escapes."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps a byte alphabet back to bytes (a ByteLevel decoder, alone or in a
+        sequence)."""
+        import json
+
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders") or [decoder] if decoder.get("type") == "Sequence" else [decoder]
+        return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
     @cached_property
     def _anchor(self) -> tuple[int | None, str]:

@@ -398,3 +398,35 @@ def test_a_prompt_that_ends_inside_a_character_gives_the_whole_character(tok):
             want = tok.decode(ids)[len(tok.decode(prompt).rstrip("\ufffd")):]
             d = IncrementalDetokenizer(tok, context=prompt)
             assert "".join(d.add([t]) for t in out) + d.finish() == want, (text, cut)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_token_bytes_join_up_to_the_text_and_pieces_are_named_by_their_bytes(tok, name):
+    """TextTokenizer.token_bytes: a byte-level vocabulary's entries back to their bytes (special tokens
+    as their text), adding up to the text; token_label names a piece of a character "bytes:\\xNN"
+    (OpenAI's logprobs), any other token by its text."""
+    text = TEXTS[name]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    for i in ids:
+        raw, label = tok.token_bytes(i), tok.token_label(i)
+        try:
+            assert label == raw.decode("utf-8") == tok.token_text(i)
+        except UnicodeDecodeError:
+            assert label == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary_with_byte_fallback(tmp_path):
+    """Llama-style pieces: "▁" for a space and <0xNN> entries for the bytes of what the vocabulary
+    lacks; the decoder turns them back (ByteFallback), and token_bytes reads them as their bytes."""
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "a": 258, "▁a": 259, "b": 260}
+    t = Tokenizer(models.BPE(vocab, [("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    t.save(str(tmp_path / "tokenizer.json"))
+    sp = TextTokenizer(tmp_path)
+    ids = sp.encode("▁a▁é", add_special_tokens=False)  # (as a pre-tokenizer would hand it on)
+    assert [sp.token_label(i) for i in ids] == [" a", " ", "bytes:\\xc3", "bytes:\\xa9"]
+    assert b"".join(sp.token_bytes(i) for i in ids) == " a é".encode()

@@ -200,12 +200,24 @@ def test_errors_in_openai_shape(server):
         (http("POST", url, raw=zlib.compress(b'{"prompt": "x"}') + b"tail", headers={"Content-Encoding": "deflate"}),
          400, None),
     ]
-    for (status, body, _), want_status, want_param in cases:
+    context = [  # (past the context: OpenAI's code for it, and the field that is too long)
+        (http("POST", url, {"prompt": "x", "max_tokens": 300}), "max_tokens"),
+        (http("POST", url, {"prompt": [91] * 256, "max_tokens": None}), "prompt"),
+        (http("POST", url, {"prompt": [91] * 300}), "prompt"),
+        (http("POST", f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}),
+         "messages"),
+    ]
+    for (status, body, _), want_status, want_param in cases + [(r, 400, p) for r, p in context]:
         assert status == want_status, body
         err = json.loads(body)["error"]
-        assert err["message"] and err["code"] == want_status and err["param"] == want_param, err
+        want_code = "context_length_exceeded" if want_param in ("prompt", "messages", "max_tokens") and (
+            "context length" in err["message"]) else want_status
+        assert err["message"] and err["code"] == want_code and err["param"] == want_param, err
+    assert [json.loads(r[1])["error"]["code"] for r, _ in context] == ["context_length_exceeded"] * len(context)
     status, body, _ = http("POST", url, {"prompt": "x", "max_tokens": 300})
     assert "256" in json.loads(body)["error"]["message"] and "301" in json.loads(body)["error"]["message"]
+    message = json.loads(context[1][0][1])["error"]["message"]
+    assert "256" in message and "max_tokens" not in message  # (the prompt's fault, not a field it never sent)
 
 
 def test_compressed_request_bodies(server):
@@ -850,6 +862,52 @@ def test_an_echo_keeps_the_prompts_special_tokens_and_offsets_follow_the_text(se
     n = len(lp["tokens"]) - 1  # the prompt's tokens
     assert "".join(lp["tokens"][:n]) == prompt
     assert lp["text_offset"][:n + 1] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 1)]
+
+
+def _bytes_of(label: str) -> bytes:
+    """A logprobs token name back to its bytes ("bytes:\\xNN..." or text)."""
+    if label.startswith("bytes:"):
+        return bytes(int(h, 16) for h in label[len("bytes:"):].split("\\x")[1:])
+    return label.encode()
+
+
+def test_logprobs_name_pieces_of_characters_by_their_bytes_and_offsets_count_whole_characters(model, server):
+    """A character split across tokens (an emoji's four bytes, an accent's two): each piece is named
+    "bytes:\\xNN" (OpenAI's way), the names' bytes join up to the text, and each token's text_offset
+    is where its character starts in the returned text, streamed or not; a token-id prompt that ends
+    inside a character echoes up to it, and the generated text starts with it whole."""
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    prompt = "é café 🎉 ok"
+    assert any(len(tok.token_bytes(t)) < len(tok.token_text(t).encode()) for t in tok.encode(prompt))  # (split)
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2, "ignore_eos": True}
+    r = json.loads(http("POST", url, body)[1])["choices"][0]
+    lp, text = r["logprobs"], r["text"]
+    n = len(tok.encode(prompt))
+    assert text.startswith(prompt) and b"".join(_bytes_of(t) for t in lp["tokens"][:n]) == prompt.encode()
+    for i, (name, at) in enumerate(zip(lp["tokens"], lp["text_offset"])):
+        if name.startswith("bytes:"):  # (where its character starts: one whose bytes hold it, or an invalid one)
+            assert text[at] == "\ufffd" or _bytes_of(name)[0] in text[at].encode(), (i, name, at)
+        else:
+            assert text[at:at + len(name)] == name, (i, name, at)
+    # the prompt's: the whole characters before each token's first byte
+    starts = [len(b"".join(_bytes_of(t) for t in lp["tokens"][:i])) for i in range(n)]
+    assert lp["text_offset"][:n] == [len(prompt.encode()[:p].decode(errors="ignore")) for p in starts]
+    # top_logprobs keys are names too: each position's own token among them
+    assert all(name in top for name, top in zip(lp["tokens"][n:], lp["top_logprobs"][n:]))
+    events = _sse(url, {**body, "stream": True})
+    chunks = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in chunks) == text
+    assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == lp["text_offset"]
+    assert sum((c["logprobs"]["tokens"] for c in chunks), []) == lp["tokens"]
+
+    ids = tok.encode("🎉🎉🎉🎉", add_special_tokens=False)[:-2]  # (ends inside the last emoji)
+    r = json.loads(http("POST", url, {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True,
+                                      "ignore_eos": True})[1])["choices"][0]
+    generated = engine_greedy(model, ids, 3)
+    assert r["text"] == tok.decode(ids + generated, skip_special_tokens=False)
 
 
 def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
