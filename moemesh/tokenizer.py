@@ -90,13 +90,14 @@ class TextTokenizer:
         byte; else its text in UTF-8 (a special token's, an ordinary SentencePiece piece's)."""
         piece = self._tok.id_to_token(token_id)
         if piece is not None and token_id not in self._added_ids:
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            if self._byte_level:  # (where "<0x41>" would be six bytes of text)
+                if all(c in _BYTE_OF for c in piece):
+                    return bytes(_BYTE_OF[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 try:
                     return bytes([int(piece[3:5], 16)])
                 except ValueError:
                     pass
-            if self._byte_level and all(c in _BYTE_OF for c in piece):
-                return bytes(_BYTE_OF[c] for c in piece)
         return self.token_text(token_id).encode()
 
     def token_label(self, token_id: int) -> str:
