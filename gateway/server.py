@@ -113,7 +113,11 @@ class Gateway:
         self.status = None
         self.pending = 0
         self.down: str | None = None  # set by whoever runs the gateway when the mesh is gone for good
-        self.api_keys = load_api_keys(cfg.api_key or os.environ.get("MOEMESH_API_KEY"), cfg.api_key_file)
+        key = cfg.api_key if cfg.api_key is not None else os.environ.get("MOEMESH_API_KEY")
+        self.api_keys = load_api_keys(key, cfg.api_key_file)
+        if key is not None and not key.strip() and not self.api_keys:  # (a variable left unset, say: not silently)
+            log.warning("--api-key (or MOEMESH_API_KEY) is empty: /v1/ is served without an API key",
+                        extra={"fields": {"host": cfg.host, "port": cfg.port}})
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -881,8 +885,11 @@ def _digest(text: str) -> bytes:
 
 
 def load_api_keys(key: str | None, key_file: str | None) -> list[bytes]:
-    """--api-key and the keys of --api-key-file (one a line; blank lines and # comments skipped)."""
-    keys = [key] if key else []
+    """--api-key and the keys of --api-key-file (one a line; blank lines and # comments skipped). The
+    key is stripped as the file's lines are (and a request's header): one given with a space round it
+    would match no request. An empty one is no key (as vLLM takes it: the compose files pass
+    MOEMESH_API_KEY empty where none is set); the gateway says so when it starts."""
+    keys = [key.strip()] if key and key.strip() else []
     if key_file:
         try:
             lines = Path(key_file).read_text().splitlines()

@@ -142,7 +142,7 @@ class StageWorker:
         self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
         await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
                                   cfg.max_message_bytes, PROTOCOL_VERSION))
-        log.info("registered", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
+        log.info("registering", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
         watch = asyncio.ensure_future(self._watch_coordinator())
         life = asyncio.ensure_future(self._life())
@@ -217,17 +217,23 @@ class StageWorker:
             for t in (*tasks, self.stepper, stop):
                 t.cancel()
 
-    async def _while_unassigned(self, every: float = 60.0) -> None:
-        """Says, once a minute, that no layers came yet: the coordinator assigns them once every rank of
-        its layout has registered, and refuses (in its own log) a rank outside that layout."""
+    async def _while_unassigned(self, every: float = 30.0) -> None:
+        """Says, every half minute, that no layers came yet: from a coordinator that never answered, it
+        may not be up at that address (ZeroMQ keeps trying); from one that did, it assigns them once
+        every rank of its layout has registered, and refuses (in its own log) a rank outside that
+        layout."""
         waited = 0.0
         while True:
             await asyncio.sleep(every)
             waited += every
-            log.warning("registered, no layers assigned yet", extra={"fields": {
+            if self.last_heard is None:
+                hint = "no answer from the coordinator yet: is it up, at this address (--coordinator)?"
+            else:
+                hint = ("the other ranks may not have registered yet, or this rank is outside the coordinator's "
+                        "--pp/--tp (its log says so)")
+            log.warning("no layers assigned yet", extra={"fields": {
                 "coordinator": self.cfg.coordinator, "pp_rank": self.cfg.pp_rank, "tp_rank": self.cfg.tp_rank,
-                "seconds": round(waited), "hint": "the other ranks may not have registered yet, or this rank is "
-                                                  "outside the coordinator's --pp/--tp (its log says so)"}})
+                "seconds": round(waited), "hint": hint}})
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg

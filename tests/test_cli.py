@@ -216,9 +216,11 @@ def test_empty_prompt_ids_are_named(model, capsys):
     ('{"prompt_ids": [1, 2]}\n[1, 2, 3]\n', "line 2: expected"),
     ('{"prompt": 5}\n', "line 1: expected"),
     ('{"prompt_ids": [1, "a"]}\n', "line 1: expected"),
-    ('{"text": "hi"}\n', "line 1: expected"),
+    ('{"text": "hi"}\n', 'line 1: give one of "prompt" and "prompt_ids"'),
+    ('{"prompt_ids": [1, 2], "prompt": "x"}\n', "got prompt, prompt_ids"),  # (one would be dropped)
+    ('{"prompt": "a", "max_tokens": 3}\n', "got max_tokens, prompt"),  # (a sampling field would be ignored)
     ("\n\n", "no prompts"),
-], ids=["missing", "bad-json", "list", "prompt-not-str", "ids-not-ints", "wrong-key", "empty"])
+], ids=["missing", "bad-json", "list", "prompt-not-str", "ids-not-ints", "wrong-key", "both", "extra-key", "empty"])
 def test_prompts_file_errors_name_the_flag_and_line(model, tmp_path, capsys, content, expect):
     f = tmp_path / "prompts.jsonl"
     if content is not None:
@@ -365,9 +367,11 @@ def test_make_tiny_model_into_an_old_checkpoint_leaves_none_of_its_shards(tmp_pa
     (["bench", "throughput", "--netns", "--timeline", "/tmp/x"], "--timeline"),
     (["bench", "throughput", "--timeline", "/proc/nope"], "--timeline /proc/nope"),
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", "/proc/nope/x.png"], "--plot /proc/nope/x.png"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", "/tmp/curve.txt"], "cannot write .txt files"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--plot", "/tmp"], "--plot /tmp: is a directory"),
 ], ids=["throughput-pp", "recovery-pp", "model-prompt-len", "fp8-prompt-len", "throughput-prompt-len", "replay",
         "recovery-new", "throughput-baseline", "serve-vocab", "throughput-timeline-netns", "throughput-timeline-dir",
-        "serve-plot-file"])
+        "serve-plot-file", "serve-plot-format", "serve-plot-dir"])
 def test_benchmarks_refuse_what_cannot_run_before_any_work(model, capsys, argv, expect):
     assert expect in user_error(capsys, [*argv, "--model", str(model)], no_output=True)
 
@@ -514,3 +518,21 @@ def test_a_prompts_file_is_json_lines_whatever_its_strings_hold(model, tmp_path,
     (tmp_path / "big.jsonl").write_text('{"prompt_ids": [5, 99999999999999999999999]}\n')
     err = user_error(capsys, ["generate", "--model", str(model), *KV, "--prompts-file", str(tmp_path / "big.jsonl")])
     assert "line 1" in err and "2^31" in err
+
+
+def test_an_api_key_is_stripped_and_an_empty_one_is_none_said_aloud(caplog):
+    """A key given with spaces round it is taken stripped, as the key file's lines and the request's
+    header are (else no request could match it); an empty one is no key (the compose files pass
+    MOEMESH_API_KEY empty where none is set), and the gateway warns that /v1/ is open."""
+    import logging
+
+    from gateway.server import Gateway, key_matches, load_api_keys
+    from moemesh.settings import GatewaySettings
+
+    assert key_matches("Bearer secret", load_api_keys(" secret ", None))
+    assert load_api_keys("", None) == load_api_keys("  ", None) == []
+    import moemesh
+
+    with caplog.at_level(logging.WARNING):
+        gateway = Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model"), api_key=" "))
+    assert gateway.api_keys == [] and "served without an API key" in caplog.text

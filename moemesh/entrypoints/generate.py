@@ -90,6 +90,10 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
         except json.JSONDecodeError as e:
             raise CLIError(f"--prompts-file {path}, line {n}: invalid JSON ({e.msg})") from None
         origin = f"--prompts-file {path}, line {n}"
+        if isinstance(obj, dict) and (len(obj) != 1 or not obj.keys() <= {"prompt", "prompt_ids"}):
+            # (a line's own sampling fields would be ignored, and of both a prompt and ids one dropped)
+            raise CLIError(f'{origin}: give one of "prompt" and "prompt_ids", nothing else (got '
+                           f'{", ".join(sorted(map(str, obj))) or "no key"}; sampling is set by the flags)')
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append((tokenizer_factory("--prompts-file").encode(_text(obj["prompt"], origin)), origin))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and obj["prompt_ids"] and \

@@ -166,8 +166,15 @@ def run_serve_bench(args) -> int:
     rows = []
     if args.shared_prefix < 0:
         raise CLIError("--shared-prefix must be 0 or more tokens")
-    if args.plot:  # (refused now, not after the runs: no matplotlib, or a file that cannot be written)
-        _pyplot()
+    if args.plot:  # (refused now, not after the runs: no matplotlib, a format it cannot write, a file that cannot be)
+        plt = _pyplot()
+        if Path(args.plot).is_dir():
+            raise CLIError(f"--plot {args.plot}: is a directory (give a file, e.g. {Path(args.plot) / 'curve.png'})")
+        kind = Path(args.plot).suffix.lstrip(".").lower() or "png"  # (no suffix: matplotlib writes a .png)
+        formats = plt.figure().canvas.get_supported_filetypes()
+        plt.close("all")
+        if kind not in formats:
+            raise CLIError(f"--plot {args.plot}: matplotlib cannot write .{kind} files ({', '.join(sorted(formats))})")
         check_writable("--plot", args.plot, Path(args.plot).parent)
     for level in args.concurrency:
         prefix = [rng.randrange(4, vocab) for _ in range(args.shared_prefix)]
