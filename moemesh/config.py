@@ -294,6 +294,9 @@ def _rope_config(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeCon
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
     )
+    if rope.original_max_position_embeddings < 1 and "original_max_position_embeddings" not in params:
+        raise ConfigError(f"config.json: max_position_embeddings is {raw.get('max_position_embeddings')!r}, not a "
+                          f"positive integer")
     if not 0 < rope.factor < float("inf") or rope.original_max_position_embeddings < 1:
         raise ConfigError(f"rope scaling factor {rope.factor!r} and original_max_position_embeddings "
                           f"{rope.original_max_position_embeddings!r} must be positive")

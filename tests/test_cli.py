@@ -536,3 +536,21 @@ def test_an_api_key_is_stripped_and_an_empty_one_is_none_said_aloud(caplog):
     with caplog.at_level(logging.WARNING):
         gateway = Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model"), api_key=" "))
     assert gateway.api_keys == [] and "served without an API key" in caplog.text
+
+
+def test_a_bad_context_length_and_an_empty_layer_range_are_named(tmp_path, capsys):
+    """config.json's max_position_embeddings 0 is named as such (not as rope scaling's derived length);
+    a standalone worker's --layers that hold no layer say so (not "outside the model")."""
+    import shutil
+
+    import moemesh
+
+    demo = Path(moemesh.__file__).parent / "demo_model"
+    bad = tmp_path / "m"
+    shutil.copytree(demo, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 0}))
+    err = user_error(capsys, ["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2"], no_output=True)
+    assert "max_position_embeddings is 0" in err
+    err = user_error(capsys, ["stage-worker", "--standalone", "--model", str(demo), "--layers", "2:1"], no_output=True)
+    assert "--layers 2:1 holds no layer" in err

@@ -516,6 +516,8 @@ def cmd_standalone(args) -> int:
                        f"(leave --layers out to replay those)")
     mc = ModelConfig.from_dir(args.model)
     n = mc.num_layers
+    if a >= b:
+        raise CLIError(f"--layers {a}:{b} holds no layer (A:B runs from layer A up to, not including, B)")
     if not 0 <= a < b <= n:
         raise CLIError(f"--layers {a}:{b} is outside the model's 0:{n}")
     if args.replay is None:  # the synthetic step: every sequence a token at least, each within the positions

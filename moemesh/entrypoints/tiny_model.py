@@ -84,7 +84,7 @@ class TinyModelSpec:
         if self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {self.vocab_size}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError("hidden_size must be divisible by num_heads when head_dim is None")
+            raise ValueError("hidden_size must be divisible by num_heads unless head_dim is given")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be divisible by num_kv_heads")
         if self.is_moe and not 1 <= self.top_k <= self.num_experts:
