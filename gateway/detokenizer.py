@@ -37,8 +37,9 @@ class IncrementalDetokenizer:
         # a prompt that ends inside a character (a token-id prompt): the character the first generated
         # bytes complete is this sequence's text, whole; the first window's prefix is the context's
         # whole characters
-        context_text = self._decode(self.tokens)
-        self._first_prefix = len(context_text.rstrip("\ufffd")) if context_text.endswith("\ufffd") else None
+        # (told by the bytes: a prompt that ends in a U+FFFD of its own does not end inside a character)
+        inside = bool(self.tokens) and self.tok.ends_inside_character(self.tokens)
+        self._first_prefix = len(self._decode(self.tokens).rstrip("\ufffd")) if inside else None
         self.text = ""  # decoded so far (stop string and what follows cut off)
         self.emitted = 0  # characters of self.text already returned
         self.stop = [s for s in stop if s]

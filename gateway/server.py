@@ -113,7 +113,8 @@ class Gateway:
         self.status = None
         self.pending = 0
         self.down: str | None = None  # set by whoever runs the gateway when the mesh is gone for good
-        key = cfg.api_key if cfg.api_key is not None else os.environ.get("MOEMESH_API_KEY")
+        # (an empty --api-key, "$KEY" of a KEY left unset, falls back on the variable as it always did)
+        key = cfg.api_key if (cfg.api_key or "").strip() else os.environ.get("MOEMESH_API_KEY", cfg.api_key)
         self.api_keys = load_api_keys(key, cfg.api_key_file)
         if key is not None and not key.strip() and not self.api_keys:  # (a variable left unset, say: not silently)
             log.warning("--api-key (or MOEMESH_API_KEY) is empty: /v1/ is served without an API key",
@@ -319,8 +320,7 @@ class Gateway:
         # token ids, or a prompt cut by truncate_prompt_tokens, as they decode: up to a character they end
         # inside of, which the generated text starts with, whole (IncrementalDetokenizer)
         texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        echoes = [t if isinstance(t, str) and len(p) == len(g)
-                  else self.tokenizer.decode(p, skip_special_tokens=False).rstrip("\ufffd")
+        echoes = [t if isinstance(t, str) and len(p) == len(g) else self._echo(p)
                   for t, p, g in zip(texts, prompts, given)] if body.echo else None
         def max_tokens(prompt):  # (left out: OpenAI's 16; null: the rest of the context, as vLLM)
             if body.max_tokens is msgspec.UNSET:
@@ -550,7 +550,8 @@ class Gateway:
                 lp = None
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
-                                                   prompt_lps.get(index), None, body.skip_special_tokens)[0]
+                                                   prompt_lps.get(index), None, body.skip_special_tokens,
+                                                   echoes[index // body.n] if body.echo else None)[0]
                 if body.echo:
                     text = echoes[index // body.n] + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
@@ -629,7 +630,8 @@ class Gateway:
                             lp = None
                             if body.logprobs is not None:  # (offsets by tokens, as the non-streamed answer's)
                                 lp, offsets[index] = self._completion_logprobs(
-                                    d.logprobs, echo, d.prompt_logprobs, start, body.skip_special_tokens)
+                                    d.logprobs, echo, d.prompt_logprobs, start, body.skip_special_tokens,
+                                    prefix if echo is not None else None)
                             await send(chunk([{"index": index, "text": prefix + d.text, "logprobs": lp,
                                                "finish_reason": _reason(d.finish_reason)}]))
                 if with_usage:
@@ -745,6 +747,12 @@ class Gateway:
             raise HTTPError(400, str(e), "messages") from None
         return self._encode(text, add_special_tokens=add_special_tokens, param="messages")
 
+    def _echo(self, ids: list[int]) -> str:
+        """Token ids' echo: as they decode, up to a character they end inside of (told by the bytes),
+        which the generated text starts with, whole (IncrementalDetokenizer)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return text.rstrip("\ufffd") if self.tokenizer.ends_inside_character(ids) else text
+
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):  # (a piece of a character: "bytes:\\xNN" and its own bytes)
             return {"token": self.tokenizer.token_label(token_id), "logprob": logprob,
@@ -752,12 +760,15 @@ class Gateway:
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
     def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, at: TextAt | None = None,
-                             skip_special_tokens: bool = True) -> tuple[dict, TextAt]:
+                             skip_special_tokens: bool = True, echo_text: str | None = None) -> tuple[dict, TextAt]:
         """-> (the logprobs object, where the text after these tokens starts). `at`: where the first
         token starts (a stream's later chunk: where the one before ended). Each position's top_logprobs
         holds its own token too (OpenAI: "up to logprobs+1 elements", as vLLM gives). A token is named
         by its text, or by its bytes where it holds a piece of a character (`token_label`); its
-        text_offset counts the whole characters before it, so a character's pieces share its offset."""
+        text_offset counts the whole characters before it, so a character's pieces share its offset.
+        `echo_text`: the echoed prompt as returned: the generated tokens' offsets count from its end (a
+        prompt sent as text is echoed as sent, which its tokens may not spell out: a BOS the tokenizer
+        added, a SentencePiece leading space)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         at = at or TextAt()
         entries = []  # (token, its logprobs, whether the returned text shows it)
@@ -765,7 +776,9 @@ class Gateway:
             entries = [(t, prompt_lps[i] if prompt_lps else None, True) for i, t in enumerate(echo_prompt)]
         special = self.tokenizer.special_ids if skip_special_tokens else frozenset()
         entries += [(lp.token_id, lp, lp.token_id not in special) for lp in lps]
-        for token_id, lp, shown in entries:
+        for i, (token_id, lp, shown) in enumerate(entries):
+            if echo_text is not None and i == len(echo_prompt):  # (the generated tokens from here)
+                at = TextAt(len(echo_text), at.tail)
             label = self.tokenizer.token_label(token_id)
             tokens.append(label)
             token_lps.append(lp.logprob if lp is not None else None)

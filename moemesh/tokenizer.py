@@ -3,6 +3,7 @@ transformers at run time), plus what tokenizer_config.json says about special to
 
 from __future__ import annotations
 
+import codecs
 from functools import cached_property
 from pathlib import Path
 
@@ -112,6 +113,13 @@ class TextTokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    def ends_inside_character(self, ids: list[int]) -> bool:
+        """Whether the tokens' bytes end inside a character: its first bytes there, the rest to come
+        (not a U+FFFD the text holds, nor an invalid byte, which stay what they are)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(self.token_bytes(t) for t in ids[-4:]))  # (a character's first byte: in the last 3)
+        return bool(decoder.getstate()[0])
+
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self._tok.get_added_tokens_decoder())
@@ -122,7 +130,8 @@ class TextTokenizer:
         sequence)."""
         import json
 
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        decoder = self._tok.decoder  # (its own JSON: the whole tokenizer's is megabytes to parse)
+        decoder = json.loads(decoder.__getstate__()) if decoder is not None else {}
         parts = decoder.get("decoders") or [decoder] if decoder.get("type") == "Sequence" else [decoder]
         return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 

@@ -114,7 +114,9 @@ def test_greedy_is_repeatable_and_text_equals_its_token_ids(model, capsys):
 
 def test_prompts_file_mixes_text_and_ids_in_input_order(model, tmp_path, capsys):
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    prompts = [{"prompt": TEXT}, {"prompt_ids": [5, 6, 7, 8, 9]}, {"prompt": "Hello"}, {"prompt_ids": [42]}]
+    # (a record's other keys, an id or metadata, are left alone)
+    prompts = [{"prompt": TEXT, "id": "a"}, {"prompt_ids": [5, 6, 7, 8, 9]}, {"prompt": "Hello", "meta": {"k": 1}},
+               {"prompt_ids": [42]}]
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(p) for p in prompts[:2]) + "\n\n" +
                  "\n".join(json.dumps(p) for p in prompts[2:]) + "\n")
@@ -216,9 +218,9 @@ def test_empty_prompt_ids_are_named(model, capsys):
     ('{"prompt_ids": [1, 2]}\n[1, 2, 3]\n', "line 2: expected"),
     ('{"prompt": 5}\n', "line 1: expected"),
     ('{"prompt_ids": [1, "a"]}\n', "line 1: expected"),
-    ('{"text": "hi"}\n', 'line 1: give one of "prompt" and "prompt_ids"'),
+    ('{"text": "hi"}\n', "line 1: expected"),
     ('{"prompt_ids": [1, 2], "prompt": "x"}\n', "got prompt, prompt_ids"),  # (one would be dropped)
-    ('{"prompt": "a", "max_tokens": 3}\n', "got max_tokens, prompt"),  # (a sampling field would be ignored)
+    ('{"prompt": "a", "max_tokens": 3, "id": 7}\n', "got max_tokens"),  # (a sampling field would be ignored)
     ("\n\n", "no prompts"),
 ], ids=["missing", "bad-json", "list", "prompt-not-str", "ids-not-ints", "wrong-key", "both", "extra-key", "empty"])
 def test_prompts_file_errors_name_the_flag_and_line(model, tmp_path, capsys, content, expect):

@@ -910,6 +910,49 @@ def test_logprobs_name_pieces_of_characters_by_their_bytes_and_offsets_count_who
     assert r["text"] == tok.decode(ids + generated, skip_special_tokens=False)
 
 
+def test_text_offsets_carry_a_split_character_from_chunk_to_chunk(model, monkeypatch):
+    """A stream's chunks carry where the text stands, a character's first bytes included: one token a
+    chunk gives the offsets of all at once; the generated tokens count from the echo as returned (a
+    text prompt's echo is the text sent, which its tokens need not spell out); an empty --api-key
+    falls back on MOEMESH_API_KEY."""
+    from gateway.server import Gateway, TextAt
+    from moemesh.protocol import TokenLogprobs
+    from moemesh.settings import GatewaySettings
+    from moemesh.tokenizer import TextTokenizer
+
+    monkeypatch.setenv("MOEMESH_API_KEY", "secret")
+    gateway = Gateway(GatewaySettings(model=str(model), api_key=""))
+    assert gateway.api_keys  # (the variable's key, not none)
+    tok = gateway.tokenizer = TextTokenizer(model)  # (what start() loads once the pipeline serves)
+    ids = tok.encode("é café 🎉 ok 日本", add_special_tokens=False)
+    lps = [TokenLogprobs(t, -1.0, []) for t in ids]
+    whole, end = gateway._completion_logprobs(lps, None, None)
+    offsets, at = [], TextAt()
+    for lp in lps:
+        part, at = gateway._completion_logprobs([lp], None, None, at)
+        offsets += part["text_offset"]
+    assert offsets == whole["text_offset"] and at == end and end.offset == len("é café 🎉 ok 日本")
+    assert len(set(whole["text_offset"])) < len(ids)  # (pieces of a character share its offset)
+    # an echo as sent that its tokens do not spell out: the generated offsets follow the echo
+    echoed, _ = gateway._completion_logprobs(lps[-2:], ids[:3], None, None, echo_text="<s>" + tok.decode(ids[:3]))
+    assert echoed["text_offset"][3] == 3 + len(tok.decode(ids[:3]))
+
+
+def test_a_prompt_ending_in_a_replacement_character_of_its_own_is_not_inside_one(model, server):
+    """Told by the bytes, not the text: a prompt whose last character is a U+FFFD it holds keeps it in
+    the echo, and the generated text does not start with another; one that ends inside a character
+    echoes up to it."""
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    ids = tok.encode("abc\ufffd", add_special_tokens=False)
+    assert not tok.ends_inside_character(ids)
+    assert tok.ends_inside_character(tok.encode("ab🎉", add_special_tokens=False)[:-1])
+    r = json.loads(http("POST", f"{server.url}/v1/completions", {"prompt": ids, "max_tokens": 3, "temperature": 0,
+                                                                "echo": True, "ignore_eos": True})[1])["choices"][0]
+    assert r["text"] == tok.decode(ids + engine_greedy(model, ids, 3), skip_special_tokens=False)
+
+
 def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
     """As vLLM's --generation-config auto: temperature (here 0: greedy) and max_new_tokens (a cap) from
     generation_config.json for requests that do not set them; `vllm` keeps the OpenAI defaults; a bad

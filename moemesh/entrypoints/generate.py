@@ -23,6 +23,10 @@ from moemesh.step_costs import partition_costs
 
 log = get_logger("generate")
 
+# fields of a request that a --prompts-file line might carry, expecting them to apply to it (they do not)
+SAMPLING_KEYS = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                           "n", "ignore_eos", "min_tokens", "logprobs", "repetition_penalty", "presence_penalty",
+                           "frequency_penalty", "stop_token_ids"})
 
 def engine_settings_from_args(args) -> EngineSettings:
     """The engine flags as EngineSettings: the model a directory (the built-in one without --model),
@@ -90,10 +94,12 @@ def read_prompts(args, tokenizer_factory) -> list[tuple[list[int], str]]:
         except json.JSONDecodeError as e:
             raise CLIError(f"--prompts-file {path}, line {n}: invalid JSON ({e.msg})") from None
         origin = f"--prompts-file {path}, line {n}"
-        if isinstance(obj, dict) and (len(obj) != 1 or not obj.keys() <= {"prompt", "prompt_ids"}):
-            # (a line's own sampling fields would be ignored, and of both a prompt and ids one dropped)
-            raise CLIError(f'{origin}: give one of "prompt" and "prompt_ids", nothing else (got '
-                           f'{", ".join(sorted(map(str, obj))) or "no key"}; sampling is set by the flags)')
+        if isinstance(obj, dict) and ("prompt" in obj and "prompt_ids" in obj or obj.keys() & SAMPLING_KEYS):
+            # (of both a prompt and ids one would be dropped, and a line's own sampling fields ignored; other
+            # keys, a record's id or metadata, are left alone)
+            raise CLIError(f'{origin}: give one of "prompt" and "prompt_ids", and no sampling field (got '
+                           f'{", ".join(sorted(obj.keys() & ({"prompt", "prompt_ids"} | SAMPLING_KEYS)))}; '
+                           f'sampling is set by the flags)')
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append((tokenizer_factory("--prompts-file").encode(_text(obj["prompt"], origin)), origin))
         elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and obj["prompt_ids"] and \
