@@ -556,3 +556,13 @@ def test_a_bad_context_length_and_an_empty_layer_range_are_named(tmp_path, capsy
     assert "max_position_embeddings is 0" in err
     err = user_error(capsys, ["stage-worker", "--standalone", "--model", str(demo), "--layers", "2:1"], no_output=True)
     assert "--layers 2:1 holds no layer" in err
+
+
+def test_an_error_about_a_flag_set_by_its_variable_names_the_variable(model, capsys, monkeypatch):
+    """The user never typed --layer-partition: the error says it came from MOEMESH_LAYER_PARTITION;
+    given on the command line, it does not."""
+    monkeypatch.setenv("MOEMESH_LAYER_PARTITION", "1,1")
+    err = user_error(capsys, ["serve", "--model", str(model)], no_output=True)
+    assert "(--layer-partition from MOEMESH_LAYER_PARTITION='1,1')" in err
+    err = user_error(capsys, ["serve", "--model", str(model), "--layer-partition", "1,1"], no_output=True)
+    assert "--layer-partition" in err and "MOEMESH_" not in err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     before = os.environ.get("MOEMESH_LOG_LEVEL")
     os.environ["MOEMESH_LOG_LEVEL"] = args.log_level  # the processes it starts log at the same level
     try:
-        return _command(parser, args)
+        return _command(parser, args, sys.argv[1:] if argv is None else argv)
     finally:  # (main may run inside another program, as the tests run it)
         if before is None:
             os.environ.pop("MOEMESH_LOG_LEVEL", None)
@@ -335,7 +336,22 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["MOEMESH_LOG_LEVEL"] = before
 
 
-def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _from_environment(message: str, argv: list[str], args: argparse.Namespace | None = None) -> str:
+    """An error that names a flag the command line did not give, whose value came from its MOEMESH_*
+    variable: the message says so (the user never typed that flag)."""
+    for flag in dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message)):
+        var = "MOEMESH_" + flag[2:].upper().replace("-", "_")
+        given = any(a == flag or a.startswith(flag + "=") for a in argv)
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        # (the command took the variable: its value is the flag's; a command without it left it alone)
+        if not given and var in os.environ and value is not None and str(value) == os.environ[var].strip():
+            return f"{message} ({flag} from {var}={os.environ[var]!r})"
+    return message
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] = ()) -> int:
     try:
         if args.command == "make-tiny-model":
             return cmd_make_tiny_model(args)
@@ -422,7 +438,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
             return run_model_bench(args)
     except (CLIError, ConfigError, LoadError) as e:
-        parser.exit(2, f"moemesh: error: {e}\n")
+        parser.exit(2, f"moemesh: error: {_from_environment(str(e), argv, args)}\n")
     except KeyboardInterrupt:
         return 130
     except (OSError, UnicodeError) as e:  # a path or a file no check above named
