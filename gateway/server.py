@@ -13,7 +13,6 @@ the coordinator, so their KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import errno
 import functools
 import hashlib
@@ -50,7 +49,7 @@ from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
-from moemesh.tokenizer import TextTokenizer
+from moemesh.tokenizer import TextTokenizer, whole_characters
 
 log = get_logger("gateway")
 
@@ -802,9 +801,8 @@ class TextAt:
     tail: bytes = b""
 
     def after(self, token_id: int, tokenizer) -> TextAt:
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        text = decoder.decode(self.tail + tokenizer.token_bytes(token_id))
-        return TextAt(self.offset + len(text), decoder.getstate()[0])
+        chars, tail = whole_characters(self.tail + tokenizer.token_bytes(token_id))
+        return TextAt(self.offset + chars, tail)
 
 
 _DEFAULTS = SamplingFields()

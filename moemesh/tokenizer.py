@@ -30,6 +30,14 @@ def _byte_alphabet() -> dict[str, int]:
 _BYTE_OF = _byte_alphabet()
 
 
+def whole_characters(data: bytes) -> tuple[int, bytes]:
+    """UTF-8 bytes -> (the characters they hold whole, each run of bytes that cannot begin or continue
+    one counted as a U+FFFD, as a decode shows it; the bytes after them that begin a character not
+    yet whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    return len(decoder.decode(data)), decoder.getstate()[0]
+
+
 class TextTokenizer:
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
@@ -71,19 +79,14 @@ class TextTokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token as text, as it reads inside a text (its bytes decoded; a partial character shows as
-        U+FFFD)."""
-        return self.tokens_text([token_id])
-
-    def tokens_text(self, ids: list[int]) -> str:
-        """Tokens as text, as they read inside a text: decoded after an ordinary token, since
-        SentencePiece-style decoders (Llama, Mistral) strip the leading space of a decode's first token
-        ("▁Paris" alone decodes to "Paris")."""
+        U+FFFD): decoded after an ordinary token, since SentencePiece-style decoders (Llama, Mistral)
+        strip the leading space of a decode's first token ("▁Paris" alone decodes to "Paris")."""
         anchor, anchor_text = self._anchor
         if anchor is not None:
-            text = self.decode([anchor, *ids], skip_special_tokens=False)
+            text = self.decode([anchor, token_id], skip_special_tokens=False)
             if text.startswith(anchor_text):
                 return text[len(anchor_text):]
-        return self.decode(list(ids), skip_special_tokens=False)
+        return self.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes as it reads inside a text: a byte-level vocabulary's entry (GPT-2, Llama 3,
@@ -116,9 +119,8 @@ class TextTokenizer:
     def ends_inside_character(self, ids: list[int]) -> bool:
         """Whether the tokens' bytes end inside a character: its first bytes there, the rest to come
         (not a U+FFFD the text holds, nor an invalid byte, which stay what they are)."""
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(b"".join(self.token_bytes(t) for t in ids[-4:]))  # (a character's first byte: in the last 3)
-        return bool(decoder.getstate()[0])
+        # (a character's first byte: in the last 3)
+        return bool(whole_characters(b"".join(self.token_bytes(t) for t in ids[-4:]))[1])
 
     @cached_property
     def _added_ids(self) -> frozenset[int]:
@@ -132,7 +134,7 @@ class TextTokenizer:
 
         decoder = self._tok.decoder  # (its own JSON: the whole tokenizer's is megabytes to parse)
         decoder = json.loads(decoder.__getstate__()) if decoder is not None else {}
-        parts = decoder.get("decoders") or [decoder] if decoder.get("type") == "Sequence" else [decoder]
+        parts = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
         return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
 
     @cached_property
