@@ -294,6 +294,11 @@ class Gateway:
 
     async def detokenize(self, request):
         body = await self._parse(request, DetokenizeRequest)
+        # (no API key guards this route, as in vLLM: more ids than a context holds are refused before
+        # the work, which runs on the event loop, as _encode bounds a text)
+        if len(body.tokens) > self.max_model_len:
+            raise HTTPError(400, f"{len(body.tokens)} token ids, more than this model's context holds "
+                                 f"({self.max_model_len})", "tokens")
         self._check_ids(body.tokens, "tokens")
         return web.json_response({"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
@@ -725,6 +730,11 @@ class Gateway:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise HTTPError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        # a chat that cannot fit the context is refused before the template runs, on the event loop (a
+        # message renders to a token at least; the text's length is _encode's to bound)
+        if len(messages) > self.max_model_len:
+            raise HTTPError(400, f"{len(messages)} messages, more than this model's context holds "
+                                 f"({self.max_model_len} tokens)", "messages")
         # as transformers does: keys with null values are dropped; content parts become text
         messages = [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
                     for m in messages]

@@ -526,6 +526,21 @@ def test_tokenizer_endpoints_round_trip(server):
         assert http("GET", server.url + path)[0] == 200
 
 
+def test_the_open_tokenizer_routes_refuse_more_than_a_context_before_the_work(server):
+    """/detokenize and /tokenize need no API key (as vLLM's): more ids, or more chat messages, than the
+    context holds are a 400 at once, not seconds of the event loop every stream waits on."""
+    context = json.loads(http("GET", f"{server.url}/tokenizer_info")[1])["model_max_length"]
+    status, body, _ = http("POST", f"{server.url}/detokenize", {"tokens": [5] * (context + 1)})
+    assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
+    assert "context" in json.loads(body)["error"]["message"]
+    assert http("POST", f"{server.url}/detokenize", {"tokens": [5] * context})[0] == 200
+    many = [{"role": "user", "content": ""}] * (context + 1)
+    status, body, _ = http("POST", f"{server.url}/tokenize", {"messages": many})
+    assert status == 400 and json.loads(body)["error"]["param"] == "messages"
+    assert "messages" in json.loads(body)["error"]["message"]
+    assert http("POST", f"{server.url}/tokenize", {"messages": many[:2]})[0] == 200
+
+
 def test_debug_timeline_shows_each_stage_and_the_coordinator_step_by_step(server):
     """/debug/timeline: a trace file with a row per stage and one for the coordinator, in which a
     step runs on stage 0, then on stage 1, inside the coordinator's span for it."""

@@ -158,6 +158,20 @@ def test_only_loopback_is_allowed_without_keys():
         check_exposure(None, False, host="127.0.0.1", coordinator="tcp://10.0.0.1:5555")
 
 
+def test_a_mesh_exposed_without_keys_on_purpose_says_so_at_start(caplog):
+    """--insecure-mesh lets a mesh socket beyond loopback go without keys, and warns, naming the flag
+    (loopback, or keys, say nothing)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        check_exposure(None, True, host="127.0.0.1", coordinator="tcp://127.0.0.1:5555")
+        check_exposure("/keys", False, host="0.0.0.0")
+        assert "insecure-mesh" not in caplog.text
+        check_exposure(None, True, host="127.0.0.1", coordinator="tcp://10.0.0.1:5555")
+    [record] = [r for r in caplog.records if "--insecure-mesh" in r.getMessage()]
+    assert record.fields == {"flag": "--coordinator", "address": "tcp://10.0.0.1:5555"}
+
+
 @pytest.mark.parametrize("argv", [
     ["coordinator", "--model", "{model}", "--host", "0.0.0.0", "--port", "0", "--client-port", "0"],
     ["stage-worker", "--coordinator", "tcp://127.0.0.1:1", "--pp-rank", "0", "--host", "0.0.0.0"],
