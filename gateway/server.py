@@ -55,6 +55,10 @@ log = get_logger("gateway")
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
+# seconds of the coordinator's silence after which the requests in flight end with an error: past the
+# workers' --coordinator-timeout (10 s) and a recovery after it, so that a coordinator stalled that long
+# (and its workers registering again) still finishes them
+COORDINATOR_LOST = 30.0
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
 
@@ -160,7 +164,12 @@ class Gateway:
         await self.client.close()
 
     async def _poll_status(self) -> None:
-        silent = 0
+        """The coordinator's status twice a second. Silent, it is down (/health says so) but its
+        requests go on: a coordinator that was only stalled still holds them and streams on (its
+        workers, silent too, register again and it recovers). They end when a new coordinator answers
+        (its instance id: the old one and its requests are gone), or after COORDINATOR_LOST seconds
+        of silence (dead, and nothing restarts it)."""
+        silent_since = None
         while not self._stopping:
             try:
                 status = await self.client.status(timeout=2.0)
@@ -169,17 +178,26 @@ class Gateway:
                     self.client.fail_all("the coordinator restarted")
                 if self.down:  # (the coordinator may still answer: its launcher has given up on the mesh)
                     status = msgspec.structs.replace(status, serving=False, failure=self.down, phase="down")
+                elif silent_since is not None:
+                    log.info("coordinator answers again", extra={"fields": {
+                        "silent_seconds": round(time.monotonic() - silent_since, 1)}})
                 self.status = status
                 if status.max_model_len and status.max_model_len != self.max_model_len:
                     self._set_max_model_len(status.max_model_len)  # (a recovery rebuilt the KV pool)
                 self.metrics.update_from_status(self.status, time.monotonic())
-                silent = 0
+                silent_since = None
             except asyncio.TimeoutError:
-                silent += 1
-                reason = "the coordinator does not answer"
+                now = time.monotonic()
+                if silent_since is None:
+                    silent_since = now
+                    if not self.down:
+                        log.warning("coordinator silent", extra={"fields": {"requests": len(self.client.streams)}})
+                # (a mesh its launcher gave up on keeps that reason: it says what to do)
+                reason = self.down or "the coordinator does not answer"
                 self.status = msgspec.structs.replace(self.status, serving=False, failure=reason, phase="down")
-                if silent == 3:  # ~7 s: it is gone, and with it every request in flight
-                    log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams)}})
+                if now - silent_since >= COORDINATOR_LOST and self.client.streams:
+                    log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams),
+                                                                    "silent_seconds": round(now - silent_since, 1)}})
                     self.client.fail_all(reason)
             await asyncio.sleep(0.5)
 

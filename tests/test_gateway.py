@@ -749,6 +749,55 @@ def test_bench_serve_prints_rows_and_plots(server, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_silent_coordinator_is_down_at_once_and_its_requests_wait_for_it(monkeypatch):
+    """Silence: /health's status says down from the first unanswered poll, but the requests in flight
+    go on (a stalled coordinator still holds them) until COORDINATOR_LOST seconds have passed; a
+    mesh its launcher gave up on keeps that reason, not "does not answer". (A clock of the test's
+    own: each unanswered poll takes 2.5 s on it, the status timeout and the pause after.)"""
+    import asyncio
+    import types
+
+    import gateway.server as gs
+    import moemesh
+    from moemesh.protocol import StatusReply
+    from moemesh.settings import GatewaySettings
+
+    clock = [0.0]
+    monkeypatch.setattr(gs, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(gs, "COORDINATOR_LOST", 10.0)
+
+    class Silent:
+        def __init__(self):
+            self.streams, self.failed, self.seen = {"r1": None}, [], []  # failed: (clock, error)
+
+        async def status(self, timeout):
+            clock[0] += 2.5
+            raise asyncio.TimeoutError
+
+        def fail_all(self, error):
+            self.failed.append((clock[0], error))
+            self.streams = {}
+
+    async def scenario(down=None):
+        gateway = gs.Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model")))
+        gateway.client, gateway.down, gateway._stopping = Silent(), down, False
+        gateway.status = StatusReply(True, 8, 8, 1, 0, 0, [0.0], [0.0], 1.0, 0, instance="a")
+        poller = asyncio.ensure_future(gateway._poll_status())
+        while clock[0] < 15:
+            await asyncio.sleep(0.05)
+        poller.cancel()
+        return gateway.status, gateway.client.failed
+
+    status, failed = asyncio.run(scenario())
+    assert not status.serving and status.failure == "the coordinator does not answer"
+    # (silent from the first poll, at 2.5: requests end at the first poll 10 s on, not before)
+    assert failed == [(12.5, "the coordinator does not answer")]
+    clock[0] = 0.0
+    status, failed = asyncio.run(scenario(down="stage worker pp=1 past its restart budget"))
+    assert status.failure == "stage worker pp=1 past its restart budget"
+    assert failed == [(12.5, "stage worker pp=1 past its restart budget")]
+
+
 def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
     server = Server(model, "--max-waiting", "4")
     try:

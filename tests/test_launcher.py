@@ -214,3 +214,65 @@ def test_a_child_keeps_the_kernels_process_wide_variables_and_no_role_settings(m
         monkeypatch.setenv(name, value)
     env = child_environment()
     assert env["MOEMESH_PREFETCH"] == "0,4" and env["MOEMESH_AMX"] == "0" and "MOEMESH_PP" not in env
+
+
+def test_children_that_end_together_restart_together_and_a_spent_budget_still_reaps(model, monkeypatch):
+    """The watcher sees every child that ends at once and waits out each backoff beside the others
+    (two workers killed together come back together, not one backoff after the other); a child past
+    its budget ends the watch (`died`), and the children that end after it are still reaped.
+    (Stand-in processes: the watcher's bookkeeping, not a mesh.)"""
+    import threading
+
+    import moemesh.entrypoints.launcher as launcher
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.settings import EngineSettings
+
+    class Proc:
+        def __init__(self):
+            self.returncode, self.polls = None, 0
+
+        def poll(self):
+            self.polls += 1
+            return self.returncode
+
+    mesh = LocalMesh.of(EngineSettings(model=str(model), pp=2))
+    names = ["stage-worker pp=0 tp=0", "stage-worker pp=1 tp=0"]
+    mesh.procs = {n: Proc() for n in names}
+    started = {n: [] for n in names}
+
+    def respawn(name):
+        started[name].append(time.monotonic())
+        mesh.procs[name] = Proc()
+        return True
+
+    monkeypatch.setattr(mesh, "_report_death", lambda name: None)
+    monkeypatch.setattr(mesh, "_respawn", respawn)
+    monkeypatch.setattr(launcher, "RESTART_BACKOFF", (0.5, 0.5, 0.5, 0.5, 0.5))
+    watcher = threading.Thread(target=mesh._watch, daemon=True)
+    watcher.start()
+    try:
+        killed = time.monotonic()
+        for n in names:
+            mesh.procs[n].returncode = -9
+        deadline = time.monotonic() + 10
+        while not all(started.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first, second = (started[n][0] - killed for n in names)
+        assert 0.45 < first < 0.9 and 0.45 < second < 0.9  # (one after the other's would be 1.0 s and more)
+        deadline = time.monotonic() + 20
+        while mesh.died is None and time.monotonic() < deadline:  # pp=0 dies again and again: past its budget
+            proc = mesh.procs.get(names[0])  # (none while it waits out a backoff)
+            if proc is not None:
+                proc.returncode = 1
+            time.sleep(0.05)
+        assert mesh.died is not None and "pp=0" in mesh.died
+        other = mesh.procs[names[1]]
+        polls = other.polls
+        other.returncode = 0  # ends after the mesh is down: reaped all the same
+        time.sleep(1.2)
+        assert other.polls > polls and watcher.is_alive()
+    finally:
+        mesh._stopping = True
+        mesh._stop.set()
+        watcher.join(timeout=5)
+    assert not watcher.is_alive()

@@ -196,36 +196,55 @@ class LocalMesh:
         raise LaunchError(f"the coordinator did not start listening within {timeout:g} s")
 
     def _watch(self) -> None:
+        """Every child that ends is seen at once (a worker's death reported to the coordinator) and
+        started again after its backoff, which runs beside the others' (two deaths are two restarts
+        in parallel, not one after the other's delay). A child past its restart budget ends the
+        watch: the mesh is down (`died`); the children left are still reaped."""
+        due: dict[str, tuple[float, str]] = {}  # child -> (when its restart is due, how it ended)
         while not self._stopping:
             ended = self._check_children()
-            if ended and not self._stopping:
+            if ended is not None:
                 name, died = ended
                 if name is not None and name.startswith("stage-worker"):
                     self._report_death(name)
-                if name is not None and self._restart(name, died):
-                    continue
-                self.died = died
-                log.error("child died", extra={"fields": {"child": died}})
-                return
-            time.sleep(0.1)
+                backoff = self._restart_backoff(name, died) if name is not None else None
+                if backoff is None:
+                    return self._down(died)
+                self.procs.pop(name, None)  # (reaped: not polled again while it waits)
+                due[name] = (time.monotonic() + backoff, died)
+                continue  # (another may have ended too)
+            for name, (at, died) in list(due.items()):
+                if time.monotonic() >= at and not self._stopping:
+                    del due[name]
+                    self.restarts[name].append(time.monotonic())
+                    if not self._respawn(name):
+                        return self._down(died)
+            self._stop.wait(0.1)
 
-    def _restart(self, name: str, why: str) -> bool:
-        """Starts a child that ended again, within the restart budget; whether it did. A coordinator
-        comes back on the ports it had (the workers, told nothing for a while, exit and register with
-        it again; clients reconnect to the same address); requests it held end with an error."""
+    def _down(self, died: str) -> None:
+        """The mesh is down for good: say so (`died`), and reap the children that end from now on."""
+        self.died = died
+        log.error("child died", extra={"fields": {"child": died}})
+        while not self._stopping:
+            for proc in list(self.procs.values()):
+                proc.poll()
+            self._stop.wait(0.5)
+
+    def _restart_backoff(self, name: str, why: str) -> float | None:
+        """The seconds before a child that ended starts again, or None where it does not: not one to
+        restart, or past its budget (MAX_RESTARTS within a minute). A coordinator comes back on the
+        ports it had (the workers, told nothing for a while, exit and register with it again; clients
+        reconnect to the same address); requests it held end with an error."""
         if not self._restartable(name):
-            return False
+            return None
         now = time.monotonic()
         recent = self.restarts[name] = [t for t in self.restarts.get(name, []) if now - t < 60]
         if len(recent) >= MAX_RESTARTS:
             log.error("restart budget spent", extra={"fields": {"child": why, "restarts_per_minute": MAX_RESTARTS}})
-            return False
+            return None
         backoff = RESTART_BACKOFF[len(recent)]
         log.warning("restarting", extra={"fields": {"child": why, "in_seconds": backoff}})
-        if self._stop.wait(backoff):  # stopping meanwhile
-            return True
-        recent.append(time.monotonic())
-        return self._respawn(name)
+        return backoff
 
     def _restartable(self, name: str) -> bool:
         return name.startswith("stage-worker") or name == "coordinator" and self.restart_coordinator
