@@ -97,6 +97,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (refused, as /v1/chat/completions refuses it: not silently ignored)
     model: str | None = None
 
 

@@ -301,6 +301,8 @@ class Gateway:
 
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)
+        if body.chat_template is not None:  # (as chat refuses it: the tokens would not be the template's)
+            raise HTTPError(400, "chat_template is not supported by this server", "chat_template")
         if body.messages is not None:
             ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
                                     body.continue_final_message, bool(body.add_special_tokens))

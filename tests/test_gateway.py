@@ -539,6 +539,9 @@ def test_the_open_tokenizer_routes_refuse_more_than_a_context_before_the_work(se
     assert status == 400 and json.loads(body)["error"]["param"] == "messages"
     assert "messages" in json.loads(body)["error"]["message"]
     assert http("POST", f"{server.url}/tokenize", {"messages": many[:2]})[0] == 200
+    # a template of the request's own is refused here as /v1/chat/completions refuses it, not ignored
+    status, body, _ = http("POST", f"{server.url}/tokenize", {"messages": many[:2], "chat_template": "{{ 1 }}"})
+    assert status == 400 and json.loads(body)["error"]["param"] == "chat_template"
 
 
 def test_debug_timeline_shows_each_stage_and_the_coordinator_step_by_step(server):
