@@ -99,7 +99,8 @@ class LocalMesh:
         self.died: str | None = None  # set by the watcher when a child exits on its own
         self.argv: dict[str, list[str]] = {}  # each child's command line (a restart reuses it)
         self.restarts: dict[str, list[float]] = {}  # child -> when it was restarted
-        self._stop = threading.Event()  # wakes a restart's backoff when the mesh stops
+        self._stop = threading.Event()  # wakes the watcher when the mesh stops
+        self._waiting: set[str] = set()  # children that ended, waiting out their restart's backoff
         self.restart_coordinator = False  # `serve` sets it (its gateway reconnects); a driver's requests die with it
         self._stopping = False
         self._watcher: threading.Thread | None = None
@@ -203,15 +204,15 @@ class LocalMesh:
         due: dict[str, tuple[float, str]] = {}  # child -> (when its restart is due, how it ended)
         while not self._stopping:
             ended = self._check_children()
-            if ended is not None:
+            if ended is not None and not self._stopping:  # (children that `stop` ends are not deaths)
                 name, died = ended
                 if name is not None and name.startswith("stage-worker"):
                     self._report_death(name)
                 backoff = self._restart_backoff(name, died) if name is not None else None
                 if backoff is None:
                     return self._down(died)
-                self.procs.pop(name, None)  # (reaped: not polled again while it waits)
                 due[name] = (time.monotonic() + backoff, died)
+                self._waiting.add(name)  # (not seen as ending again while it waits)
                 continue  # (another may have ended too)
             for name, (at, died) in list(due.items()):
                 if time.monotonic() >= at and not self._stopping:
@@ -219,6 +220,7 @@ class LocalMesh:
                     self.restarts[name].append(time.monotonic())
                     if not self._respawn(name):
                         return self._down(died)
+                    self._waiting.discard(name)
             self._stop.wait(0.1)
 
     def _down(self, died: str) -> None:
@@ -291,10 +293,10 @@ class LocalMesh:
             ctx.destroy(linger=1000)  # (closes a socket an exception left open: term() would wait for it)
 
     def _check_children(self) -> tuple[str | None, str] | None:
-        """(name, description) of a child that ended, if one did."""
+        """(name, description) of a child that ended, if one did (one waiting to restart is not)."""
         for name, proc in list(self.procs.items()):
             code = proc.poll()
-            if code is not None:
+            if code is not None and name not in self._waiting:
                 return name, f"{name} exited with status {code}"
         return None
 
