@@ -49,8 +49,16 @@ int main(int argc, char **argv) {
     }
     const int iters = atoi(argv[1]), dist = atoi(argv[2]), hint = atoi(argv[3]), slices = atoi(argv[4]),
               stride = atoi(argv[5]);
+    if (iters < 0 || dist < 1 || hint < 1 || hint > 3 || slices < 1 || CHUNK % slices || stride < 1) {
+        fprintf(stderr, "ITERS >= 0, DIST >= 1, HINT 1-3, SLICES dividing %d, STRIDE >= 1\n", CHUNK);
+        return 2;
+    }
     const size_t n = (size_t)96 << 20, chunks = n / CHUNK, slice = CHUNK / slices;
     char *buf = aligned_alloc(2 << 20, n);
+    if (!buf) {
+        perror("aligned_alloc");
+        return 1;
+    }
     memset(buf, 1, n);
     const char *names[] = {"read", "compute", "read+compute", "read+compute+prefetch"};
     for (int mode = 0; mode < 4; mode++) {
