@@ -55,9 +55,9 @@ log = get_logger("gateway")
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
-# seconds of the coordinator's silence after which the requests in flight end with an error: past the
-# workers' --coordinator-timeout (10 s) and a recovery after it, so that a coordinator stalled that long
-# (and its workers registering again) still finishes them
+# seconds of the coordinator's silence after which the requests in flight end with an error: the
+# longest stall tolerated (a coordinator that answers again still holds them; past the workers'
+# --coordinator-timeout, 10 s, they register again and it recovers, once it answers)
 COORDINATOR_LOST = 30.0
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)

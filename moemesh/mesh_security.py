@@ -252,9 +252,10 @@ def is_loopback(host: str) -> bool:
         return False  # a name (resolved elsewhere), or *
 
 
-def check_exposure(keys_dir: str | None, insecure: bool, **endpoints: str | None) -> None:
-    """Refuses (ConfigError) a mesh socket beyond loopback with no keys, unless --insecure-mesh.
-    `endpoints` maps a flag's name to the host or tcp:// address it gives."""
+def check_exposure(keys_dir: str | None, insecure: bool, warn: bool = True, **endpoints: str | None) -> None:
+    """Refuses (ConfigError) a mesh socket beyond loopback with no keys, unless --insecure-mesh, which
+    a process says at its start (warn; not for a check that repeats, as the coordinator's of each
+    worker's address). `endpoints` maps a flag's name to the host or tcp:// address it gives."""
     if keys_dir:
         return
     for name, value in endpoints.items():
@@ -264,8 +265,10 @@ def check_exposure(keys_dir: str | None, insecure: bool, **endpoints: str | None
         if not is_loopback(host):
             flag = "--" + name.replace("_", "-")
             if insecure:  # (said at start, as the gateway says it has no API key)
-                log.warning("the mesh has no keys beyond loopback (--insecure-mesh): whoever reaches it can use the "
-                            "model or inject activations", extra={"fields": {"flag": flag, "address": value}})
+                if warn:
+                    log.warning("the mesh has no keys beyond loopback (--insecure-mesh): whoever reaches it can "
+                                "use the model or inject activations", extra={"fields": {"flag": flag,
+                                                                                      "address": value}})
                 continue
             raise ConfigError(f"{flag} {value} is not loopback and the mesh has no keys: anyone who reaches it could "
                               f"use the model or inject activations. Give --mesh-keys DIR (make them with `moemesh "

@@ -770,23 +770,27 @@ def test_a_silent_coordinator_is_down_at_once_and_its_requests_wait_for_it(monke
     monkeypatch.setattr(gs, "COORDINATOR_LOST", 10.0)
 
     class Silent:
-        def __init__(self):
-            self.streams, self.failed, self.seen = {"r1": None}, [], []  # failed: (clock, error)
+        def __init__(self, answers_at=()):
+            self.streams, self.failed = {"r1": None}, []  # failed: (clock, error)
+            self.answers_at = answers_at  # clock times it answers at (the same coordinator)
 
         async def status(self, timeout):
             clock[0] += 2.5
+            if clock[0] in self.answers_at:
+                return StatusReply(True, 8, 8, 1, 0, 0, [0.0], [0.0], 1.0, 0, instance="a")
             raise asyncio.TimeoutError
 
         def fail_all(self, error):
             self.failed.append((clock[0], error))
             self.streams = {}
 
-    async def scenario(down=None):
+    async def scenario(down=None, answers_at=(), until=15):
         gateway = gs.Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model")))
-        gateway.client, gateway.down, gateway._stopping = Silent(), down, False
+        gateway.client, gateway.down, gateway._stopping = Silent(answers_at), down, False
         gateway.status = StatusReply(True, 8, 8, 1, 0, 0, [0.0], [0.0], 1.0, 0, instance="a")
+        gateway.max_model_len, gateway.metrics = 0, types.SimpleNamespace(update_from_status=lambda *a: None)
         poller = asyncio.ensure_future(gateway._poll_status())
-        while clock[0] < 15:
+        while clock[0] < until:
             await asyncio.sleep(0.05)
         poller.cancel()
         return gateway.status, gateway.client.failed
@@ -799,6 +803,11 @@ def test_a_silent_coordinator_is_down_at_once_and_its_requests_wait_for_it(monke
     status, failed = asyncio.run(scenario(down="stage worker pp=1 past its restart budget"))
     assert status.failure == "stage worker pp=1 past its restart budget"
     assert failed == [(12.5, "stage worker pp=1 past its restart budget")]
+    # silent from 2.5, answering at 7.5 (the same coordinator), silent again from 10: the requests
+    # wait 10 s from the second silence, not from the first
+    clock[0] = 0.0
+    status, failed = asyncio.run(scenario(answers_at=(7.5,), until=22.5))
+    assert failed == [(20.0, "the coordinator does not answer")]
 
 
 def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
@@ -810,7 +819,7 @@ def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
         assert http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 4, "max_tokens": 1})[0] == 200
         coordinator = [p for p in _children(server.proc.pid) if b" coordinator" in _cmdline(p).replace(b"\0", b" ")]
         assert len(coordinator) == 1
-        conn = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        conn = socket.create_connection(("127.0.0.1", server.port), timeout=60)  # (past COORDINATOR_LOST)
         body = json.dumps({"prompt": "x", "max_tokens": 250, "stream": True, "ignore_eos": True}).encode()
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)

@@ -167,6 +167,8 @@ def test_a_mesh_exposed_without_keys_on_purpose_says_so_at_start(caplog):
         check_exposure(None, True, host="127.0.0.1", coordinator="tcp://127.0.0.1:5555")
         check_exposure("/keys", False, host="0.0.0.0")
         assert "insecure-mesh" not in caplog.text
+        check_exposure(None, True, warn=False, data_address="tcp://10.0.0.2:5")  # (a check that repeats)
+        assert "insecure-mesh" not in caplog.text
         check_exposure(None, True, host="127.0.0.1", coordinator="tcp://10.0.0.1:5555")
     [record] = [r for r in caplog.records if "--insecure-mesh" in r.getMessage()]
     assert record.fields == {"flag": "--coordinator", "address": "tcp://10.0.0.1:5555"}

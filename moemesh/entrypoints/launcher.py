@@ -185,22 +185,34 @@ class LocalMesh:
 
     def _read_announcement(self, coord: subprocess.Popen, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            # wait for a line with the deadline: a coordinator that hangs before printing must not hang us
-            if not select.select([coord.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                break
+        while time.monotonic() < deadline and not self._stopping:
+            # wait for a line with the deadline: a coordinator that hangs before printing must not hang
+            # us (nor a stop while a restarted one starts: a step at a time)
+            if not select.select([coord.stdout], [], [], min(0.2, max(0.0, deadline - time.monotonic())))[0]:
+                continue
             line = coord.stdout.readline()
             if not line:
                 raise LaunchError(f"the coordinator exited (status {coord.wait()}) before it was listening")
             if line.startswith(b"MOEMESH_COORDINATOR "):
                 return json.loads(line.split(b" ", 1)[1])
+        if self._stopping:
+            raise LaunchError("stopping")
         raise LaunchError(f"the coordinator did not start listening within {timeout:g} s")
 
     def _watch(self) -> None:
-        """Every child that ends is seen at once (a worker's death reported to the coordinator) and
-        started again after its backoff, which runs beside the others' (two deaths are two restarts
-        in parallel, not one after the other's delay). A child past its restart budget ends the
-        watch: the mesh is down (`died`); the children left are still reaped."""
+        """Every child that ends is seen within 0.1 s (a worker's death reported to the coordinator)
+        and started again after its backoff, which runs beside the others' (two deaths are two
+        restarts in parallel, not one after the other's delay; only a coordinator's restart holds the
+        watch, until it listens). A child past its restart budget ends the watch: the mesh is down
+        (`died`); the children left are still reaped. So does a fault of the watch itself."""
+        try:
+            self._watch_children()
+        except Exception as e:  # (a launcher that stops watching unnoticed would leave a dead mesh serving)
+            if not self._stopping:
+                log.error("the launcher's watch failed", exc_info=True)
+                self._down(f"the launcher's watch of its children failed: {type(e).__name__}: {e}")
+
+    def _watch_children(self) -> None:
         due: dict[str, tuple[float, str]] = {}  # child -> (when its restart is due, how it ended)
         while not self._stopping:
             ended = self._check_children()
@@ -219,7 +231,7 @@ class LocalMesh:
                     del due[name]
                     self.restarts[name].append(time.monotonic())
                     if not self._respawn(name):
-                        return self._down(died)
+                        return None if self._stopping else self._down(died)
                     self._waiting.discard(name)
             self._stop.wait(0.1)
 
@@ -304,14 +316,20 @@ class LocalMesh:
         """For tests: kill one child as a crash would."""
         self.procs[name].send_signal(sig)
 
-    def stop(self) -> None:
+    def _stop_watching(self) -> None:
+        """Ends the watch first: no restart starts a child behind stop's back."""
         self._stopping = True
         self._stop.set()
-        for proc in self.procs.values():
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=10)
+
+    def stop(self) -> None:
+        self._stop_watching()
+        for proc in list(self.procs.values()):
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + 5
-        for proc in self.procs.values():
+        for proc in list(self.procs.values()):
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

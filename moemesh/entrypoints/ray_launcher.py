@@ -160,7 +160,7 @@ class RayMesh(LocalMesh):
         return None
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stop_watching()  # (no actor replaced while they are killed)
         if self.actors:
             import ray
 
