@@ -521,3 +521,37 @@ def test_a_request_lost_again_after_it_was_sent_again_ends_its_stream():
 
     out = run(scenario())
     assert (out.error, out.error_status) == ("not known", 503)
+
+
+def test_an_abort_sent_while_the_coordinator_is_away_reaches_it_when_it_is_back():
+    """The gateway ends a silent coordinator's requests after COORDINATOR_LOST and aborts them: with
+    the link down, ZeroMQ queues the aborts (the client's socket keeps its queue across reconnects), so
+    a coordinator that comes back at that address does not go on computing them for nobody."""
+    import zmq
+    import zmq.asyncio
+
+    from moemesh.protocol import AbortRequest, ClientMessage, Codec, StatusRequest
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = CoordinatorClient(f"tcp://127.0.0.1:{port}", ctx=ctx)
+        codec = Codec(ClientMessage)
+        try:
+            await client.sock.send_multipart(Codec.encode(StatusRequest(False, 1)))
+            first = codec.decode((await asyncio.wait_for(router.recv_multipart(), 10))[1:])[0]
+            router.close(linger=0)  # the coordinator goes away
+            await asyncio.sleep(0.5)
+            client.abort("r7")  # (while it is away)
+            back = ctx.socket(zmq.ROUTER)
+            back.bind(f"tcp://127.0.0.1:{port}")
+            got = codec.decode((await asyncio.wait_for(back.recv_multipart(), 15))[1:])[0]
+            back.close(linger=0)
+            return first, got
+        finally:
+            await client.close()
+            ctx.destroy(linger=0)
+
+    first, got = asyncio.run(scenario())
+    assert isinstance(first, StatusRequest) and got == AbortRequest("r7")
