@@ -54,7 +54,7 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torc
     than the host's memory: the kernel would let a CPU allocation succeed and kill the process later)."""
     nbytes = math.prod(shape) * dtype.itemsize
     hint = (f"a KV cache of {shape[2]} blocks of {shape[3]} tokens ({nbytes / 2**30:.1f} GiB) on {device}: "
-            f"lower --kv-memory (or --num-kv-blocks, --block-size)")
+            f"lower --kv-memory, MOEMESH_KV_MEMORY in a compose file (or --num-kv-blocks, --block-size)")
     if torch.device(device).type == "cpu":
         memory = host_memory()
         if nbytes > memory:

@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
@@ -156,6 +157,9 @@ class StageWorker:
             if _peer_lost(e):  # a tensor-parallel peer died mid-collective: its loss, not this worker's bug
                 log.warning("tensor-parallel peer lost", extra={"fields": {"error": str(e).splitlines()[0][:300]}})
                 reason = f"a tensor-parallel peer of stage {cfg.pp_rank} was lost ({type(e).__name__})"
+            elif isinstance(e, ConfigError):  # (what to change, said in one line: no traceback)
+                log.error("stage worker failed", extra={"fields": {"error": str(e)}})
+                reason = str(e)
             else:
                 log.error("stage worker failed", exc_info=True)
                 reason = f"{type(e).__name__}: {e}"
@@ -228,6 +232,9 @@ class StageWorker:
             waited += every
             if self.last_heard is None:
                 hint = "no answer from the coordinator yet: is it up, at this address (--coordinator)?"
+                if self.cfg.mesh_keys:  # (a handshake the coordinator refuses looks the same from here)
+                    hint += (" Or are --mesh-keys not the coordinator's (copied from the directory `moemesh keys` "
+                             "made)? Its log then says 'mesh handshake refused'")
             else:
                 hint = ("the other ranks may not have registered yet, or this rank is outside the coordinator's "
                         "--pp/--tp (its log says so)")

@@ -53,6 +53,13 @@ def test_keys_have_zmq_auths_layout_and_are_never_overwritten(tmp_path):
     assert out.returncode == 2 and "already holds mesh keys" in out.stderr and "Traceback" not in out.stderr
     with pytest.raises(ConfigError, match="--mesh-keys .*no such directory"):
         MeshKeys(tmp_path / "missing")
+    (d / "worker.key_secret").unlink()  # left out of a copy to another host: named, with where to get it
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        with pytest.raises(ConfigError, match="no worker.key_secret there; copy it from the directory"):
+            MeshKeys(d).connect(sock, "worker")
+    finally:
+        sock.close(linger=0)
 
 
 def test_an_allowed_set_others_can_write_to_is_refused_and_a_readable_secret_is_named(tmp_path, caplog):
@@ -659,3 +666,29 @@ def test_hostile_bodies_never_get_a_5xx_or_a_traceback(tls_server):
     status, raw = _https("POST", f"{url}/v1/completions", context, {"prompt": [5, 6, 7], "max_tokens": 3,
                                                                      "temperature": 0}, auth)
     assert status == 200 and _https("GET", f"{url}/ready", context)[0] == 200
+
+
+def test_a_worker_no_coordinator_answers_suspects_its_keys_too(caplog):
+    """With --mesh-keys, a coordinator that refuses the worker's handshake (keys not copied from its
+    host) looks from the worker like no coordinator at that address: its hint names both."""
+    import logging
+    import types
+
+    from moemesh.settings import WorkerSettings
+    from stage_worker.worker import StageWorker
+
+    async def hints(mesh_keys):
+        stand_in = types.SimpleNamespace(cfg=WorkerSettings(coordinator="tcp://127.0.0.1:9", mesh_keys=mesh_keys),
+                                         last_heard=None)
+        task = asyncio.ensure_future(StageWorker._while_unassigned(stand_in, every=0.01))
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(hints(None))
+        plain = [r.fields["hint"] for r in caplog.records if r.getMessage() == "no layers assigned yet"]
+        caplog.clear()
+        asyncio.run(hints("/keys"))
+        keyed = [r.fields["hint"] for r in caplog.records if r.getMessage() == "no layers assigned yet"]
+    assert plain and "--coordinator" in plain[0] and "--mesh-keys" not in plain[0]
+    assert keyed and "--coordinator" in keyed[0] and "--mesh-keys" in keyed[0] and "handshake refused" in keyed[0]
