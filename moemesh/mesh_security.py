@@ -87,7 +87,8 @@ class MeshKeys:
         if not path.is_file() and not secret:
             path = self.directory / f"{role}.key_secret"  # (holds the public key too)
         if not path.exists():  # (a key left out when the directory was copied to this host)
-            raise ConfigError(f"--mesh-keys {self.directory}: no {path.name} there; copy it from the directory "
+            wanted = f"{role}.key_secret" if secret else f"{role}.key"  # (not a secret this host need not hold)
+            raise ConfigError(f"--mesh-keys {self.directory}: no {wanted} there; copy it from the directory "
                               f"`moemesh keys` made (every host of a mesh uses the same keys: deploy/README.md)")
         try:
             public, secret_key = load_certificate(path)

@@ -275,3 +275,29 @@ def test_children_that_end_together_restart_together_and_a_spent_budget_still_re
         mesh._stop.set()
         watcher.join(timeout=5)
     assert not watcher.is_alive()
+
+
+def test_a_fault_of_the_watch_itself_says_the_mesh_is_down(model, monkeypatch):
+    """The watcher thread failing (a child it cannot poll or start) ends in `died` with the reason,
+    not in a thread gone unnoticed while the mesh goes unwatched; a stop after it returns at once."""
+    import threading
+
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.settings import EngineSettings
+
+    mesh = LocalMesh.of(EngineSettings(model=str(model), pp=2))
+
+    def broken():
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(mesh, "_check_children", broken)
+    watcher = threading.Thread(target=mesh._watch, daemon=True)
+    watcher.start()
+    deadline = time.monotonic() + 10
+    while mesh.died is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mesh.died is not None and "watch" in mesh.died and "no more processes" in mesh.died
+    mesh._watcher = watcher
+    started = time.monotonic()
+    mesh.stop()
+    assert not watcher.is_alive() and time.monotonic() - started < 5

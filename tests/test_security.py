@@ -58,6 +58,12 @@ def test_keys_have_zmq_auths_layout_and_are_never_overwritten(tmp_path):
     try:
         with pytest.raises(ConfigError, match="no worker.key_secret there; copy it from the directory"):
             MeshKeys(d).connect(sock, "worker")
+        gateway_host = make_keys(tmp_path / "g")  # a gateway's host: server.key and client.key_secret
+        (gateway_host / "server.key").unlink()
+        (gateway_host / "server.key_secret").unlink()
+        with pytest.raises(ConfigError, match="no server.key there") as refused:  # (not its secret: no need)
+            MeshKeys(gateway_host).connect(sock, "client")
+        assert "key_secret" not in str(refused.value)
     finally:
         sock.close(linger=0)
 
@@ -681,7 +687,10 @@ def test_a_worker_no_coordinator_answers_suspects_its_keys_too(caplog):
         stand_in = types.SimpleNamespace(cfg=WorkerSettings(coordinator="tcp://127.0.0.1:9", mesh_keys=mesh_keys),
                                          last_heard=None)
         task = asyncio.ensure_future(StageWorker._while_unassigned(stand_in, every=0.01))
-        await asyncio.sleep(0.05)
+        deadline = asyncio.get_running_loop().time() + 10
+        while not any(r.getMessage() == "no layers assigned yet" for r in caplog.records):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
         task.cancel()
 
     with caplog.at_level(logging.WARNING):

@@ -74,13 +74,17 @@ def child_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MOEMESH_") or k in _PROCESS_WIDE}
 
 
+try:  # (looked up here, not in the forked child: a dlopen there can deadlock a threaded parent's fork)
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def die_with_parent() -> None:  # runs in the child between fork and exec
     # Ctrl-C reaches the whole process group; the launcher alone decides when children stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LocalMesh:
@@ -146,8 +150,9 @@ class LocalMesh:
         addresses = self._read_announcement(coord)
         self.client_address, self.worker_address = addresses["clients"], addresses["workers"]
         self._start_workers(addresses["workers"])
-        self._watcher = threading.Thread(target=self._watch, daemon=True)
-        self._watcher.start()
+        watcher = threading.Thread(target=self._watch, daemon=True)
+        watcher.start()
+        self._watcher = watcher  # (stop joins only a watcher that started)
 
     def worker_settings(self, coordinator: str, pp_rank: int, tp_rank: int, **changes) -> WorkerSettings:
         record = self.worker.record and f"{self.worker.record}/pp{pp_rank}-tp{tp_rank}"
@@ -271,7 +276,8 @@ class LocalMesh:
             try:
                 self._read_announcement(self._spawn(name, argv))
             except LaunchError as e:
-                log.error("coordinator restart failed", extra={"fields": {"error": str(e)}})
+                if not self._stopping:  # (a stop while it started is no failure)
+                    log.error("coordinator restart failed", extra={"fields": {"error": str(e)}})
                 return False
             return True
         self._spawn(name, self.argv[name])
@@ -320,8 +326,9 @@ class LocalMesh:
         """Ends the watch first: no restart starts a child behind stop's back."""
         self._stopping = True
         self._stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=10)
+        watcher, self._watcher = self._watcher, None  # (joined once: RayMesh.stop, then LocalMesh.stop)
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=10)
 
     def stop(self) -> None:
         self._stop_watching()
