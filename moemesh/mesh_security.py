@@ -83,11 +83,12 @@ class MeshKeys:
         self._warned: set[Path] = set()
 
     def _pair(self, role: str, secret: bool) -> tuple[bytes, bytes | None]:
-        path = self.directory / (f"{role}.key_secret" if secret else f"{role}.key")
+        wanted = f"{role}.key_secret" if secret else f"{role}.key"
+        path = self.directory / wanted
         if not path.is_file() and not secret:
             path = self.directory / f"{role}.key_secret"  # (holds the public key too)
-        if not path.exists():  # (a key left out when the directory was copied to this host)
-            wanted = f"{role}.key_secret" if secret else f"{role}.key"  # (not a secret this host need not hold)
+        if not path.exists():  # (a key left out when the directory was copied to this host; named as wanted,
+            # not as a secret this host need not hold)
             raise ConfigError(f"--mesh-keys {self.directory}: no {wanted} there; copy it from the directory "
                               f"`moemesh keys` made (every host of a mesh uses the same keys: deploy/README.md)")
         try:

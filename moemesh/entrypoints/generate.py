@@ -28,6 +28,7 @@ SAMPLING_KEYS = frozenset({"max_tokens", "max_new_tokens", "temperature", "top_p
                            "n", "ignore_eos", "min_tokens", "logprobs", "repetition_penalty", "presence_penalty",
                            "frequency_penalty", "stop_token_ids"})
 
+
 def engine_settings_from_args(args) -> EngineSettings:
     """The engine flags as EngineSettings: the model a directory (the built-in one without --model),
     the layout resolved and checked (`resolve_layout`) before any process starts or loads weights."""
