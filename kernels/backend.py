@@ -29,16 +29,16 @@ def resolve_backend(name: str, device) -> str:
     if name == "auto":
         if not on_cpu:
             return "triton"
-        from kernels.cpu_gemm import native
+        from moemesh_kernels.cpu_gemm import native
 
         return "native" if native() is not None else "torch"
     if name == "native":
         if not on_cpu:
             raise BackendError("--moe-backend native runs on the CPU only")
-        from kernels.cpu_gemm import native
+        from moemesh_kernels.cpu_gemm import native
 
         if native() is None:
-            from kernels import cpu_gemm
+            from moemesh_kernels import cpu_gemm
 
             raise BackendError(f"--moe-backend native: the CPU kernels could not be built here "
                                f"({cpu_gemm.build_error}); use --moe-backend torch")

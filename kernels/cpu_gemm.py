@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.memory import empty_huge, huge_copy
+from moemesh_kernels.memory import empty_huge, huge_copy
 
 log = logging.getLogger("moemesh.kernels")
 
@@ -619,7 +619,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, lib: _Lib) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] float32, ids [T, K] int64): softmax in float32, the K
-    largest, optionally renormalised to sum 1: kernels.moe_torch.select_experts. Where the K-th is
+    largest, optionally renormalised to sum 1: moemesh_kernels.moe_torch.select_experts. Where the K-th is
     exactly tied with an expert left out, the experts torch.topk picks (with lib.torch_tie_order;
     without it, the lower ones; kernels/README.md)."""
     logits = logits.float()

@@ -5,7 +5,7 @@ Legend: E = experts (the leading dimension of a stacked expert weight).
 A tensor t is stored as q (e4m3) and a float32 scale, t ~ q * scale, the scale mapping t's largest
 magnitude to 448 (`fp8_scale`) unless given: one per tensor, or one per expert (`expert_scales`,
 `quantize_fp8_per_expert`). Torch only, no Triton, so that the Triton wrapper
-(kernels.fused_moe_triton), its tuner, the FP8 layers (stage_worker.layers.fp8) and the checkpoint
+(moemesh_kernels.fused_moe_triton), its tuner, the FP8 layers (stage_worker.layers.fp8) and the checkpoint
 writer all import it from below.
 """
 

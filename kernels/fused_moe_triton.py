@@ -6,7 +6,7 @@ H = hidden size, I = intermediate size (this rank's share), S = T * K routed slo
 GEMMs: C[S, N] = A[rows, D] @ B[e, N, D]^T; D is the reduction ("K" of a plain GEMM, renamed to keep
 K for top-k); tiles are BLOCK_M slots x BLOCK_N output columns, reduced over D in BLOCK_K steps.
 
-The pipeline of `fused_experts_triton` (same maths as `kernels.moe_torch.fused_experts`):
+The pipeline of `fused_experts_triton` (same maths as `moemesh_kernels.moe_torch.fused_experts`):
   1. `moe_align_block_size`: the S slots sorted by expert, each expert's run padded to a multiple of
      BLOCK_M with the sentinel S, so every BLOCK_M block of sorted slots belongs to one expert.
   2. `fused_moe_kernel` on w13: gathers x[slot // K], [S, 2I] = x @ w13[e]^T.
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_DTYPE, quantize_fp8
-from kernels.moe_configs import get_config
+from moemesh_kernels.fp8 import FP8_DTYPE, quantize_fp8
+from moemesh_kernels.moe_configs import get_config
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
              FP8_DTYPE: tl.float8e4nv}
@@ -79,7 +79,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """router_logits [T, E] -> (weights [T, K] float32, ids [T, K] ids_dtype (int32 or int64)).
 
     Softmax in float32, the top K by probability (ties: lowest expert index), optionally renormalised
-    so a token's weights sum to 1. Same contract as `kernels.moe_torch.select_experts`."""
+    so a token's weights sum to 1. Same contract as `moemesh_kernels.moe_torch.select_experts`."""
     assert router_logits.dim() == 2 and router_logits.dtype in _ACT_DTYPES, (router_logits.shape, router_logits.dtype)
     assert router_logits.stride(1) == 1, "router_logits rows must be contiguous"
     assert ids_dtype in (torch.int32, torch.int64), ids_dtype
@@ -319,11 +319,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_* [T, K] -> [T, H].
 
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), e = topk_ids[t, k]
-    - expert_offset, as `kernels.moe_torch.fused_experts`; slots routed to experts outside this rank's
+    - expert_offset, as `moemesh_kernels.moe_torch.fused_experts`; slots routed to experts outside this rank's
     [0, E) add nothing. FP8: fp8 w13/w2 need fp32 per-expert scales w13_scale/w2_scale [E]; with
     a13_scale/a2_scale [1] (static per-tensor) the GEMM inputs are quantised to fp8 too (w8a8),
     otherwise the weights are dequantised in the kernel (w8a16). block_config overrides the table
-    lookup (`kernels.moe_configs.get_config`); one config serves both GEMMs (they share BLOCK_M).
+    lookup (`moemesh_kernels.moe_configs.get_config`); one config serves both GEMMs (they share BLOCK_M).
     """
     assert x.dim() == 2 and x.is_contiguous() and x.dtype in _ACT_DTYPES, (x.shape, x.dtype)
     T, H = x.shape
@@ -378,6 +378,6 @@ def _check_backend(*tensors: torch.Tensor) -> None:
     device = devices.pop()
     if device.type == "cpu" and not _interpreting():
         raise RuntimeError("Triton kernels on CPU tensors run only in the interpreter: set TRITON_INTERPRET=1 "
-                           "before kernels.fused_moe_triton is imported, or use kernels.moe_torch on CPU")
+                           "before moemesh_kernels.fused_moe_triton is imported, or use moemesh_kernels.moe_torch on CPU")
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"no Triton backend for {device.type} tensors")

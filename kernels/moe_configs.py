@@ -6,7 +6,7 @@ K = H reduction), M = tokens in the batch (T). A config is
 
 Tuned entries live in `kernels/configs/*.json`, one file per (E, N, K, device, dtype) named by
 `config_file_name`, each holding {"M": config} for a few M buckets; `get_config` takes the bucket
-nearest to M. Shapes with no file fall back to `default_config`. `kernels.moe_tune.tune` writes such
+nearest to M. Shapes with no file fall back to `default_config`. `moemesh_kernels.moe_tune.tune` writes such
 files; it needs a CUDA GPU (Triton's do_bench), and no tuned file has been measured for this project yet.
 
 This module is the table only: it imports no kernel (the kernels import it, to look their blocks up).

@@ -1,9 +1,9 @@
-"""Tuning the fused-MoE block sizes on a GPU: writes the table that `kernels.moe_configs` reads.
+"""Tuning the fused-MoE block sizes on a GPU: writes the table that `moemesh_kernels.moe_configs` reads.
 
 Legend: E = experts, N x K = the first GEMM of an expert (N = 2I, K = H), M = tokens in the batch.
 
 Kept apart from the table so that the table imports no kernel: this module sits above both
-(`kernels.fused_moe_triton` looks its blocks up in `kernels.moe_configs`; `tune` times the kernels
+(`moemesh_kernels.fused_moe_triton` looks its blocks up in `moemesh_kernels.moe_configs`; `tune` times the kernels
 and writes the table).
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from kernels.fp8 import FP8_DTYPE, quantize_fp8_per_expert
-from kernels.fused_moe_triton import fused_experts_triton
-from kernels.moe_configs import CONFIG_DIR, DTYPE_NAMES, config_file_name, tuned_table
+from moemesh_kernels.fp8 import FP8_DTYPE, quantize_fp8_per_expert
+from moemesh_kernels.fused_moe_triton import fused_experts_triton
+from moemesh_kernels.moe_configs import CONFIG_DIR, DTYPE_NAMES, config_file_name, tuned_table
 
 
 def default_candidates() -> list[dict]:

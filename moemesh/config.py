@@ -322,7 +322,7 @@ def resolve_dtype(flag: str, model: ModelConfig, device: str = "cpu") -> str:
 
 
 QUANTIZATIONS = ("fp8", "int8")
-MOE_BACKENDS = ("auto", "torch", "native", "triton")  # kernels.backend.resolve_backend says what each means
+MOE_BACKENDS = ("auto", "torch", "native", "triton")  # moemesh_kernels.backend.resolve_backend says what each means
 
 
 def check_quantization(model: ModelConfig, flag: str | None) -> str | None:

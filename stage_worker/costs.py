@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.protocol import Schedule, SeqWork

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 from stage_worker.context import ForwardContext, build_context
 from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.models.base import CausalLM

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kernels.backend import resolve_backend
+from moemesh_kernels.backend import resolve_backend
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.errors import LoadError
 from stage_worker.layers.linear import load_whole
@@ -147,7 +147,7 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
     """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
 
     progress: None shows a bar only on a terminal. backend: the kernels it computes with
-    (kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
+    (moemesh_kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
     handoff: a stage after the first also holds the previous layer's MLP (the MLP hand-off).
     """
     backend = resolve_backend(backend, device)

@@ -74,7 +74,7 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] long: the first maximum of each row (torch's max, faster than argmax on CPU;
     the native kernels' one pass over the rows where they are built)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1] > 0:
-        from kernels.cpu_gemm import argmax_rows, native
+        from moemesh_kernels.cpu_gemm import argmax_rows, native
 
         lib = native()
         if lib is not None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
-from kernels.memory import use_huge_pages
+from moemesh_kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kernels.cpu_gemm import native
+from moemesh_kernels.cpu_gemm import native
 from moemesh.entrypoints.bench.model import step_cost
 from moemesh.entrypoints.cli import main
 from moemesh.config import ModelConfig

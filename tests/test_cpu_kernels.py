@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemm
-from kernels.backend import BackendError, resolve_backend
-from kernels.moe_torch import fused_experts, select_experts
+from moemesh_kernels import cpu_gemm
+from moemesh_kernels.backend import BackendError, resolve_backend
+from moemesh_kernels.moe_torch import fused_experts, select_experts
 from reference_moe import reference_moe
 
 lib = cpu_gemm.native()

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-import kernels.fp8
-from kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, quantize_fp8, quantize_fp8_per_expert
-from kernels.moe_torch import fused_experts, select_experts
+import moemesh_kernels.fp8
+from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, quantize_fp8, quantize_fp8_per_expert
+from moemesh_kernels.moe_torch import fused_experts, select_experts
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.entrypoints.quantize import quantize_checkpoint
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
@@ -56,8 +56,8 @@ def rel(a, b):
 
 
 def test_fp8_numbers_import_no_triton():
-    """kernels.fp8 sits below both the Triton wrapper and the layers: torch only."""
-    tree = ast.parse(Path(kernels.fp8.__file__).read_text())
+    """moemesh_kernels.fp8 sits below both the Triton wrapper and the layers: torch only."""
+    tree = ast.parse(Path(moemesh_kernels.fp8.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "torch"}, imported

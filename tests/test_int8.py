@@ -12,7 +12,7 @@ from moemesh.settings import EngineSettings
 from moemesh.sampling import SamplingParams
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from stage_worker.layers.fp8 import resolve_quantization
-from kernels.cpu_gemm import native
+from moemesh_kernels.cpu_gemm import native
 from stage_worker.layers.int8 import Int8Config
 
 # Random tiny models amplify weight error through every layer (see test_fp8_model); int8's error per

@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("moemesh", "coordinator", "gateway", "stage_worker", "kernels")
+# import name: its directory (the kernels/ directory is imported as moemesh_kernels: a top-level `kernels`
+# would be HuggingFace's, which transformers imports)
+PACKAGES = {"moemesh": "moemesh", "coordinator": "coordinator", "gateway": "gateway", "stage_worker": "stage_worker",
+            "moemesh_kernels": "kernels"}
 HEAVY = ("torch", "triton")
 
 
@@ -25,7 +28,7 @@ def layer(module: str) -> str:
         return "top"
     if module.split(".")[0] in ("coordinator", "gateway"):
         return "control"
-    if module.split(".")[0] in ("stage_worker", "kernels"):
+    if module.split(".")[0] in ("stage_worker", "moemesh_kernels"):
         return "compute"
     return "base"
 
@@ -36,9 +39,9 @@ ALLOWED = {"base": {"base"}, "control": {"base", "control"}, "compute": {"base",
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for package, directory in PACKAGES.items():
+        for path in (ROOT / directory).rglob("*.py"):
+            name = ".".join((package, *path.relative_to(ROOT / directory).with_suffix("").parts))
             found[name.removesuffix(".__init__")] = path
     return found
 
@@ -131,14 +134,30 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle(tmp_path, monkeypatch):
 def test_the_lists_of_names_agree():
     """Dtype, backend and quantization names are declared in the base layer; the compute side maps
     them and must know every one."""
-    from kernels.backend import BACKENDS
     from moemesh.config import DTYPES, MOE_BACKENDS
     from moemesh.protocol import TENSOR_ITEM_SIZES
+    from moemesh_kernels.backend import BACKENDS
     from stage_worker.tensors import DTYPES as TORCH_DTYPES
 
     assert BACKENDS == MOE_BACKENDS
     assert set(TORCH_DTYPES) == set(TENSOR_ITEM_SIZES) and set(DTYPES) <= set(TORCH_DTYPES)
     assert all(TORCH_DTYPES[name].itemsize == size for name, size in TENSOR_ITEM_SIZES.items())
+
+
+def test_the_packages_pyproject_lists_are_the_tree():
+    """pyproject lists the packages (kernels/ is installed as moemesh_kernels, so they are not found):
+    a new subpackage missing from the list would be missing from a wheel. And kernels/ stays without
+    an __init__.py, so a checkout on sys.path does not hide HuggingFace's `kernels` from transformers."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    directories = {name: ROOT / setuptools.get("package-dir", {}).get(name, name.replace(".", "/"))
+                   for name in setuptools["packages"]}
+    tree = {".".join((package, *path.parent.relative_to(ROOT / directory).parts))
+            for package, directory in PACKAGES.items() for path in (ROOT / directory).rglob("*.py")}
+    assert set(setuptools["packages"]) == tree
+    assert all(path.is_dir() for path in directories.values())
+    assert not (ROOT / "kernels" / "__init__.py").exists()
 
 
 def test_gateway_and_coordinator_load_without_torch():

@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from kernels import cpu_gemm
-from kernels.memory import HUGE_PAGE, empty_huge, huge_copy, use_huge_pages
+from moemesh_kernels import cpu_gemm
+from moemesh_kernels.memory import HUGE_PAGE, empty_huge, huge_copy, use_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
                                 reason="no MADV_HUGEPAGE or /proc/self/smaps: empty_huge is torch.empty here")

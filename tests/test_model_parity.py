@@ -93,7 +93,7 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
     }[layout]
     screened = layout.startswith("screened")
     if layout == "full-head" or screened:
-        from kernels import cpu_gemm
+        from moemesh_kernels import cpu_gemm
 
         if cpu_gemm.native() is None:
             pytest.skip("no C compiler: the native kernels cannot be built here")
@@ -117,7 +117,7 @@ def test_greedy_matches_transformers_with_tied_routers(tmp_path, arch):
     the others with two pairs of equal rows, as an upcycled one): the experts among the tied ones are
     the ones torch.topk picks, so greedy tokens stay transformers', step by step and in bursts
     (kernels/README.md)."""
-    from kernels import cpu_gemm
+    from moemesh_kernels import cpu_gemm
 
     hf = build_hf_model(arch)
     tied = 0

@@ -263,7 +263,7 @@ def test_screened_bursts_hand_their_undecided_rows_to_the_full_head_together(mod
     overflow guard set at their median, some rows of a step are decided by the screen and the others
     go to the full float32 head in one product, and with it below them all, every row does. The
     tokens are the full head's throughout."""
-    from kernels import cpu_gemm
+    from moemesh_kernels import cpu_gemm
 
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
@@ -300,7 +300,7 @@ def test_a_bfloat16_heads_int8_screen_gives_the_full_heads_tokens(model_dir, mon
     """A bfloat16 model's lm_head screened through its int8 copy (kernels/cpu_gemm.py ScreenedHead),
     step by step and in native bursts: the copy decides products of up to three rows (batch 1 and 3)
     and hands larger ones to the full head (batch 6); the tokens are the full head's throughout."""
-    from kernels import cpu_gemm
+    from moemesh_kernels import cpu_gemm
 
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
@@ -334,7 +334,7 @@ def test_a_bfloat16_heads_two_screens_give_the_full_heads_tokens(model_dir, monk
     to three rows, torch's product of the head from four here (16 by default): six rows step by step
     go through torch's product (their rows rounded to bfloat16 as the full product rounds them), a
     native burst takes the full head; the tokens are the full head's throughout."""
-    from kernels import cpu_gemm
+    from moemesh_kernels import cpu_gemm
 
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
@@ -366,7 +366,7 @@ def test_a_bfloat16_models_screened_tokens_are_its_rounded_logits_first_maximum(
     """A bfloat16 model's op-by-op head (a prompt's last row) rounds its logits to bfloat16: two that
     round to one value are tied there, where the screen's float32 logits are not. compute_tokens
     gives compute_logits' first maximum all the same."""
-    from kernels import cpu_gemm
+    from moemesh_kernels import cpu_gemm
 
     if cpu_gemm.native() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")

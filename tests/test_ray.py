@@ -75,7 +75,7 @@ def test_a_mesh_started_here_gives_each_worker_its_gpu_and_keeps_loopback_withou
     import torch
 
     if not torch.cuda.is_available():
-        from kernels.backend import BackendError
+        from moemesh_kernels.backend import BackendError
 
         with pytest.raises(BackendError, match="--device cuda"):
             mesh._check_workers_can_run()

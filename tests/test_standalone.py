@@ -112,7 +112,7 @@ def test_a_replay_takes_its_layers_from_the_recording_and_refuses_others(tmp_pat
         run(generate_all(mesh, PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
     assert main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp1-tp0")]) == 0
     out = capsys.readouterr().out
-    from kernels.cpu_gemm import native
+    from moemesh_kernels.cpu_gemm import native
 
     assert "loaded layers 2:4" in out and "matches the recording" in out
     assert ("a fused decode step" in out) == (native() is not None)  # (the native kernels' one call per layer)

@@ -1,6 +1,6 @@
 """The fused-MoE Triton kernels against their torch references, in Triton's interpreter (no GPU).
 
-TRITON_INTERPRET=1 must be set before kernels.fused_moe_triton is imported (it is read when the kernels
+TRITON_INTERPRET=1 must be set before moemesh_kernels.fused_moe_triton is imported (it is read when the kernels
 are decorated), hence the first lines. Shapes are small and blocks large: the interpreter's cost is per
 program and per op. Tolerances are justified where they are used.
 """
@@ -8,7 +8,7 @@ program and per op. Tolerances are justified where they are used.
 import os
 import sys
 
-_IMPORTED_BEFORE = "kernels.fused_moe_triton" in sys.modules
+_IMPORTED_BEFORE = "moemesh_kernels.fused_moe_triton" in sys.modules
 os.environ["TRITON_INTERPRET"] = "1"
 
 import ast  # noqa: E402
@@ -21,14 +21,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed")
-from kernels import fused_moe_triton as fmt  # noqa: E402
-from kernels import moe_configs, moe_tune  # noqa: E402
-from kernels.fp8 import quantize_fp8_per_expert  # noqa: E402
-from kernels.moe_torch import fused_experts, select_experts  # noqa: E402
+from moemesh_kernels import fused_moe_triton as fmt  # noqa: E402
+from moemesh_kernels import moe_configs, moe_tune  # noqa: E402
+from moemesh_kernels.fp8 import quantize_fp8_per_expert  # noqa: E402
+from moemesh_kernels.moe_torch import fused_experts, select_experts  # noqa: E402
 from reference_moe import reference_moe  # noqa: E402
 
 if not fmt._interpreting():
-    pytest.skip("kernels.fused_moe_triton was imported before TRITON_INTERPRET=1 was set"
+    pytest.skip("moemesh_kernels.fused_moe_triton was imported before TRITON_INTERPRET=1 was set"
                 f"{' (by an earlier test module)' if _IMPORTED_BEFORE else ''}; run this file in its own process",
                 allow_module_level=True)
 
@@ -351,12 +351,12 @@ def test_config_table_nearest_bucket_and_default(tmp_path):
 
 
 def test_the_block_size_table_imports_no_kernel():
-    """The kernels look their blocks up in kernels.moe_configs, so it imports neither them nor the tuner
+    """The kernels look their blocks up in moemesh_kernels.moe_configs, so it imports neither them nor the tuner
     above them, not even inside a function: no import cycle."""
     tree = ast.parse(Path(moe_configs.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not [m for m in imported if m.split(".")[0] in ("kernels", "triton")], imported
+    assert not [m for m in imported if m.split(".")[0] in ("moemesh_kernels", "triton")], imported
 
 
 def test_tune_needs_a_gpu(tmp_path):
@@ -369,7 +369,7 @@ def test_tune_needs_a_gpu(tmp_path):
 
 def test_cpu_tensors_without_interpreter_raise_a_clear_error():
     code = ("import os, torch; os.environ.pop('TRITON_INTERPRET', None)\n"
-            "from kernels.fused_moe_triton import topk_softmax\n"
+            "from moemesh_kernels.fused_moe_triton import topk_softmax\n"
             "try:\n    topk_softmax(torch.randn(2, 4), 1, False)\n"
             "except RuntimeError as e:\n    print('RuntimeError:', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -473,7 +473,7 @@ def cmd_stage(args) -> int:
                        f"{stage.port + stage.tp - 1}, past 65535")
     # before any worker starts (each would refuse alone, and a restart policy would start them again)
     check_exposure(stage.mesh_keys, stage.insecure_mesh, host=stage.host, coordinator=stage.coordinator)
-    from kernels.backend import check_device
+    from moemesh_kernels.backend import check_device
 
     check_device(stage.device)
     return run_stage(StageSettings.derive(stage, threads=threads_per_worker(stage.threads, stage.tp)))
@@ -502,7 +502,7 @@ def cmd_stage_worker(args) -> int:
         return cmd_standalone(args)
     if args.coordinator is None or args.pp_rank is None:
         raise CLIError("stage-worker needs --coordinator and --pp-rank (or --standalone)")
-    from kernels.backend import check_device
+    from moemesh_kernels.backend import check_device
 
     check_device(args.device)
     code = run(StageWorker(WorkerSettings.from_args(args, threads=threads_per_worker(args.threads, 1))).run())
@@ -542,7 +542,7 @@ def cmd_standalone(args) -> int:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
     if args.replay is not None and not any(Path(args.replay).glob("step-*.schedule")):
         raise CLIError(f"--replay {args.replay}: no recorded steps (step-*.schedule) there")
-    from kernels.memory import use_huge_pages
+    from moemesh_kernels.memory import use_huge_pages
     from moemesh.entrypoints.launcher import threads_per_worker
 
     torch.set_num_threads(threads_per_worker(args.threads, 1))

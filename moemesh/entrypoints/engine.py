@@ -16,8 +16,8 @@ import torch
 
 from coordinator.sequence import Sequence
 from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
-from kernels.backend import check_device
-from kernels.memory import use_huge_pages
+from moemesh_kernels.backend import check_device
+from moemesh_kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout

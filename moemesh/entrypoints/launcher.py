@@ -168,7 +168,7 @@ class LocalMesh:
     def _check_workers_can_run(self) -> None:
         """The workers run on this host: what they could not run (the device, the native kernels, the
         checkpoint's weight files) is one error now rather than a traceback in each of them."""
-        from kernels.backend import check_device, resolve_backend
+        from moemesh_kernels.backend import check_device, resolve_backend
         from stage_worker.loader import check_checkpoint
 
         check_device(self.worker.device)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kernels.fp8 import quantize_fp8
+from moemesh_kernels.fp8 import quantize_fp8
 from stage_worker.loader import read_index
 
 INDEX = "model.safetensors.index.json"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 from stage_worker.context import get_context
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_per_expert
+from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_per_expert
 from moemesh.config import ConfigError, ModelConfig, check_fp8_checkpoint, check_quantization
 from stage_worker.layers.linear import cpu_gemm_layout
 
@@ -269,7 +269,7 @@ class Fp8FusedMoEMethod:
     def bind_triton(self):
         """The Triton kernel on the fp8 operands: w8a8 with the static input scales, else the weights
         dequantized in the kernel (w8a16)."""
-        from kernels.fused_moe_triton import fused_experts_triton
+        from moemesh_kernels.fused_moe_triton import fused_experts_triton
 
         static = self.config.static_activations
 

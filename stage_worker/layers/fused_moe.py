@@ -10,7 +10,7 @@ weights are stored and multiplied is the business of a method object (`Unquantiz
 or what `quant.moe_method()` returns); another method (FP8) creates other parameters and computes
 differently, with no change to the layer or the model files.
 
-The backend (kernels.backend: "torch", "native", "triton"; `layer.backend`, set by
+The backend (moemesh_kernels.backend: "torch", "native", "triton"; `layer.backend`, set by
 `CausalLM.set_backend`) is chosen once: `process_weights_after_loading` lays the weights out for it and
 binds its routing (`layer.route`) and its expert computation (`quant_method.experts`); forward calls
 them and never looks at the backend's name. A layer not yet laid out computes with torch.
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import cpu_gemm, moe_torch
+from moemesh_kernels import cpu_gemm, moe_torch
 from stage_worker.layers.linear import check_shape, cpu_gemm_layout, native_pack
 from stage_worker.layers.parallel import TPGroup
 
@@ -41,7 +41,7 @@ Experts = Callable[["FusedMoE", torch.Tensor, torch.Tensor, torch.Tensor], torch
 def bind_router(backend: str, top_k: int, renormalize: bool) -> Router:
     """The backend's routing: softmax in float32, the top K, renormalized if asked (the three agree)."""
     if backend == "triton":
-        from kernels.fused_moe_triton import topk_softmax
+        from moemesh_kernels.fused_moe_triton import topk_softmax
 
         return lambda logits: topk_softmax(logits.contiguous(), top_k, renormalize, ids_dtype=torch.int64)
     if backend == "native":
@@ -60,7 +60,7 @@ def bind_experts(backend: str) -> Experts:
             w13, w2 = layer.packed
             return cpu_gemm.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, layer.expert_offset, lib).to(x.dtype)
     elif backend == "triton":
-        from kernels.fused_moe_triton import fused_experts_triton
+        from moemesh_kernels.fused_moe_triton import fused_experts_triton
 
         def experts(layer, x, topk_weights, topk_ids):
             return fused_experts_triton(x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
@@ -125,7 +125,7 @@ class FusedMoE(nn.Module):
             self.intermediate_size_per_partition = tp.split(intermediate_size, "expert intermediate size")
         self.checkpoint_names = dict(zip(("w1", "w3", "w2"), checkpoint_names))
         self.reduce_results = reduce_results
-        # "torch" | "native" | "triton" (kernels.backend); the loader sets it before process_weights_after_loading
+        # "torch" | "native" | "triton" (moemesh_kernels.backend); the loader sets it before process_weights_after_loading
         self.backend = "torch"
         self.route: Router = bind_router(self.backend, top_k, renormalize)
         self.packed: tuple[cpu_gemm.PackedWeight, cpu_gemm.PackedWeight] | None = None  # (w13, w2), native

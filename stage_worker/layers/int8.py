@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 from stage_worker.layers.fused_moe import UnquantizedFusedMoEMethod
 from stage_worker.layers.linear import UnquantizedLinearMethod
 

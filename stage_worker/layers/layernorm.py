@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.backend = "torch"  # set by the loader (kernels.backend)
+        self.backend = "torch"  # set by the loader (moemesh_kernels.backend)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # as Hugging Face does: statistics in float32, scale applied in the input dtype

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 from stage_worker.layers.parallel import TPGroup
 
 
@@ -103,7 +103,7 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.input_size = input_size  # per rank
         self.output_size = output_size  # per rank
-        self.backend = "torch"  # the loader sets it (kernels.backend) before process_weights_after_loading
+        self.backend = "torch"  # the loader sets it (moemesh_kernels.backend) before process_weights_after_loading
         self.packed: cpu_gemm.PackedWeight | None = None  # the weight packed for the native kernels
         self.quant_method = quant.linear_method() if quant is not None else UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size)

@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch import nn
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 
 from moemesh.config import RopeConfig
 

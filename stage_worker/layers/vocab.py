@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemm
+from moemesh_kernels import cpu_gemm
 from stage_worker.layers.linear import check_shape
 from stage_worker.layers.parallel import TPGroup
 

@@ -135,7 +135,7 @@ class CausalLM(nn.Module):
         return self.has_head and self.lm_head.screen is not None
 
     def set_backend(self, backend: str) -> None:
-        """Which kernels every layer computes with ("torch" | "native" | "triton", kernels.backend);
+        """Which kernels every layer computes with ("torch" | "native" | "triton", moemesh_kernels.backend);
         before `process_weights_after_loading`, which lays out the weights for them and binds the
         linear and MoE layers' kernels once."""
         for module in self.modules():

@@ -39,7 +39,7 @@ def measure_machine(dtype: torch.dtype) -> dict:
     """Matmul peaks (FLOP/s: float32, and `dtype`'s), read bandwidth and copy bandwidth (bytes/s)
     with the current thread count; best of 3. Reading uses the native kernels' streaming sum where
     they build, else torch's."""
-    from kernels.cpu_gemm import native, read_sum
+    from moemesh_kernels.cpu_gemm import native, read_sum
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     ad, bd = a[:512, :512].to(dtype), b[:512, :512].to(dtype)  # smaller: bfloat16 can be very slow here
