@@ -40,7 +40,6 @@ MEASURE_LIMIT = 1 << 30  # checkpoint bytes of four layers (the measurement hold
 TIMEOUT = 90.0  # seconds the measurement may take (8-9 s for the bench model's 265 MB of four layers)
 BARE_AUTO_LENGTHS = (32, 32)  # prompt and output tokens a plain "auto" (a 1:1 mix) is measured with
 _ROOT = Path(__file__).resolve().parent.parent
-_SOURCES = ("stage_worker", "kernels")  # (new kernels or stage code price a layer anew)
 _SETTINGS_ENV = ("MOEMESH_AMX", "MOEMESH_PREFETCH")
 
 
@@ -66,13 +65,19 @@ def _torch_version() -> str:
         return ""
 
 
+def _source_folders() -> tuple[str, ...]:
+    """The code whose change prices a layer anew: the stage's and the kernels', kernels/ in a checkout
+    and moemesh_kernels/ where a wheel is installed (a `kernels` beside it there is HuggingFace's)."""
+    return "stage_worker", "moemesh_kernels" if (_ROOT / "moemesh_kernels").is_dir() else "kernels"
+
+
 def _key(model_dir: Path, args: dict) -> str:
     h = hashlib.sha256()
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors"))
     h.update(json.dumps([str(model_dir.resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
                          args, _cpu(), os.cpu_count(), sys.executable, _torch_version(),
                          {k: os.environ.get(k) for k in _SETTINGS_ENV}], sort_keys=True).encode())
-    for folder in _SOURCES:
+    for folder in _source_folders():
         for path in sorted((_ROOT / folder).rglob("*")):
             if path.suffix in (".py", ".c", ".cpp") and path.is_file():
                 h.update(path.read_bytes())

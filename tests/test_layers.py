@@ -151,8 +151,16 @@ def test_the_packages_pyproject_lists_are_the_tree():
     import tomllib
 
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    directories = {name: ROOT / setuptools.get("package-dir", {}).get(name, name.replace(".", "/"))
-                   for name in setuptools["packages"]}
+    mapped = setuptools.get("package-dir", {})
+
+    def directory(name: str) -> Path:  # as setuptools finds it: through the longest mapped prefix
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in mapped:
+                return ROOT / mapped[".".join(parts[:n])] / Path(*parts[n:])
+        return ROOT / Path(*parts)
+
+    directories = {name: directory(name) for name in setuptools["packages"]}
     tree = {".".join((package, *path.parent.relative_to(ROOT / directory).parts))
             for package, directory in PACKAGES.items() for path in (ROOT / directory).rglob("*.py")}
     assert set(setuptools["packages"]) == tree

@@ -110,3 +110,26 @@ def test_the_engine_splits_by_the_measurement(tiny, monkeypatch):
     from moemesh.layout import balanced_partition
 
     assert LLMEngine(settings, progress=False).layout.stage_layers == balanced_partition(ModelConfig.from_dir(tiny), 2)
+
+
+def test_the_cache_key_follows_the_kernel_sources_in_a_checkout_and_installed(tmp_path, monkeypatch):
+    """kernels/ in a checkout, moemesh_kernels/ where a wheel is installed, beside HuggingFace's
+    `kernels`: an edit to our kernel source prices the layers anew, one to theirs does not."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for layout, ours in (("checkout", "kernels"), ("site-packages", "moemesh_kernels")):
+        root = tmp_path / layout
+        (root / "stage_worker").mkdir(parents=True)
+        (root / ours).mkdir()
+        (root / ours / "cpu_gemm.c").write_text("int a;")
+        if layout == "site-packages":
+            (root / "kernels").mkdir()
+            (root / "kernels" / "__init__.py").write_text("# HuggingFace's")
+        monkeypatch.setattr(step_costs, "_ROOT", root)
+        before = step_costs._key(model, {})
+        (root / ours / "cpu_gemm.c").write_text("int b;")
+        assert step_costs._key(model, {}) != before
+        if layout == "site-packages":
+            after = step_costs._key(model, {})
+            (root / "kernels" / "__init__.py").write_text("# HuggingFace's, a newer one")
+            assert step_costs._key(model, {}) == after
