@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-from moemesh_kernels import cpu_gemm
-
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.protocol import Schedule, SeqWork
 from moemesh.sampling import SamplingParams
+from moemesh_kernels import cpu_gemm
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.runner import StageRunner, StepInput

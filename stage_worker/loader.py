@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from moemesh_kernels.backend import resolve_backend
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.errors import LoadError
+from moemesh_kernels.backend import resolve_backend
 from stage_worker.layers.linear import load_whole
 from stage_worker.layers.parallel import TPGroup
 from stage_worker.models import CausalLM, model_class

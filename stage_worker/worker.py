@@ -28,7 +28,6 @@ import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
-from moemesh_kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
@@ -38,6 +37,7 @@ from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, 
                               ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
                               WorkerFailed)
 from moemesh.settings import WorkerSettings
+from moemesh_kernels.memory import use_huge_pages
 from stage_worker.executor import StageExecutor
 from stage_worker.layers.fp8 import resolve_quantization
 from stage_worker.layers.parallel import TPGroup

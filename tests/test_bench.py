@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from moemesh_kernels.cpu_gemm import native
 from moemesh.entrypoints.bench.model import step_cost
 from moemesh.entrypoints.cli import main
 from moemesh.config import ModelConfig
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh_kernels.cpu_gemm import native
 
 
 def test_bench_model_json_rows(tmp_path, capsys):

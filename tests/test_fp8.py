@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-import moemesh_kernels.fp8
-from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, quantize_fp8, quantize_fp8_per_expert
-from moemesh_kernels.moe_torch import fused_experts, select_experts
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.entrypoints.quantize import quantize_checkpoint
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+import moemesh_kernels.fp8
+from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, quantize_fp8, quantize_fp8_per_expert
+from moemesh_kernels.moe_torch import fused_experts, select_experts
 from stage_worker.layers.fp8 import Fp8Config, bind_scale_loaders
 from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
+from moemesh.config import ModelConfig, RopeConfig
 from moemesh_kernels import cpu_gemm
 from moemesh_kernels.moe_torch import fused_experts, select_experts
-from moemesh.config import ModelConfig, RopeConfig
 from reference_moe import reference_moe
 from stage_worker.layers.fused_moe import FusedMoE
 from stage_worker.layers.linear import ColumnParallelLinear

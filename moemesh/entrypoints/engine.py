@@ -16,8 +16,6 @@ import torch
 
 from coordinator.sequence import Sequence
 from coordinator.step_loop import StepLoop, check_num_steps, in_flight_limit, make_core
-from moemesh_kernels.backend import check_device
-from moemesh_kernels.memory import use_huge_pages
 from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout
@@ -25,6 +23,8 @@ from moemesh.protocol import RequestOutput
 from moemesh.sampling import SamplingParams
 from moemesh.settings import EngineSettings
 from moemesh.step_costs import partition_costs
+from moemesh_kernels.backend import check_device
+from moemesh_kernels.memory import use_huge_pages
 from stage_worker.in_process import InProcessPipeline
 from stage_worker.runner import StepInput
 from stage_worker.tensors import torch_dtype

@@ -9,9 +9,8 @@ import weakref
 import torch
 from torch import nn
 
-from moemesh_kernels import cpu_gemm
-
 from moemesh.config import RopeConfig
+from moemesh_kernels import cpu_gemm
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
