@@ -79,3 +79,48 @@ def test_a_mesh_started_here_gives_each_worker_its_gpu_and_keeps_loopback_withou
 
         with pytest.raises(BackendError, match="--device cuda"):
             mesh._check_workers_can_run()
+
+
+def test_an_actor_ray_cannot_start_fails_its_restart_instead_of_holding_the_watch(tmp_path, monkeypatch):
+    """A replacement actor whose bundle's node is gone: Ray waits for another node without end, so the
+    launcher waits PLACEMENT_TIMEOUT for it, kills it and fails the restart (the watch goes on)
+    rather than holding its one watch thread. Ray is a stand-in here: it never starts the actor."""
+    import sys
+    import types
+
+    from moemesh.entrypoints import ray_launcher
+    from moemesh.entrypoints.launcher import LaunchError
+    from moemesh.settings import EngineSettings
+
+    killed, waited = [], []
+
+    def get(ref, timeout=None):
+        if timeout is None:
+            raise AssertionError("ray.get of an actor that never starts, without a timeout: waits for ever")
+        waited.append(timeout)
+        raise TimeoutError("GetTimeoutError")
+
+    class Actor:
+        node_ip = types.SimpleNamespace(remote=lambda: "ref")
+
+    class ActorClass:
+        def options(self, **_):
+            return types.SimpleNamespace(remote=Actor)
+
+    fake = types.ModuleType("ray")
+    fake.get, fake.kill = get, killed.append
+    strategies = types.ModuleType("ray.util.scheduling_strategies")
+    strategies.PlacementGroupSchedulingStrategy = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setitem(sys.modules, "ray.util", types.ModuleType("ray.util"))
+    monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", strategies)
+    build_hf_model("mixtral", tmp_path)
+    mesh = ray_launcher.RayMesh.of(EngineSettings(model=str(tmp_path), pp=2))
+    mesh._actor_cls = ActorClass()
+    name = "ray actor pp=1 tp=0"
+    mesh.placement[name] = ("tcp://127.0.0.1:1", 1, 0, object())
+    with pytest.raises(LaunchError, match=f"did not start {name} within 120 s"):
+        mesh._start_actor(name)
+    assert waited == [ray_launcher.PLACEMENT_TIMEOUT] and len(killed) == 1
+    assert mesh._respawn(name) is False and len(killed) == 2  # (logged; the watch reports the mesh down)
+    assert name not in mesh.runs and not mesh.actors

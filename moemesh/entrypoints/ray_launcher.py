@@ -22,6 +22,10 @@ from moemesh.log import get_logger
 
 log = get_logger("ray")
 
+# seconds Ray may take to place a stage's bundles, and to start an actor in its bundle (a bundle
+# whose node is gone waits for another: a restart that waits longer fails, as one that cannot start)
+PLACEMENT_TIMEOUT = 120.0
+
 
 def _worker_actor():
     import ray
@@ -93,7 +97,7 @@ class RayMesh(LocalMesh):
         gpu = 1 if self.gpu else 0
         for p in range(pp):
             group = placement_group([{"CPU": 0.01, **({"GPU": 1} if gpu else {})}] * tp, strategy="STRICT_PACK")
-            if not group.wait(timeout_seconds=120):
+            if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT):
                 raise LaunchError(f"Ray could not place stage {p}'s {tp} workers on one node")
             self.groups.append(group)
             for t in range(tp):
@@ -112,7 +116,12 @@ class RayMesh(LocalMesh):
             num_cpus=0.01, num_gpus=gpu,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
         ).remote()
-        host = ray.get(actor.node_ip.remote())
+        try:
+            host = ray.get(actor.node_ip.remote(), timeout=PLACEMENT_TIMEOUT)
+        except TimeoutError:  # (ray.exceptions.GetTimeoutError)
+            ray.kill(actor)
+            raise LaunchError(f"Ray did not start {name} within {PLACEMENT_TIMEOUT:.0f} s "
+                              f"(is the node of its placement group gone?)") from None
         # beyond loopback only with keys (or --insecure-mesh): the activation socket faces the network
         worker = self.worker_settings(coordinator, p, t, host="0.0.0.0" if self.exposed else "127.0.0.1",
                                       advertise_host=host if self.exposed else "127.0.0.1",
