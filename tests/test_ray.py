@@ -83,8 +83,9 @@ def test_a_mesh_started_here_gives_each_worker_its_gpu_and_keeps_loopback_withou
 
 def test_an_actor_ray_cannot_start_fails_its_restart_instead_of_holding_the_watch(tmp_path, monkeypatch):
     """A replacement actor whose bundle's node is gone: Ray waits for another node without end, so the
-    launcher waits PLACEMENT_TIMEOUT for it, kills it and fails the restart (the watch goes on)
-    rather than holding its one watch thread. Ray is a stand-in here: it never starts the actor."""
+    launcher waits PLACEMENT_TIMEOUT for it, kills it and fails the restart (the watch then reports
+    the mesh down) rather than holding its one watch thread for ever. Ray is a stand-in here: it
+    never starts the actor."""
     import sys
     import types
 
