@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +47,7 @@ def test_compose_files_are_valid(path):
         if check[0] == "CMD" and check[1] == "pgrep":  # (python:3.11-slim has no procps of its own)
             assert "procps" in (REPO / dockerfiles[svc["image"]]).read_text(), (name, dockerfiles[svc["image"]])
         assert svc.get("restart") == "unless-stopped", name
+        assert svc.get("init") is True, f"{name} runs as its container's first process (no init)"
         if name.startswith("stage"):
             devices = svc["deploy"]["resources"]["reservations"]["devices"]
             assert devices[0]["capabilities"] == ["gpu"] and svc.get("shm_size")
@@ -115,3 +120,29 @@ def test_every_variable_a_service_sets_is_a_flag_of_its_command(path, monkeypatc
                 continue
             assert hasattr(args, dest), f"{path} {name}: {var} is no flag of `moemesh {command[0]}`"
             assert render(getattr(args, dest)) == value, f"{path} {name}: {var}"
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare as root")
+def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
+    """`docker stop` (a compose service without `init`) and a Kubernetes pod's deletion send SIGTERM
+    to the container's first process, and the kernel does not apply SIGTERM's default action to a PID
+    namespace's init: without a handler the process would wait out the grace period and be killed."""
+    proc = subprocess.Popen(["unshare", "--pid", "--kill-child", sys.executable, "-m", "moemesh", "coordinator",
+                             "--model", str(REPO / "moemesh" / "demo_model"), "--port", "0", "--client-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        assert proc.stdout.readline().startswith(b"MOEMESH_COORDINATOR "), "the coordinator did not start"
+        # the coordinator: PID 1 inside, unshare's child outside
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        nspid = next(line for line in Path(f"/proc/{children[0]}/status").read_text().splitlines()
+                     if line.startswith("NSpid:"))
+        assert nspid.split()[-1] == "1", nspid  # (its PID in the innermost namespace)
+        os.kill(int(children[0]), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.returncode == 128 + signal.SIGTERM, "SIGTERM left the container's first process running"
+    finally:
+        proc.kill()
+        proc.wait()

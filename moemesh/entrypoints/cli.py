@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -313,9 +314,19 @@ def out_path(text: str) -> Path:
 out_path.__name__ = "path (not empty)"
 
 
+def _exit_terminated(signum, frame) -> None:
+    os._exit(128 + signum)  # what SIGTERM's default action would end it with, children left to their death signal
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if os.getpid() == 1 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        # a container's first process (docker without --init, a Kubernetes pod): the kernel does not
+        # apply SIGTERM's default action to a namespace's init, so `docker stop` and a pod's deletion
+        # would wait out their grace period and kill it. It ends on SIGTERM here as it does anywhere
+        # else.
+        signal.signal(signal.SIGTERM, _exit_terminated)
     backend = getattr(args, "moe_backend", None)  # (`bench model` takes a list)
     if (backend == "triton" or isinstance(backend, list) and "triton" in backend) \
             and getattr(args, "device", "cpu") == "cpu":
