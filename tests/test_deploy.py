@@ -128,9 +128,11 @@ def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
     """`docker stop` (a compose service without `init`) and a Kubernetes pod's deletion send SIGTERM
     to the container's first process, and the kernel does not apply SIGTERM's default action to a PID
     namespace's init: without a handler the process would wait out the grace period and be killed."""
-    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+    probe = subprocess.run(["unshare", "--pid", "--kill-child", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"PID namespaces cannot be made here: {probe.stderr.strip()}")
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        pytest.skip("no /proc/PID/task/TID/children here (CONFIG_PROC_CHILDREN)")
     proc = subprocess.Popen(["unshare", "--pid", "--kill-child", sys.executable, "-m", "moemesh", "coordinator",
                              "--model", str(REPO / "moemesh" / "demo_model"), "--port", "0", "--client-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -150,3 +152,4 @@ def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()

@@ -315,13 +315,15 @@ out_path.__name__ = "path (not empty)"
 
 
 def _exit_terminated(signum, frame) -> None:
-    os._exit(128 + signum)  # what SIGTERM's default action would end it with, children left to their death signal
+    # the status SIGTERM's default action gives; the kernel then kills whatever is left in the namespace
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if os.getpid() == 1 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    on_term = signal.getsignal(signal.SIGTERM)
+    if os.getpid() == 1 and on_term == signal.SIG_DFL:
         # a container's first process (docker without --init, a Kubernetes pod): the kernel does not
         # apply SIGTERM's default action to a namespace's init, so `docker stop` and a pod's deletion
         # would wait out their grace period and kill it. It ends on SIGTERM here as it does anywhere
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("MOEMESH_LOG_LEVEL", None)
         else:
             os.environ["MOEMESH_LOG_LEVEL"] = before
+        if signal.getsignal(signal.SIGTERM) is _exit_terminated:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 def _from_environment(message: str, argv: list[str], args: argparse.Namespace | None = None) -> str:
