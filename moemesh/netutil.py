@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 
 import zmq
 import zmq.asyncio
@@ -21,10 +23,39 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def run(coro) -> object:
-    """asyncio.run on uvloop: on Ctrl-C the main task is cancelled and every task cleaned up."""
+def run(coro, stop_on_sigterm: bool = False) -> object:
+    """asyncio.run on uvloop: on Ctrl-C the main task is cancelled and every task cleaned up. With
+    `stop_on_sigterm`, SIGTERM (a service manager's stop: `docker stop`, systemd, a pod's deletion)
+    does the same and run returns None: the HTTP gateway stops listening and gives the requests in
+    flight its shutdown timeout to finish. A second SIGTERM ends the process at once."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(coro)
+        return runner.run(_until_sigterm(coro) if stop_on_sigterm else coro)
+
+
+async def _until_sigterm(coro):
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        if stopping:
+            os._exit(128 + signal.SIGTERM)
+        stopping = True
+        logging.getLogger("moemesh").info("stopping on SIGTERM")
+        main.cancel()
+
+    before = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
+        return None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        if before is not None:  # (the handler of a container's first process, `cli.main`)
+            signal.signal(signal.SIGTERM, before)
 
 
 def bind(sock: zmq.Socket, host: str, port: int, flags: str = "--host/--port") -> int:

@@ -502,7 +502,7 @@ def cmd_gateway(args) -> int:
     cfg = GatewaySettings.from_args(args)
     ssl_context(cfg)  # (a bad certificate or key now, not once the pipeline serves)
     try:
-        run(run_gateway(cfg))
+        run(run_gateway(cfg), stop_on_sigterm=True)
     except (PipelineFailed, TimeoutError) as e:
         raise CLIError(f"--coordinator {cfg.coordinator}: {e}") from None
     return 0

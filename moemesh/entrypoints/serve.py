@@ -41,7 +41,8 @@ def run_serve(args) -> int:
         # a restarted coordinator would find no workers: there it stays fatal)
         mesh.restart_coordinator = args.launcher == "local"
         with mesh:
-            run(_serve(mesh, GatewaySettings.derive(gateway, coordinator=mesh.client_address), socks))
+            run(_serve(mesh, GatewaySettings.derive(gateway, coordinator=mesh.client_address), socks),
+                stop_on_sigterm=True)
     except (LaunchError, RuntimeError, TimeoutError) as e:
         raise CLIError(str(e)) from None
     finally:
