@@ -1164,4 +1164,4 @@ def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model):
     finally:
         if s.proc.poll() is None:
             os.killpg(s.proc.pid, signal.SIGKILL)
-        s.proc.communicate()
+        s.proc.communicate(timeout=30)
