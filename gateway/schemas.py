@@ -43,6 +43,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: up to the context length)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and rank, with this many alternatives
     # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -52,14 +53,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     structured_outputs: Any = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     logits_processors: Any = None
 
 
 VLLM_UNSUPPORTED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "structured_outputs", "use_beam_search", "prompt_logprobs", "return_tokens_as_token_ids",
+                    "structured_outputs", "use_beam_search", "return_tokens_as_token_ids",
                     "spaces_between_special_tokens", "logits_processors")
 
 

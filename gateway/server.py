@@ -351,7 +351,10 @@ class Gateway:
                 return 16
             return max(1, self.max_model_len - len(prompt)) if body.max_tokens is None else body.max_tokens
 
-        params = [self._params(body, len(p), max_tokens(p), body.logprobs, body.logprobs if body.echo else None)
+        self._check_prompt_logprobs(body)
+        # the echo's logprobs and vLLM's prompt_logprobs come from one computation, with the larger top-N
+        asked = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        params = [self._params(body, len(p), max_tokens(p), body.logprobs, max(asked, default=None))
                   for p in prompts]
         return await self._serve(request, body, "cmpl", prompts, params, chat=False, echoes=echoes)
 
@@ -373,8 +376,19 @@ class Gateway:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = [self._params(body, len(ids), max_tokens, logprobs, None, param, "messages")]
+        self._check_prompt_logprobs(body)
+        params = [self._params(body, len(ids), max_tokens, logprobs, body.prompt_logprobs, param, "messages")]
         return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
+
+    @staticmethod
+    def _check_prompt_logprobs(body: SamplingFields) -> None:
+        """vLLM's prompt_logprobs: 0 to MAX_LOGPROBS alternatives, and not in a stream (as vLLM)."""
+        if body.prompt_logprobs is None:
+            return
+        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+            raise HTTPError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+        if body.stream:
+            raise HTTPError(400, "prompt_logprobs is not available when streaming (stream: true)", "prompt_logprobs")
 
     def _truncated(self, body: SamplingFields, prompt: list[int]) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context takes)."""
@@ -575,14 +589,18 @@ class Gateway:
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(c.logprobs, prompt if body.echo else None,
                                                    prompt_lps.get(index), None, body.skip_special_tokens,
-                                                   echoes[index // body.n] if body.echo else None)[0]
+                                                   echoes[index // body.n] if body.echo else None, body.logprobs)[0]
                 if body.echo:
                     text = echoes[index // body.n] + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
-        usage = _usage(jobs, choices, body.n)
-        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": self.model_name, "choices": out,
-                                  "usage": usage})
+                if body.prompt_logprobs is not None:  # (vLLM's: on each choice, of its prompt)
+                    out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps[index], body.prompt_logprobs)
+        response = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()), "model": self.model_name, "choices": out,
+                    "usage": _usage(jobs, choices, body.n)}
+        if chat and body.prompt_logprobs is not None:  # (vLLM's: beside the choices, which share the prompt)
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps[0], body.prompt_logprobs)
+        return web.json_response(response)
 
     async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -788,8 +806,27 @@ class Gateway:
                     "bytes": list(self.tokenizer.token_bytes(token_id))}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
+    def _vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], top_n: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: for each prompt position, None (the first) or {token id: {logprob,
+        rank, decoded_token}} of the prompt's token (first, with its rank in the vocabulary) and its
+        top-N alternatives (ranked 1 to N)."""
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_label(token_id)}
+
+        out: list[dict | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            at = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(lp.top[:top_n], 1):
+                at.setdefault(str(t), entry(t, v, rank))
+            out.append(at)
+        return out
+
     def _completion_logprobs(self, lps: list[TokenLogprobs], echo_prompt, prompt_lps, at: TextAt | None = None,
-                             skip_special_tokens: bool = True, echo_text: str | None = None) -> tuple[dict, TextAt]:
+                             skip_special_tokens: bool = True, echo_text: str | None = None,
+                             top_n: int | None = None) -> tuple[dict, TextAt]:
         """-> (the logprobs object, where the text after these tokens starts). `at`: where the first
         token starts (a stream's later chunk: where the one before ended). Each position's top_logprobs
         holds its own token too (OpenAI: "up to logprobs+1 elements", as vLLM gives). A token is named
@@ -797,7 +834,8 @@ class Gateway:
         text_offset counts the whole characters before it, so a character's pieces share its offset.
         `echo_text`: the echoed prompt as returned: the generated tokens' offsets count from its end (a
         prompt sent as text is echoed as sent, which its tokens may not spell out: a BOS the tokenizer
-        added, a SentencePiece leading space)."""
+        added, a SentencePiece leading space). `top_n`: the alternatives shown at each position (the
+        prompt's may have been computed with more, for vLLM's prompt_logprobs)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         at = at or TextAt()
         entries = []  # (token, its logprobs, whether the returned text shows it)
@@ -813,7 +851,7 @@ class Gateway:
             token_lps.append(lp.logprob if lp is not None else None)
             top = None
             if lp is not None:
-                top = {self.tokenizer.token_label(t): v for t, v in lp.top}
+                top = {self.tokenizer.token_label(t): v for t, v in lp.top[:top_n]}
                 top.setdefault(label, lp.logprob)
             tops.append(top)
             offsets.append(at.offset)

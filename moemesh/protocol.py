@@ -34,8 +34,8 @@ class ProtocolError(ValueError):
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
-# (`Schedule.mlp_handoff`).
-PROTOCOL_VERSION = 4
+# (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`).
+PROTOCOL_VERSION = 5
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 
@@ -102,6 +102,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # 1 + the tokens likelier than it (vLLM's rank); 0 where not computed (sampled tokens)
 
 
 class RequestOutput(msgspec.Struct, tag="output", frozen=True):

@@ -186,7 +186,7 @@ class StageExecutor:
         out: dict[int, PromptLogprobs] = {}
         for i, (_, seq_id, pos) in enumerate(prompt_rows):
             st = self.seqs[seq_id]
-            entry = token_logprobs(lp[i], st.prompt_ids[pos], st.params.prompt_logprobs)
+            entry = token_logprobs(lp[i], st.prompt_ids[pos], st.params.prompt_logprobs, rank=True)
             if seq_id not in out:
                 out[seq_id] = PromptLogprobs(seq_id, pos, [])
             out[seq_id].logprobs.append(entry)

@@ -82,13 +82,15 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
-    """One position's logprob of `token` and its top-N alternatives, from a [V] log-softmax row."""
+def token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int, rank: bool = False) -> TokenLogprobs:
+    """One position's logprob of `token` and its top-N alternatives, from a [V] log-softmax row;
+    `rank`: also the token's rank, 1 + the tokens strictly likelier (a tie shares the better rank)."""
     top = []
     if top_n:
         values, ids = logprobs_row.topk(top_n)
         top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprobs(token, float(logprobs_row[token]), top)
+    value = logprobs_row[token]
+    return TokenLogprobs(token, float(value), top, int((logprobs_row > value).sum()) + 1 if rank else 0)
 
 
 def _needs_edit(r: SampleRow) -> bool:

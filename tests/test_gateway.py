@@ -944,6 +944,72 @@ def test_an_echo_keeps_the_prompts_special_tokens_and_offsets_follow_the_text(se
     assert lp["text_offset"][:n + 1] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 1)]
 
 
+def test_prompt_logprobs_are_vllms_shape_and_transformers_values(model, server):
+    """vLLM's prompt_logprobs: per prompt position null (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt's token first with its rank in the vocabulary, then its top N; on every
+    completion choice, beside the choices of a chat completion; an echo's logprobs beside them keep
+    their own N; refused in a stream and out of range."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def check(plp, ids, k):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), dim=-1)
+        assert len(plp) == len(ids) and plp[0] is None
+        for pos in range(1, len(ids)):
+            row, token, at = ref[pos - 1], ids[pos], plp[pos]
+            top = row.topk(k)
+            assert list(at)[0] == str(token)
+            assert set(at) == {str(token), *map(str, top.indices.tolist())}
+            mine = at[str(token)]
+            assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            # (1 + the likelier tokens; a tolerance for near-ties between two float computations)
+            assert (int((row > row[token] + 1e-4).sum()) + 1 <= mine["rank"]
+                    <= int((row > row[token] - 1e-4).sum()) + 1), (pos, mine)
+            assert mine["decoded_token"] == tok.token_label(token)
+            for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+                assert at[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
+                if t != token:
+                    assert at[str(t)]["rank"] == rank and at[str(t)]["decoded_token"] == tok.token_label(t)
+
+    url = f"{server.url}/v1/completions"
+    prompt = "The quick brown fox jumps over"
+    ids = tok.encode(prompt)
+    status, raw, _ = http("POST", url, {"prompt": prompt, "max_tokens": 2, "temperature": 0, "n": 2,
+                                        "prompt_logprobs": 3, "echo": True, "logprobs": 1})
+    assert status == 200, raw
+    choices = json.loads(raw)["choices"]
+    assert len(choices) == 2
+    for c in choices:
+        check(c["prompt_logprobs"], ids, 3)
+        # the echo's logprobs come from the same computation and show their own one alternative
+        lp = c["logprobs"]
+        assert all(len(t) <= 2 for t in lp["top_logprobs"][1:len(ids)])
+        assert lp["token_logprobs"][1:len(ids)] == [c["prompt_logprobs"][p][str(ids[p])]["logprob"]
+                                                    for p in range(1, len(ids))]
+    plain = json.loads(http("POST", url, {"prompt": prompt, "max_tokens": 1})[1])["choices"][0]
+    assert "prompt_logprobs" not in plain  # (only where asked)
+
+    chat = f"{server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = json.loads(http("POST", f"{server.url}/tokenize", {"messages": messages})[1])["tokens"]
+    status, raw, _ = http("POST", chat, {"messages": messages, "max_tokens": 2, "prompt_logprobs": 0})
+    assert status == 200, raw
+    body = json.loads(raw)
+    check(body["prompt_logprobs"], ids, 0)
+    assert "prompt_logprobs" not in body["choices"][0]
+
+    for bad in [{"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}]:
+        for where, request in [(url, {"prompt": "x", **bad}), (chat, {"messages": messages, **bad})]:
+            status, raw, _ = http("POST", where, request)
+            assert status == 400 and json.loads(raw)["error"]["param"] == "prompt_logprobs", (bad, raw)
+
+
 def _bytes_of(label: str) -> bytes:
     """A logprobs token name back to its bytes ("bytes:\\xNN..." or text)."""
     if label.startswith("bytes:"):
