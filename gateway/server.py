@@ -1104,7 +1104,8 @@ async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, 
     gw = Gateway(cfg)
     if down is not None:
         down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=cfg.drain_timeout,
                            auto_decompress=False)  # (bodies are decoded by decoded_body)
     try:
         await runner.setup()  # (waits for the pipeline to serve)

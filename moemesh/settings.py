@@ -510,4 +510,7 @@ class GatewaySettings(MeshSecurity):
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)
+    drain_timeout: float = flag(5.0, "seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish after "
+                                     "the gateway stops listening; it then cancels the rest and waits as long "
+                                     "again for them to end", parse=positive_float)
     max_body_bytes: int = 8 << 20

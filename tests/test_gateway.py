@@ -1206,11 +1206,12 @@ def test_the_gateway_binds_every_address_its_host_names_on_one_port():
             s.close()
 
 
-def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model):
+@pytest.mark.parametrize("drain", [None, "0.05"], ids=["default-drain", "short-drain"])
+def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model, drain):
     """A service manager's stop (`docker stop`, systemd, a pod's deletion) is SIGTERM: `serve` stops
-    listening, lets the stream in flight finish within the gateway's shutdown timeout, stops its mesh
-    and exits 0, as on Ctrl-C."""
-    s = Server(model, "--pp", "2")
+    listening, lets the stream in flight finish within --drain-timeout (5 s), stops its mesh and exits
+    0, as on Ctrl-C; a shorter --drain-timeout cuts the stream."""
+    s = Server(model, "--pp", "2", *(["--drain-timeout", drain] if drain else []))
     try:
         body = {"model": "tiny-mixtral", "prompt": "The quick brown fox", "max_tokens": 120, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -1222,6 +1223,10 @@ def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model):
             os.kill(s.proc.pid, signal.SIGTERM)
             events = [first.decode()] + [line.decode() for line in r]
         data = [e[len("data: "):].strip() for e in events if e.startswith("data: ")]
+        if drain:
+            assert data[-1] != "[DONE]" and len(data) < 100, data[-3:]  # (cut long before its 120 tokens)
+            assert s.proc.wait(timeout=30) == 0
+            return
         assert data[-1] == "[DONE]", data[-3:]
         chunks = [json.loads(d) for d in data[:-1]]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
