@@ -52,6 +52,7 @@ class WorkerInfo:
     last_step: int = -1  # the last step it finished (its heartbeat says)
     received_step: int = -1  # the last schedule it took (its heartbeat says)
     heard_at: float = 0.0  # when its last heartbeat came
+    next_unreached: float = 0.0  # seconds its link to the next stage has been connecting, never connected
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -159,6 +160,20 @@ class WorkerRegistry:
         if w is not None:
             w.phase = Phase.DOWN
         self.enter(Phase.DOWN)
+
+    def unreached(self, grace: float) -> str:
+        """Names the first link between stages that has been connecting for `grace` seconds or more
+        without ever connecting (heartbeats say), or ""."""
+        stuck = sorted(w.rank for w in self.workers.values() if w.next_unreached >= grace)
+        if not stuck:
+            return ""
+        w = self.workers[stuck[0]]
+        nxt = self.workers.get((w.pp_rank + 1, w.tp_rank))
+        where = f" at {nxt.data_address}" if nxt is not None else ""
+        more = f" ({len(stuck) - 1} more such links)" if len(stuck) > 1 else ""
+        return (f"stage {w.pp_rank} (tp rank {w.tp_rank}) has not reached stage {w.pp_rank + 1}{where} in "
+                f"{w.next_unreached:.0f} s{more}: that stage's --advertise-host must be the address the other "
+                f"hosts reach it at (and, with --mesh-keys, both must hold the same mesh keys)")
 
     def stage_rank0(self, field: str) -> list:
         """`field` of each stage's tensor rank 0 (what /status reports per stage)."""

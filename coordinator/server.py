@@ -57,6 +57,9 @@ log = get_logger("coordinator")
 
 LOST_AFTER = 2.0  # seconds a computed step's result may take to arrive before it counts as lost
 STALL = 1.0  # seconds the watchdog may wake late before the delay counts as this process's own stall
+# seconds a link between stages may take to connect for the first time before the status names it
+# (connecting on a network takes milliseconds; one that never connects fails every step)
+UNREACHED_AFTER = 3.0
 
 
 class ZmqPipeline:
@@ -123,6 +126,7 @@ class Coordinator:
         self.core: EngineCore | None = None
         self.loop: StepLoop | None = None
         self.failure: str | None = None
+        self.unreached = ""  # a link between stages that never connected, named (registry.unreached)
         self.down_linger = 5.0  # seconds a down pipeline keeps answering status before `run` returns
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
@@ -427,6 +431,8 @@ class Coordinator:
             w.busy_seconds, w.comm_seconds, w.sent_bytes = msg.busy_seconds, msg.comm_seconds, msg.sent_bytes
             w.refused, w.malformed, w.last_step = msg.refused, msg.malformed, msg.last_step
             w.received_step, w.heard_at = msg.received_step, time.monotonic()
+            w.next_unreached = msg.next_unreached
+            self._check_links()
             if w.tp_rank == 0:
                 self.stage_spans[w.pp_rank].extend(msg.spans)
         elif isinstance(msg, Ready):
@@ -443,6 +449,16 @@ class Coordinator:
             await self._on_result(msg)
         elif isinstance(msg, WorkerFailed):
             self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
+
+    def _check_links(self) -> None:
+        """Logs a link between stages that never connected (a wrong --advertise-host, other mesh keys)
+        once it is named, and when it connects at last; the status names it meanwhile."""
+        unreached = self.registry.unreached(UNREACHED_AFTER)
+        if unreached and not self.unreached:
+            log.error("link between stages not connected", extra={"fields": {"reason": unreached}})
+        elif self.unreached and not unreached:
+            log.info("links between stages connected")
+        self.unreached = unreached
 
     async def _on_result(self, result: StepResult) -> None:
         if result.step_id in self.abandoned:  # computed before a worker was lost; recomputed since
@@ -705,7 +721,7 @@ class Coordinator:
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,
             prefix_cache_queries=core.blocks.queries if core else 0, prefix_cache_hits=core.blocks.hits if core else 0,
             mesh_refused=self.guard.refused + sum(w.refused for w in reg.workers.values()) + reg.refused_gone,
-            max_waiting=self.cfg.max_waiting)
+            max_waiting=self.cfg.max_waiting, unreached=self.unreached)
 
 
 def _handed_over(identity: bytes) -> bool:

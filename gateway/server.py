@@ -263,22 +263,28 @@ class Gateway:
                 "max_model_len": self.max_model_len}
 
     def _accepting(self) -> bool:
-        """Requests are taken while the pipeline serves or recovers (they wait for it)."""
-        return self.status.serving or self.status.phase == "recovering"
+        """Requests are taken while the pipeline serves or recovers (they wait for it), but not while a
+        link between its stages has never connected (every step would wait for it)."""
+        return (self.status.serving or self.status.phase == "recovering") and not self.status.unreached
+
+    def _not_serving(self) -> HTTPError:
+        return HTTPError(503, "the pipeline is not serving: "
+                              f"{self.status.failure or self.status.unreached or 'starting'}")
 
     async def health(self, request):
         """Whether this gateway and its pipeline are alive: 200 while serving or recovering."""
         if not self._accepting():
-            raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
+            raise self._not_serving()
         return web.json_response({"status": "ok", "pipeline": self.status.phase or "serving"})
 
     async def ready(self, request):
         """For load balancers: 200 only while the pipeline serves (not while it recovers)."""
         phase = self.status.phase or ("serving" if self.status.serving else "down")
-        body = {"ready": self.status.serving, "pipeline": phase}
-        if self.status.failure:
-            body["reason"] = self.status.failure
-        return web.json_response(body, status=200 if self.status.serving else 503)
+        ready = self.status.serving and not self.status.unreached
+        body = {"ready": ready, "pipeline": phase}
+        if self.status.failure or self.status.unreached:
+            body["reason"] = self.status.failure or self.status.unreached
+        return web.json_response(body, status=200 if ready else 503)
 
     async def version(self, request):
         return web.json_response({"version": __version__})
@@ -452,7 +458,7 @@ class Gateway:
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None):
         if not self._accepting():
-            raise HTTPError(503, f"the pipeline is not serving: {self.status.failure or 'starting'}")
+            raise self._not_serving()
         n_seqs = len(prompts) * body.n
         # never admitted, however long it waits: not a 429 to retry (the coordinator queues at most
         # --max-waiting sequences, and a request's all arrive at once)

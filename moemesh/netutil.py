@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import zmq
 import zmq.asyncio
@@ -91,6 +92,38 @@ def set_heartbeats(sock: zmq.Socket, interval_ms: int = 1000) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * interval_ms)
     sock.setsockopt(zmq.LINGER, 0)
+
+
+class LinkState:
+    """Whether a socket that connects to one address has ever connected: its monitor's first
+    handshake, read without waiting when asked (`unreached_for`, at each heartbeat; an asyncio
+    monitor's first event may not wake the loop). An address nobody listens at, one that does not
+    route, or a peer that refuses the handshake (other mesh keys) never gives one. A link that was up
+    and dropped is not counted: that is a lost peer, which recovery handles."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.since: float | None = time.monotonic()  # None once connected
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._events = zmq.Socket.shadow(self._monitor.underlying)
+
+    def unreached_for(self) -> float:
+        """Seconds the socket has been connecting without ever connecting; 0.0 once it has."""
+        if self.since is not None:
+            try:
+                self._events.recv_multipart(zmq.NOBLOCK)  # (the only event it watches)
+                self.since = None
+                self.close()
+            except zmq.Again:
+                return time.monotonic() - self.since
+        return 0.0
+
+    def close(self) -> None:
+        """Before the socket closes (once connected, the monitor is closed already)."""
+        if self._monitor.closed:
+            return
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
 
 
 class BadMessages:

@@ -156,6 +156,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
+    unreached: str = ""  # a link between stages that never connected (a wrong --advertise-host), named
     # with StatusRequest(timeline=True): the most recent steps (TIMELINE_SPANS at most) of each stage,
     # and the coordinator's own
     stage_spans: list[list[StepSpan]] = []
@@ -220,6 +221,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # (tensor rank 0) the steps it finished since its last heartbeat, oldest first: TIMELINE_SPANS at most
     # (4096 spans are about 120 KB), the newest of them if it ran more
     spans: list[StepSpan] = []
+    # seconds its link to the next stage has been connecting without ever connecting (a wrong address,
+    # a peer refusing its keys; 0: it connected, or there is no next stage)
+    next_unreached: float = 0.0
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

@@ -32,7 +32,7 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
-from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
+from moemesh.netutil import BadMessages, LinkState, bind, receive, set_heartbeats
 from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
                               ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
                               WorkerFailed)
@@ -92,6 +92,7 @@ class StageWorker:
         for sock in (self.ctrl, self.pull):  # more than the largest schedule or activations: cut off
             sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.push: zmq.asyncio.Socket | None = None
+        self.link: LinkState | None = None  # whether `push` has ever connected (heartbeats say)
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
         self.bad = BadMessages(log, "worker")
@@ -317,12 +318,14 @@ class StageWorker:
 
     def _connect_next(self, address: str) -> None:
         if self.push is not None:
+            self.link.close()
             self.push.close(linger=0)  # whatever it still held was for the lost worker
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.copy_threshold = COPY_BELOW  # (pyzmq copies a copy=False frame below it)
         self.push.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.push)
         self.guard.connect(self.push, "worker")
+        self.link = LinkState(self.push)
         self.push.connect(address)
 
     async def _send(self, msg) -> None:
@@ -489,7 +492,8 @@ class StageWorker:
                 spans.append(ex.spans.popleft())
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
                                        self.guard.refused, self.bad.count, self.last_step,
-                                       -1 if self.next_schedule is None else self.next_schedule - 1, spans))
+                                       -1 if self.next_schedule is None else self.next_schedule - 1, spans,
+                                       self.link.unreached_for() if self.link is not None else 0.0))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

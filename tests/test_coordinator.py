@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -715,3 +716,56 @@ def test_a_ready_out_of_turn_or_with_no_blocks_is_refused_and_counted(tiny):
     early, serving = asyncio.run(scenario())
     assert early.malformed_messages == 2 and early.phase == "loading" and early.failure is None
     assert serving.phase == "serving" and serving.num_blocks == 64
+
+
+def test_a_stage_the_previous_one_cannot_reach_is_named_and_the_gateway_refuses_requests(tiny):
+    """A wrong --advertise-host (an address nothing listens at): the worker registers and the pipeline
+    serves, but the previous stage never connects to it, and every step would wait --step-timeout.
+    Within seconds the status names the link and the address, and the gateway answers 503 with that
+    (/ready, /health, requests) instead of taking requests that hang."""
+    import sys
+    import time
+
+    from gateway.server import Gateway, HTTPError
+    from moemesh.settings import GatewaySettings
+
+    async def scenario():
+        coord = _coordinator(tiny, pp=2, register_timeout=120, ready_timeout=120)
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        procs = []
+        try:
+            for rank, extra in ((0, []), (1, ["--advertise-host", "127.0.0.2"])):  # (it listens on 127.0.0.1)
+                procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "moemesh", "stage-worker", "--coordinator", coord.addresses["workers"],
+                    "--pp-rank", str(rank), "--host", "127.0.0.1", "--kv-memory", str(4 << 20), *extra,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                status = await _status(coord.addresses["clients"])
+                if status.unreached:
+                    return status
+                await asyncio.sleep(0.3)
+            return status
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+                    await p.wait()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    status = asyncio.run(scenario())
+    assert status.phase == "serving" and status.serving, status
+    assert "stage 0 (tp rank 0) has not reached stage 1 at tcp://127.0.0.2:" in status.unreached, status.unreached
+    assert "--advertise-host" in status.unreached
+
+    gateway = Gateway(GatewaySettings(model=str(tiny)))
+    gateway.status = status
+    ready = asyncio.run(gateway.ready(None))
+    assert ready.status == 503 and "127.0.0.2" in ready.text
+    with pytest.raises(HTTPError) as refused:
+        asyncio.run(gateway.health(None))
+    assert refused.value.status == 503 and status.unreached in refused.value.message
+    gateway.status = msgspec.structs.replace(status, unreached="")  # (once it connects)
+    assert asyncio.run(gateway.ready(None)).status == 200 and asyncio.run(gateway.health(None)).status == 200
