@@ -127,6 +127,7 @@ class Coordinator:
         self.loop: StepLoop | None = None
         self.failure: str | None = None
         self.unreached = ""  # a link between stages that never connected, named (registry.unreached)
+        self._connected_late_at: float | None = None  # when such a link connected at last
         self.down_linger = 5.0  # seconds a down pipeline keeps answering status before `run` returns
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
@@ -458,6 +459,7 @@ class Coordinator:
             log.error("link between stages not connected", extra={"fields": {"reason": unreached}})
         elif self.unreached and not unreached:
             log.info("links between stages connected")
+            self._connected_late_at = time.monotonic()  # (the steps sent before may be lost: _late_link)
         self.unreached = unreached
 
     async def _on_result(self, result: StepResult) -> None:
@@ -500,7 +502,7 @@ class Coordinator:
                 self.issued = {s: t + late for s, t in self.issued.items()}
             self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
             overdue = [s for s, t in self.issued.items() if now - t > timeout]
-            lost = self._lost_on_a_link(now)
+            lost = self._lost_on_a_link(now) or self._late_link(now)
             if lost is not None:
                 step, why = lost
             elif overdue:
@@ -519,6 +521,20 @@ class Coordinator:
                     self._lost(w, f"{why} at stage worker pp={w.pp_rank} tp={w.tp_rank}")
                     continue
             await self._reset_pipeline(why)
+
+    def _late_link(self, now: float) -> tuple[int, str] | None:
+        """(step, why) when a link between stages that had never connected did at last, and a step
+        sent before that is still in flight LOST_AFTER seconds later: its activations went to a socket
+        the worker has since made again (after a refused handshake), or were dropped. Where they were
+        only queued (an address that did not answer yet), the step finishes and nothing is reset."""
+        at = self._connected_late_at
+        if at is None or now - at < LOST_AFTER:
+            return None
+        self._connected_late_at = None
+        before = [step for step, issued in self.issued.items() if issued < at]
+        if not before:
+            return None
+        return min(before), "a link between stages connected after steps had gone out on it"
 
     def _lost_on_a_link(self, now: float) -> tuple[int, str] | None:
         """(step, why) when a message was lost on a link that dropped and came back (ZeroMQ drops what

@@ -11,6 +11,7 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from moemesh.protocol import ProtocolError
 
@@ -95,28 +96,45 @@ def set_heartbeats(sock: zmq.Socket, interval_ms: int = 1000) -> None:
 
 
 class LinkState:
-    """Whether a socket that connects to one address has ever connected: its monitor's first
-    handshake, read without waiting when asked (`unreached_for`, at each heartbeat; an asyncio
-    monitor's first event may not wake the loop). An address nobody listens at, one that does not
-    route, or a peer that refuses the handshake (other mesh keys) never gives one. A link that was up
-    and dropped is not counted: that is a lost peer, which recovery handles."""
+    """Whether a socket that connects to one address has ever connected, and whether its peer refused
+    the handshake: its monitor's events, read without waiting when asked (`poll`, at each heartbeat;
+    an asyncio monitor's first event may not wake the loop). An address nobody listens at, or one
+    that does not route, never connects (ZeroMQ goes on trying); a peer that refuses the handshake
+    (its allowed keys lack this one) is not tried again on the same socket. A link that was up and
+    dropped is not counted: that is a lost peer, which recovery handles."""
 
-    def __init__(self, sock: zmq.Socket):
+    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    def __init__(self, sock: zmq.Socket, since: float | None = None):
+        """`since`: when the link (an earlier socket to the same address) began connecting."""
         self.sock = sock
-        self.since: float | None = time.monotonic()  # None once connected
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.since: float | None = since or time.monotonic()  # None once connected
+        self.refused_at: float | None = None  # the last refused handshake, until one succeeds
+        self._monitor = sock.get_monitor_socket(self.EVENTS)
         self._events = zmq.Socket.shadow(self._monitor.underlying)
+
+    def poll(self) -> None:
+        while self.since is not None:
+            try:
+                event = parse_monitor_message(self._events.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.since = self.refused_at = None
+                self.close()  # (nothing more to watch)
+            else:
+                self.refused_at = time.monotonic()
 
     def unreached_for(self) -> float:
         """Seconds the socket has been connecting without ever connecting; 0.0 once it has."""
-        if self.since is not None:
-            try:
-                self._events.recv_multipart(zmq.NOBLOCK)  # (the only event it watches)
-                self.since = None
-                self.close()
-            except zmq.Again:
-                return time.monotonic() - self.since
-        return 0.0
+        self.poll()
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+    def refused_for(self) -> float:
+        """Seconds since its peer last refused the handshake (0.0: none refused, or it connected)."""
+        self.poll()
+        return 0.0 if self.refused_at is None else time.monotonic() - self.refused_at
 
     def close(self) -> None:
         """Before the socket closes (once connected, the monitor is closed already)."""

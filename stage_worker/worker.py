@@ -47,6 +47,9 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 log = get_logger("stage_worker")
 
 COPY_BELOW = 4 << 20  # activations of fewer bytes are copied into their message, larger ones sent zero-copy
+# seconds after a refused handshake on the link to the next stage before it is made again (libzmq does
+# not try a refused handshake again: a worker key added to that host's allowed set late, in a rotation)
+RELINK_AFTER = 2.0
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
 
 
@@ -93,6 +96,7 @@ class StageWorker:
             sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.push: zmq.asyncio.Socket | None = None
         self.link: LinkState | None = None  # whether `push` has ever connected (heartbeats say)
+        self.link_address = ""  # where `push` connects
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
         self.bad = BadMessages(log, "worker")
@@ -317,15 +321,18 @@ class StageWorker:
         self.arrived = {s: t for s, t in self.arrived.items() if s >= first_step}
 
     def _connect_next(self, address: str) -> None:
+        since = None
         if self.push is not None:
+            # (the same address again, after a refusal: still the same link, connecting since then)
+            since = self.link.since if address == self.link_address else None
             self.link.close()
-            self.push.close(linger=0)  # whatever it still held was for the lost worker
+            self.push.close(linger=0)  # whatever it still held was for the lost worker, or never left
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.copy_threshold = COPY_BELOW  # (pyzmq copies a copy=False frame below it)
         self.push.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.push)
         self.guard.connect(self.push, "worker")
-        self.link = LinkState(self.push)
+        self.link, self.link_address = LinkState(self.push, since), address
         self.push.connect(address)
 
     async def _send(self, msg) -> None:
@@ -484,6 +491,11 @@ class StageWorker:
     async def _heartbeat(self) -> None:
         speaks = self.cfg.tp_rank == 0  # (for the stage's timeline)
         while True:
+            if self.link is not None and self.link.refused_for() >= RELINK_AFTER:
+                log.warning("link to the next stage refused, connecting again", extra={"fields": {
+                    "address": self.next_address, "hint": "the next stage's host must allow this worker's key "
+                                                          "(its --mesh-keys workers/ directory)"}})
+                self._connect_next(self.next_address)
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0

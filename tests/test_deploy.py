@@ -47,8 +47,11 @@ def test_compose_files_are_valid(path):
             assert "procps" in (REPO / dockerfiles[svc["image"]]).read_text(), (name, dockerfiles[svc["image"]])
         assert svc.get("restart") == "unless-stopped", name
         assert svc.get("init") is True, f"{name} runs as its container's first process (no init)"
-        if name == "gateway":  # (its drain on SIGTERM: 5 s, then up to 5 s for what it cancels)
+        if name == "gateway":  # (its drain on SIGTERM: --drain-timeout, then as long for what it cancels)
             assert svc.get("stop_grace_period") == "20s", svc.get("stop_grace_period")
+            # compose stops a service before what it depends on: the gateway drains while the mesh is up
+            mesh = {n for n in config["services"] if n == "coordinator" or n.startswith("stage")}
+            assert mesh <= set(svc["depends_on"]), (path, svc["depends_on"])
         if name.startswith("stage"):
             devices = svc["deploy"]["resources"]["reservations"]["devices"]
             assert devices[0]["capabilities"] == ["gpu"] and svc.get("shm_size")

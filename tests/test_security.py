@@ -701,3 +701,76 @@ def test_a_worker_no_coordinator_answers_suspects_its_keys_too(caplog):
         keyed = [r.fields["hint"] for r in caplog.records if r.getMessage() == "no layers assigned yet"]
     assert plain and "--coordinator" in plain[0] and "--mesh-keys" not in plain[0]
     assert keyed and "--coordinator" in keyed[0] and "--mesh-keys" in keyed[0] and "handshake refused" in keyed[0]
+
+
+def test_a_worker_key_rotated_in_the_wrong_order_heals_without_losing_the_request(model, reference, tmp_path):
+    """deploy/README.md's rotation done out of order: stage 0 restarted with a new worker key before
+    stage 1's host allows it. Stage 1 refuses the handshake (libzmq never tries a refused one again on
+    that socket), and a request in flight waits. The status names the link within seconds; once the key
+    is added to stage 1's allowed set, stage 0's next attempt (a fresh socket every RELINK_AFTER
+    seconds) connects, the steps that went out on the refused link are recomputed at once (not after
+    --step-timeout, 120 s), and the request completes with the tokens of a mesh that never failed."""
+    import shutil
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    old = make_keys(tmp_path / "old")  # stage 1's host: allows the old worker key only
+    new = make_keys(tmp_path / "new")  # (of which only the worker key pair is used)
+    stage0 = tmp_path / "stage0"  # stage 0 restarted with the new worker key
+    shutil.copytree(old, stage0)
+    for name in ("worker.key", "worker.key_secret"):
+        shutil.copy2(new / name, stage0 / name)
+    coord_keys = tmp_path / "coordinator"  # the coordinator's host got the new key in time
+    shutil.copytree(old, coord_keys)
+    shutil.copy2(new / "worker.key", coord_keys / "workers" / "worker-2.key")
+
+    port, client_port = free_port(), free_port()
+    base = [sys.executable, "-m", "moemesh"]
+    procs = [subprocess.Popen([*base, "coordinator", "--model", str(model), "--pp", "2", "--host", "127.0.0.1",
+                               "--port", str(port), "--client-port", str(client_port), "--mesh-keys", str(coord_keys)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    for rank, keys_dir in ((0, stage0), (1, old)):
+        procs.append(subprocess.Popen([*base, "stage-worker", "--coordinator", f"tcp://127.0.0.1:{port}", "--pp-rank",
+                                       str(rank), "--host", "127.0.0.1", "--kv-memory", str(16 << 20),
+                                       "--mesh-keys", str(keys_dir)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    async def scenario():
+        client = CoordinatorClient(f"tcp://127.0.0.1:{client_port}", mesh_keys=str(coord_keys))
+        try:
+            await client.wait_serving(timeout=120)
+
+            async def one(prompt):
+                tokens = []
+                async for out in client.generate(prompt, GREEDY):
+                    assert not out.error, out.error
+                    tokens += out.token_ids
+                return tokens
+
+            request = asyncio.ensure_future(one(PROMPTS[0]))
+            deadline = time.monotonic() + 30
+            while not (status := await client.status()).unreached:
+                assert time.monotonic() < deadline, "the refused link was never named"
+                await asyncio.sleep(0.3)
+            assert not request.done()
+            shutil.copy2(new / "worker.key", old / "workers" / "worker-2.key")  # the rotation's missed step
+            started = time.monotonic()
+            tokens = await asyncio.wait_for(request, 60)
+            return status, tokens, time.monotonic() - started, await client.status()
+        finally:
+            await client.close()
+
+    try:
+        named, tokens, seconds, after = run(scenario())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert "stage 0 (tp rank 0) has not reached stage 1" in named.unreached and "--mesh-keys" in named.unreached
+    assert tokens == reference[0]
+    assert seconds < 30, seconds  # (well inside --step-timeout: the link's late connection reset it)
+    assert after.unreached == "" and after.step_resets == 1 and after.mesh_refused >= 1
