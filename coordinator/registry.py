@@ -53,6 +53,8 @@ class WorkerInfo:
     received_step: int = -1  # the last schedule it took (its heartbeat says)
     heard_at: float = 0.0  # when its last heartbeat came
     next_unreached: float = 0.0  # seconds its link to the next stage has been connecting, never connected
+    relinks: int = 0  # times it made that link again after a refused handshake (its heartbeat says)
+    relinked: bool = False  # made again since it last connected: what it held then was dropped
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -161,19 +163,19 @@ class WorkerRegistry:
             w.phase = Phase.DOWN
         self.enter(Phase.DOWN)
 
-    def unreached(self, grace: float) -> str:
-        """Names the first link between stages that has been connecting for `grace` seconds or more
-        without ever connecting (heartbeats say), or ""."""
+    def unreached(self, grace: float) -> tuple[tuple[int, int] | None, str]:
+        """(rank, description) of the first link between stages that has been connecting for `grace`
+        seconds or more without ever connecting (heartbeats say), or (None, "")."""
         stuck = sorted(w.rank for w in self.workers.values() if w.next_unreached >= grace)
         if not stuck:
-            return ""
+            return None, ""
         w = self.workers[stuck[0]]
         nxt = self.workers.get((w.pp_rank + 1, w.tp_rank))
         where = f" at {nxt.data_address}" if nxt is not None else ""
         more = f" ({len(stuck) - 1} more such links)" if len(stuck) > 1 else ""
-        return (f"stage {w.pp_rank} (tp rank {w.tp_rank}) has not reached stage {w.pp_rank + 1}{where} in "
-                f"{w.next_unreached:.0f} s{more}: that stage's --advertise-host must be the address the other "
-                f"hosts reach it at (and, with --mesh-keys, both must hold the same mesh keys)")
+        return w.rank, (f"stage {w.pp_rank} (tp rank {w.tp_rank}) has not reached stage {w.pp_rank + 1}{where} "
+                        f"in {w.next_unreached:.0f} s{more}: that stage's --advertise-host must be the address the "
+                        f"other hosts reach it at (and, with --mesh-keys, its host must allow this worker's key)")
 
     def stage_rank0(self, field: str) -> list:
         """`field` of each stage's tensor rank 0 (what /status reports per stage)."""

@@ -127,7 +127,8 @@ class Coordinator:
         self.loop: StepLoop | None = None
         self.failure: str | None = None
         self.unreached = ""  # a link between stages that never connected, named (registry.unreached)
-        self._connected_late_at: float | None = None  # when such a link connected at last
+        self._unreached_rank: tuple[int, int] | None = None  # the worker whose link it is
+        self._connected_late_at: float | None = None  # when a link made again after a refusal connected
         self.down_linger = 5.0  # seconds a down pipeline keeps answering status before `run` returns
         self.wake = asyncio.Event()  # work may be schedulable: a request, a result, an abort
         self.started = time.monotonic()
@@ -266,6 +267,7 @@ class Coordinator:
                 self.registry.lose(peer)
                 asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
         self._requeue_all()
+        self._check_links()  # (a link of a worker gone is no longer waited for)
         if not recovering:
             self.recoveries += 1
             # now, with the epoch: a Ping sent before _recover runs must not pair it with the old first step
@@ -433,6 +435,10 @@ class Coordinator:
             w.refused, w.malformed, w.last_step = msg.refused, msg.malformed, msg.last_step
             w.received_step, w.heard_at = msg.received_step, time.monotonic()
             w.next_unreached = msg.next_unreached
+            if msg.relinks > w.relinks:  # (the activations it had queued for the next stage are gone)
+                w.relinks, w.relinked = msg.relinks, True
+            if w.relinked and not msg.next_unreached:  # connected at last: resend what was dropped
+                w.relinked, self._connected_late_at = False, time.monotonic()
             self._check_links()
             if w.tp_rank == 0:
                 self.stage_spans[w.pp_rank].extend(msg.spans)
@@ -452,15 +458,16 @@ class Coordinator:
             self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
 
     def _check_links(self) -> None:
-        """Logs a link between stages that never connected (a wrong --advertise-host, other mesh keys)
-        once it is named, and when it connects at last; the status names it meanwhile."""
-        unreached = self.registry.unreached(UNREACHED_AFTER)
+        """Logs a link between stages that never connected (a wrong --advertise-host, a key the next
+        stage's host does not allow) once it is named, and when it connects at last; the status names
+        it meanwhile. Called on heartbeats and when workers are lost (theirs go with them)."""
+        rank, unreached = self.registry.unreached(UNREACHED_AFTER)
         if unreached and not self.unreached:
             log.error("link between stages not connected", extra={"fields": {"reason": unreached}})
-        elif self.unreached and not unreached:
-            log.info("links between stages connected")
-            self._connected_late_at = time.monotonic()  # (the steps sent before may be lost: _late_link)
-        self.unreached = unreached
+        elif self.unreached and not unreached and self._unreached_rank in self.registry.workers:
+            log.info("link between stages connected", extra={"fields": {
+                "pp_rank": self._unreached_rank[0], "tp_rank": self._unreached_rank[1]}})
+        self.unreached, self._unreached_rank = unreached, rank
 
     async def _on_result(self, result: StepResult) -> None:
         if result.step_id in self.abandoned:  # computed before a worker was lost; recomputed since
@@ -502,9 +509,12 @@ class Coordinator:
                 self.issued = {s: t + late for s, t in self.issued.items()}
             self.issued = {s: t for s, t in self.issued.items() if s in self.core.in_flight}
             overdue = [s for s, t in self.issued.items() if now - t > timeout]
-            lost = self._lost_on_a_link(now) or self._late_link(now)
+            lost = self._lost_on_a_link(now)
+            relinked = self._late_link(now) if lost is None else None
             if lost is not None:
                 step, why = lost
+            elif relinked is not None:
+                step, why = relinked
             elif overdue:
                 step = min(overdue)
                 why = f"step {step} overdue ({timeout:g} s, --step-timeout)"
@@ -512,7 +522,8 @@ class Coordinator:
                 continue
             # with tensor parallelism a reset could leave a stage's ranks one step apart in their
             # collectives (as _lost says): replace instead
-            if self.cfg.tp > 1 or self._results_at_reset == self.results_taken:  # or the reset did not help
+            # (or the last reset did not help: but a late link's steps were lost, not stuck)
+            if self.cfg.tp > 1 or (relinked is None and self._results_at_reset == self.results_taken):
                 workers = sorted(self.registry.workers.values(), key=lambda w: w.rank)
                 behind = [w for w in workers if w.last_step < step]
                 if behind or (self.cfg.tp > 1 and workers):
@@ -523,10 +534,9 @@ class Coordinator:
             await self._reset_pipeline(why)
 
     def _late_link(self, now: float) -> tuple[int, str] | None:
-        """(step, why) when a link between stages that had never connected did at last, and a step
-        sent before that is still in flight LOST_AFTER seconds later: its activations went to a socket
-        the worker has since made again (after a refused handshake), or were dropped. Where they were
-        only queued (an address that did not answer yet), the step finishes and nothing is reset."""
+        """(step, why) when a link between stages that a worker made again after a refused handshake
+        (which dropped what it had queued) connected at last, and a step sent before that is still in
+        flight LOST_AFTER seconds later: its activations are gone."""
         at = self._connected_late_at
         if at is None or now - at < LOST_AFTER:
             return None
@@ -534,7 +544,7 @@ class Coordinator:
         before = [step for step, issued in self.issued.items() if issued < at]
         if not before:
             return None
-        return min(before), "a link between stages connected after steps had gone out on it"
+        return min(before), "a link between stages connected after a refusal dropped steps sent on it"
 
     def _lost_on_a_link(self, now: float) -> tuple[int, str] | None:
         """(step, why) when a message was lost on a link that dropped and came back (ZeroMQ drops what

@@ -272,7 +272,8 @@ class Gateway:
                               f"{self.status.failure or self.status.unreached or 'starting'}")
 
     async def health(self, request):
-        """Whether this gateway and its pipeline are alive: 200 while serving or recovering."""
+        """Whether this gateway and its pipeline are alive: 200 while serving or recovering (but not
+        while a link between stages has never connected)."""
         if not self._accepting():
             raise self._not_serving()
         return web.json_response({"status": "ok", "pipeline": self.status.phase or "serving"})
@@ -600,12 +601,13 @@ class Gateway:
                     text = echoes[index // body.n] + text
                 out.append({"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
                 if body.prompt_logprobs is not None:  # (vLLM's: on each choice, of its prompt)
-                    out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps[index], body.prompt_logprobs)
+                    out[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps.get(index),
+                                                                            body.prompt_logprobs)
         response = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": self.model_name, "choices": out,
                     "usage": _usage(jobs, choices, body.n)}
         if chat and body.prompt_logprobs is not None:  # (vLLM's: beside the choices, which share the prompt)
-            response["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps[0], body.prompt_logprobs)
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps.get(0), body.prompt_logprobs)
         return web.json_response(response)
 
     async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None):
@@ -812,10 +814,12 @@ class Gateway:
                     "bytes": list(self.tokenizer.token_bytes(token_id))}
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
 
-    def _vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], top_n: int) -> list[dict | None]:
+    def _vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None] | None, top_n: int) -> list[dict | None] | None:
         """vLLM's prompt_logprobs: for each prompt position, None (the first) or {token id: {logprob,
         rank, decoded_token}} of the prompt's token (first, with its rank in the vocabulary) and its
-        top-N alternatives (ranked 1 to N)."""
+        top-N alternatives (ranked 1 to N); None where none came (as vLLM's null)."""
+        if lps is None:
+            return None
         def entry(token_id: int, logprob: float, rank: int) -> dict:
             return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_label(token_id)}
 

@@ -103,8 +103,9 @@ class LinkState:
     (its allowed keys lack this one) is not tried again on the same socket. A link that was up and
     dropped is not counted: that is a lost peer, which recovery handles."""
 
-    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    # (libzmq gives up on a handshake failed by the peer's ZAP or by the protocol; one cut by a
+    # connection error, HANDSHAKE_FAILED_NO_DETAIL, it tries again by itself)
+    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
     def __init__(self, sock: zmq.Socket, since: float | None = None):
         """`since`: when the link (an earlier socket to the same address) began connecting."""

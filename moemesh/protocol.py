@@ -102,7 +102,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-    rank: int = 0  # 1 + the tokens likelier than it (vLLM's rank); 0 where not computed (sampled tokens)
+    rank: int = 0  # the tokens at least as likely, itself included (vLLM's rank); 0: not computed (sampled tokens)
 
 
 class RequestOutput(msgspec.Struct, tag="output", frozen=True):
@@ -224,6 +224,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # seconds its link to the next stage has been connecting without ever connecting (a wrong address,
     # a peer refusing its keys; 0: it connected, or there is no next stage)
     next_unreached: float = 0.0
+    relinks: int = 0  # times it made that link again after a refused handshake (what it held was dropped)
 
 
 class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):

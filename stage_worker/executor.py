@@ -19,7 +19,7 @@ from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, Sampl
                               StepSpan)
 from moemesh.sampling import SamplingParams
 from stage_worker.runner import StageRunner, StepInput
-from stage_worker.sampler import SampleRow, sample, token_logprobs
+from stage_worker.sampler import SampleRow, sample, token_logprobs, token_ranks
 
 
 @dataclass
@@ -183,10 +183,12 @@ class StageExecutor:
         if not prompt_rows:
             return []
         lp = torch.log_softmax(logits, dim=-1)
+        tokens = [self.seqs[seq_id].prompt_ids[pos] for _, seq_id, pos in prompt_rows]
+        ranks = token_ranks(lp, tokens)
         out: dict[int, PromptLogprobs] = {}
         for i, (_, seq_id, pos) in enumerate(prompt_rows):
             st = self.seqs[seq_id]
-            entry = token_logprobs(lp[i], st.prompt_ids[pos], st.params.prompt_logprobs, rank=True)
+            entry = token_logprobs(lp[i], tokens[i], st.params.prompt_logprobs, ranks[i])
             if seq_id not in out:
                 out[seq_id] = PromptLogprobs(seq_id, pos, [])
             out[seq_id].logprobs.append(entry)

@@ -82,15 +82,21 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int, rank: bool = False) -> TokenLogprobs:
-    """One position's logprob of `token` and its top-N alternatives, from a [V] log-softmax row;
-    `rank`: also the token's rank, 1 + the tokens strictly likelier (a tie shares the better rank)."""
+def token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int, rank: int = 0) -> TokenLogprobs:
+    """One position's logprob of `token` and its top-N alternatives, from a [V] log-softmax row (and
+    the token's rank, where the caller computed it: `token_ranks`)."""
     top = []
     if top_n:
         values, ids = logprobs_row.topk(top_n)
         top = list(zip(ids.tolist(), values.tolist()))
-    value = logprobs_row[token]
-    return TokenLogprobs(token, float(value), top, int((logprobs_row > value).sum()) + 1 if rank else 0)
+    return TokenLogprobs(token, float(logprobs_row[token]), top, rank)
+
+
+def token_ranks(logprobs: torch.Tensor, tokens: list[int]) -> list[int]:
+    """Each row's rank of its token, as vLLM counts it: the tokens at least as likely, itself included
+    (1 for the likeliest; a tie takes the worse rank). logprobs [N, V], one token per row."""
+    ids = torch.tensor(tokens, device=logprobs.device)[:, None]
+    return (logprobs >= logprobs.gather(1, ids)).sum(dim=1).tolist()
 
 
 def _needs_edit(r: SampleRow) -> bool:

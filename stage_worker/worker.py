@@ -97,6 +97,7 @@ class StageWorker:
         self.push: zmq.asyncio.Socket | None = None
         self.link: LinkState | None = None  # whether `push` has ever connected (heartbeats say)
         self.link_address = ""  # where `push` connects
+        self.relinks = 0  # times `push` was made again after a refused handshake
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
         self.bad = BadMessages(log, "worker")
@@ -410,6 +411,7 @@ class StageWorker:
                 if msg.epoch > self.epoch:
                     self._reset(msg.epoch, msg.first_step)
             elif isinstance(msg, Repoint):
+                self.next_address = msg.next_address
                 self._connect_next(msg.next_address)
                 log.info("next stage replaced", extra={"fields": {"address": msg.next_address}})
             elif isinstance(msg, Shutdown):
@@ -493,9 +495,10 @@ class StageWorker:
         while True:
             if self.link is not None and self.link.refused_for() >= RELINK_AFTER:
                 log.warning("link to the next stage refused, connecting again", extra={"fields": {
-                    "address": self.next_address, "hint": "the next stage's host must allow this worker's key "
+                    "address": self.link_address, "hint": "the next stage's host must allow this worker's key "
                                                           "(its --mesh-keys workers/ directory)"}})
-                self._connect_next(self.next_address)
+                self._connect_next(self.link_address)
+                self.relinks += 1  # (what was queued on the refused socket is gone: heartbeats say so)
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0
             comm = ex.runner.tp.comm_seconds[0] if ex else 0.0
@@ -505,7 +508,8 @@ class StageWorker:
             await self._send(Heartbeat(self.cfg.pp_rank, self.cfg.tp_rank, busy, comm, self.sent_bytes,
                                        self.guard.refused, self.bad.count, self.last_step,
                                        -1 if self.next_schedule is None else self.next_schedule - 1, spans,
-                                       self.link.unreached_for() if self.link is not None else 0.0))
+                                       self.link.unreached_for() if self.link is not None else 0.0,
+                                       self.relinks))
             await asyncio.sleep(self.cfg.heartbeat_interval)
 
 

@@ -769,3 +769,40 @@ def test_a_stage_the_previous_one_cannot_reach_is_named_and_the_gateway_refuses_
     assert refused.value.status == 503 and status.unreached in refused.value.message
     gateway.status = msgspec.structs.replace(status, unreached="")  # (once it connects)
     assert asyncio.run(gateway.ready(None)).status == 200 and asyncio.run(gateway.health(None)).status == 200
+
+
+def test_a_named_link_is_forgotten_with_its_worker(tiny):
+    """A worker whose link to the next stage never connected is named in the status (the gateway
+    answers 503 meanwhile); when that worker is lost, its link goes with it at once, so the gateway
+    takes requests again for the recovery to serve, without waiting for a heartbeat of someone else."""
+    from moemesh.protocol import Ready, Start, WorkerFailed
+
+    async def scenario():
+        coord, task, sock = await _with_a_hand_played_worker(tiny, pp=2, ready_timeout=30, recovery_timeout=60)
+        other = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        other.connect(coord.addresses["workers"])
+        try:
+            for s, rank in ((sock, 0), (other, 1)):
+                await s.send_multipart(Codec.encode(reg(rank, 0)))
+            for s, rank in ((sock, 0), (other, 1)):
+                while not isinstance(Codec(CoordinatorMessage).decode(await s.recv_multipart())[0], Assignment):
+                    pass
+                await s.send_multipart(Codec.encode(Ready(rank, 0, 64)))
+            for s in (sock, other):
+                while not isinstance(Codec(CoordinatorMessage).decode(await s.recv_multipart())[0], Start):
+                    pass
+            await sock.send_multipart(Codec.encode(Heartbeat(0, 0, 0.0, next_unreached=4.0)))
+            await asyncio.sleep(0.3)
+            named = await _status(coord.addresses["clients"])
+            await sock.send_multipart(Codec.encode(WorkerFailed(0, 0, "killed")))
+            await asyncio.sleep(0.3)
+            return named, await _status(coord.addresses["clients"])
+        finally:
+            sock.close(linger=0)
+            other.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    named, after = asyncio.run(scenario())
+    assert named.unreached.startswith("stage 0 (tp rank 0) has not reached stage 1 at tcp://127.0.0.1:7010 in 4 s")
+    assert after.phase == "recovering" and after.unreached == ""
