@@ -820,6 +820,7 @@ class Gateway:
         top-N alternatives (ranked 1 to N); None where none came (as vLLM's null)."""
         if lps is None:
             return None
+
         def entry(token_id: int, logprob: float, rank: int) -> dict:
             return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_label(token_id)}
 
