@@ -96,7 +96,6 @@ class StageWorker:
             sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.push: zmq.asyncio.Socket | None = None
         self.link: LinkState | None = None  # whether `push` has ever connected (heartbeats say)
-        self.link_address = ""  # where `push` connects
         self.relinks = 0  # times `push` was made again after a refused handshake
         self.codec = Codec(CoordinatorMessage)
         self.act_codec = Codec(Activations)
@@ -321,11 +320,9 @@ class StageWorker:
             self.schedules.put_nowait(sched)
         self.arrived = {s: t for s, t in self.arrived.items() if s >= first_step}
 
-    def _connect_next(self, address: str) -> None:
-        since = None
+    def _connect_next(self, address: str, since: float | None = None) -> None:
+        """`since`: when the link began connecting (made again after a refusal, it is the same link)."""
         if self.push is not None:
-            # (the same address again, after a refusal: still the same link, connecting since then)
-            since = self.link.since if address == self.link_address else None
             self.link.close()
             self.push.close(linger=0)  # whatever it still held was for the lost worker, or never left
         self.push = self.ctx.socket(zmq.PUSH)
@@ -333,7 +330,7 @@ class StageWorker:
         self.push.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.push)
         self.guard.connect(self.push, "worker")
-        self.link, self.link_address = LinkState(self.push, since), address
+        self.link = LinkState(self.push, since)
         self.push.connect(address)
 
     async def _send(self, msg) -> None:
@@ -495,9 +492,9 @@ class StageWorker:
         while True:
             if self.link is not None and self.link.refused_for() >= RELINK_AFTER:
                 log.warning("link to the next stage refused, connecting again", extra={"fields": {
-                    "address": self.link_address, "hint": "the next stage's host must allow this worker's key "
+                    "address": self.next_address, "hint": "the next stage's host must allow this worker's key "
                                                           "(its --mesh-keys workers/ directory)"}})
-                self._connect_next(self.link_address)
+                self._connect_next(self.next_address, since=self.link.since)
                 self.relinks += 1  # (what was queued on the refused socket is gone: heartbeats say so)
             ex = self.executor
             busy = ex.busy_seconds if ex else 0.0

@@ -228,18 +228,19 @@ def mesh(model, keys):
         yield m
 
 
+async def _greedy_tokens(client: CoordinatorClient, prompt: list[int]) -> list[int]:
+    tokens = []
+    async for out in client.generate(prompt, GREEDY):
+        assert not out.error, out.error
+        tokens += out.token_ids
+    return tokens
+
+
 async def _generate(mesh, keys, prompts=PROMPTS):
     client = CoordinatorClient(mesh.client_address, mesh_keys=str(keys))
     try:
         await client.wait_serving(timeout=120)
-
-        async def one(p):
-            tokens = []
-            async for out in client.generate(p, GREEDY):
-                assert not out.error, out.error
-                tokens += out.token_ids
-            return tokens
-        results = await asyncio.gather(*(one(p) for p in prompts))
+        results = await asyncio.gather(*(_greedy_tokens(client, p) for p in prompts))
         return results, await client.status()
     finally:
         await client.close()
@@ -711,12 +712,8 @@ def test_a_worker_key_rotated_in_the_wrong_order_heals_without_losing_the_reques
     seconds) connects, the steps that went out on the refused link are recomputed at once (not after
     --step-timeout, 120 s), and the request completes with the tokens of a mesh that never failed."""
     import shutil
-    import socket
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from stage_worker.worker import _free_port
 
     old = make_keys(tmp_path / "old")  # stage 1's host: allows the old worker key only
     new = make_keys(tmp_path / "new")  # (of which only the worker key pair is used)
@@ -728,7 +725,7 @@ def test_a_worker_key_rotated_in_the_wrong_order_heals_without_losing_the_reques
     shutil.copytree(old, coord_keys)
     shutil.copy2(new / "worker.key", coord_keys / "workers" / "worker-2.key")
 
-    port, client_port = free_port(), free_port()
+    port, client_port = _free_port("127.0.0.1"), _free_port("127.0.0.1")
     base = [sys.executable, "-m", "moemesh"]
     procs = [subprocess.Popen([*base, "coordinator", "--model", str(model), "--pp", "2", "--host", "127.0.0.1",
                                "--port", str(port), "--client-port", str(client_port), "--mesh-keys", str(coord_keys)],
@@ -743,15 +740,7 @@ def test_a_worker_key_rotated_in_the_wrong_order_heals_without_losing_the_reques
         client = CoordinatorClient(f"tcp://127.0.0.1:{client_port}", mesh_keys=str(coord_keys))
         try:
             await client.wait_serving(timeout=120)
-
-            async def one(prompt):
-                tokens = []
-                async for out in client.generate(prompt, GREEDY):
-                    assert not out.error, out.error
-                    tokens += out.token_ids
-                return tokens
-
-            request = asyncio.ensure_future(one(PROMPTS[0]))
+            request = asyncio.ensure_future(_greedy_tokens(client, PROMPTS[0]))
             deadline = time.monotonic() + 30
             while not (status := await client.status()).unreached:
                 assert time.monotonic() < deadline, "the refused link was never named"
