@@ -44,22 +44,25 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: up to the context length)
     prompt_logprobs: int | None = None  # each prompt token's logprob and rank, with this many alternatives
+    # structured outputs (moemesh/structured.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; at most one per request
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: Any = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     logits_processors: Any = None
 
 
-VLLM_UNSUPPORTED = ("allowed_token_ids", "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "structured_outputs", "use_beam_search", "return_tokens_as_token_ids",
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+VLLM_UNSUPPORTED = ("allowed_token_ids", "bad_words", "use_beam_search", "return_tokens_as_token_ids",
                     "spaces_between_special_tokens", "logits_processors")
 
 
@@ -82,7 +85,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # a BOS before the rendered template (which usually writes its own)
     chat_template_kwargs: dict[str, Any] | None = None
     # (not supported: refused where they would change the answer)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     echo: bool = False

@@ -37,9 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.chat import ChatTemplate, TemplateError
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.schemas import (VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             SamplingFields, TokenizeRequest, stop_list)
-from moemesh import __version__
+from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest,
+                             DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
+from moemesh import __version__, structured
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig, generation_defaults
 from moemesh.errors import ConfigError
@@ -412,7 +412,6 @@ class Gateway:
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt"):
         unsupported = [name for name, given in [
             ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None))),
-            ("response_format", (getattr(body, "response_format", None) or {}).get("type", "text") != "text"),
             ("tools", bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none")]
             if given]
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
@@ -450,9 +449,13 @@ class Gateway:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")
             seed %= 1 << 63
         try:
+            grammar = structured.grammar_of({name: getattr(body, name) for name in CONSTRAINTS})
+        except structured.ConstraintError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, **fields)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar, **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 

@@ -34,8 +34,10 @@ class ProtocolError(ValueError):
 # Raise it with any change to what a worker must do with a schedule, an activation or a result.
 # 2: heartbeats say the last schedule taken (the coordinator takes a worker that says nothing for one
 # that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
-# (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`).
-PROTOCOL_VERSION = 5
+# (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`). 6: sampling
+# parameters may carry a structured output's grammar (`SamplingParams.grammar`: an older last stage would
+# sample without it).
+PROTOCOL_VERSION = 6
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 

@@ -7,6 +7,7 @@ import msgspec
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
+MAX_GRAMMAR_CHARS = 1 << 17  # (moemesh/structured.py: the gateway refuses longer ones with a 400)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 
@@ -25,6 +26,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     logprobs: int | None = None  # logprob of each sampled token, with this many top alternatives
     prompt_logprobs: int | None = None  # logprob of each prompt token, with this many alternatives
+    grammar: str | None = None  # structured output: an llguidance grammar the text must follow (moemesh/structured.py)
 
     def __post_init__(self):
         checks = [
@@ -43,6 +45,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.grammar is None or 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS,
+             f"grammar must be 1 to {MAX_GRAMMAR_CHARS} characters"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,7 +1,7 @@
 """Runs the coordinator's schedules on one stage. Every stage keeps each running sequence's block
 table (schedules carry only the blocks added since the last one); the last stage also keeps what
 sampling needs of each sequence (its parameters and the tokens fed so far) and turns logits into a
-StepResult.
+StepResult (a structured output's grammar masking its logits: stage_worker/grammar.py).
 
 This is the one code path for a stage, whether it runs in a worker process on the mesh or in the
 in-process engine.
@@ -18,6 +18,7 @@ import torch
 from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, SampledToken, Schedule, SeqWork, StepResult,
                               StepSpan)
 from moemesh.sampling import SamplingParams
+from stage_worker.grammar import Grammars, GrammarState
 from stage_worker.runner import StageRunner, StepInput
 from stage_worker.sampler import SampleRow, sample, token_logprobs, token_ranks
 
@@ -28,6 +29,7 @@ class SeqState:
     prompt_len: int
     tokens: list[int]  # every token fed so far, from position 0
     prompt_ids: list[int] | None  # the whole prompt, when prompt logprobs are wanted
+    grammar: GrammarState | None = None  # a structured output's matcher (made at its first sample)
 
 
 class StageExecutor:
@@ -41,6 +43,7 @@ class StageExecutor:
             generator.seed()
         self.generator = generator
         self.seqs: dict[int, SeqState] = {}  # (last stage)
+        self.grammars = Grammars(runner.model_dir, runner.config.vocab_size, eos_token_ids) if self.is_last else None
         self.block_tables = BlockTables()
         self.busy_seconds = 0.0
         # each step run, newest last (the worker's heartbeats take them; only the newest are kept)
@@ -171,13 +174,17 @@ class StageExecutor:
         """The sequence's next token is its logits' first maximum, with no logit edited (penalties,
         min_tokens' bans) or reported (logprobs)."""
         return (st.params.greedy and not st.params.has_penalties and st.params.logprobs is None
-                and len(st.tokens) - st.prompt_len >= st.params.min_tokens)
+                and st.params.grammar is None and len(st.tokens) - st.prompt_len >= st.params.min_tokens)
 
     def _row(self, seq_id: int) -> SampleRow:
         st = self.seqs[seq_id]
         # the prompt is copied out only for the repetition penalty (the one user of it)
         prompt = st.tokens[:st.prompt_len] if st.params.repetition_penalty != 1 else []
-        return SampleRow(st.params, prompt, st.tokens[st.prompt_len:])
+        outputs = st.tokens[st.prompt_len:]
+        allowed = None
+        if st.params.grammar is not None:
+            st.grammar, allowed = self.grammars.allowed(st.grammar, st.params.grammar, outputs, seq_id)
+        return SampleRow(st.params, prompt, outputs, allowed)
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
         if not prompt_rows:

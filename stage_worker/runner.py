@@ -72,6 +72,7 @@ class StageRunner:
                  handoff: bool = False):
         """handoff: a stage after the first also holds the previous stage's last MLP (models/base.py)."""
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
+        self.model_dir = model_dir
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
                                                  progress=progress, backend=moe_backend, handoff=handoff)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]

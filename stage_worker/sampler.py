@@ -1,6 +1,7 @@
 """Turning the last stage's logits into tokens.
 
-Per row, in order: min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
+Per row, in order: a structured output's mask (tokens its grammar does not allow next are off the
+table), min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
 penalty (prompt and output tokens), presence and frequency penalties (output tokens), then greedy
 rows take the argmax; the others apply temperature, top-k, top-p and min-p and draw once by the
 exponential race (argmax of p / Exp(1) noise, which samples from p). A seeded request draws its
@@ -28,6 +29,7 @@ class SampleRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]  # generated so far
+    allowed: torch.Tensor | None = None  # [V] bool: the tokens a structured output's grammar allows next
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
@@ -39,10 +41,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     V = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
+        if r.allowed is not None:
+            logits[i].masked_fill_(~r.allowed[:V], float("-inf"))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
-            if len(banned) < V:  # (a ban of every token would leave nothing to sample: ignore it)
-                logits[i, banned] = float("-inf")
+            left = r.allowed.clone() if r.allowed is not None else None
+            if left is not None:
+                left[banned] = False
+            if left.any() if left is not None else len(banned) < V:
+                logits[i, banned] = float("-inf")  # (not where it would leave nothing to sample: the grammar's
+                # end, or a ban of every token)
         if p.has_penalties:
             _apply_penalties(logits[i], r, V)
     tokens = _greedy(logits)
@@ -100,7 +108,7 @@ def token_ranks(logprobs: torch.Tensor, tokens: list[int]) -> list[int]:
 
 
 def _needs_edit(r: SampleRow) -> bool:
-    return len(r.output_ids) < r.params.min_tokens or r.params.has_penalties
+    return len(r.output_ids) < r.params.min_tokens or r.params.has_penalties or r.allowed is not None
 
 
 def _apply_penalties(row: torch.Tensor, r: SampleRow, V: int) -> None:

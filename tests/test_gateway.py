@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -270,11 +271,16 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         # what would change the answer and is not supported is refused, not ignored
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), "logit_bias"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "suffix": "end"}), "suffix"),
-        (http("POST", chat, {"messages": user, "response_format": {"type": "json_object"}}), "response_format"),
         (http("POST", chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
          "tools"),
+        # a structured output that cannot be had, or two at once
+        (http("POST", chat, {"messages": user, "response_format": {"type": "json_schema"}}), "response_format"),
+        (http("POST", chat, {"messages": user, "guided_regex": "[a-"}), "guided_regex"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}),
+         "guided_regex"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "x"}}),
+         "structured_outputs"),
         # and so are vLLM's extra parameters that this server does not have
-        (http("POST", chat, {"messages": user, "guided_choice": ["yes", "no"]}), "guided_choice"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True}), "use_beam_search"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}),
@@ -313,6 +319,47 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     assert http("GET", f"{server.url}/v1/models/tiny-mixtral")[0] == 200
     status, body, _ = http("GET", f"{server.url}/v1/models/org/gpt-9")  # (a name with a slash reaches the handler)
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
+
+
+def test_structured_outputs_through_the_api_as_the_engine_gives_them(model, server, client):
+    """response_format (chat) and vLLM's structured_outputs and guided_choice (completions, streamed
+    or not) through the pp=2 mesh: the in-process engine's tokens under the same grammar, and text
+    that the constraint accepts."""
+    from moemesh.entrypoints.engine import LLMEngine
+    from moemesh.sampling import SamplingParams
+    from moemesh.settings import EngineSettings
+    from moemesh.structured import grammar_of
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    engine = LLMEngine(EngineSettings(model=str(model), num_kv_blocks=64), progress=False)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "n"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    r = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "pick", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    assert answer["colour"] in ("red", "green", "blue") and 0 <= answer["n"] <= 9 and set(answer) == {"colour", "n"}
+    assert r.choices[0].finish_reason == "stop"
+    ids = json.loads(http("POST", f"{server.url}/tokenize", {"messages": messages})[1])["tokens"]
+    grammar = grammar_of({"guided_json": schema})
+    assert r.choices[0].message.content == tok.decode(
+        engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, grammar=grammar))[0].token_ids)
+    for fields in ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, {"guided_choice": ["alpha", "beta", "gamma"]}):
+        want = tok.decode(engine.generate([tok.encode("Once upon")], SamplingParams(
+            max_tokens=20, temperature=0, grammar=grammar_of(fields)))[0].token_ids)
+        r = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=20, temperature=0,
+                                      extra_body=fields)
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "stop", (fields, r.choices[0])
+        assert want in ("alpha", "beta", "gamma") or re.fullmatch(r"[0-9]{3}-[a-z]{2}", want)
+        streamed = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=20, temperature=0,
+                                             stream=True, extra_body=fields)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    r = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=20, temperature=1.0, n=3,
+                                  seed=3, extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    assert all(c.text in ("alpha", "beta", "gamma") for c in r.choices)
 
 
 def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_among_the_top(server, model):

@@ -1,0 +1,137 @@
+"""Structured outputs: the request fields that constrain a completion to a JSON schema, a regular
+expression, a list of choices or a grammar, turned into one llguidance grammar (a JSON text) that
+travels with the sequence's sampling parameters (`SamplingParams.grammar`). The last stage masks
+each step's logits with it (stage_worker/grammar.py), so every token sampled keeps the text a
+prefix of something the constraint accepts, and the sequence can end (EOS) only where it is whole.
+
+The fields are vLLM's and OpenAI's: `response_format` ({"type": "json_object"} or {"type":
+"json_schema", "json_schema": {"schema": ...}}), vLLM's `structured_outputs` ({"json": ...},
+{"regex": ...}, {"choice": [...]}, {"grammar": ...}, {"json_object": true}) and its older
+`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`. A grammar is Lark (llguidance's
+syntax) or GBNF (llama.cpp's). JSON takes any whitespace between tokens by default, as vLLM's does;
+`disable_any_whitespace` (or "x-guidance": {"whitespace_flexible": false} in the schema) allows
+none.
+
+No torch here: the gateway validates a constraint (a 400 naming the field) before it is queued."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+
+from moemesh.sampling import MAX_GRAMMAR_CHARS
+
+# vLLM's structured_outputs keys: the constraint (exactly one), then the options this server honours
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# (backend and disable_fallback choose among vLLM's grammar libraries: this server has one)
+_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback", "backend")
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used: `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def grammar_of(fields: dict[str, Any]) -> str | None:
+    """The llguidance grammar of a request's constraint fields (their names as the request spells them;
+    None or absent: not given), or None where none is given. Raises ConstraintError for more than
+    one, a malformed one, or one llguidance refuses."""
+    given = {k: v for k, v in fields.items() if v is not None and not (k == "response_format" and _is_text(v))}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = sorted(given)
+        raise ConstraintError(f"give one of {', '.join(names)}: each constrains the output on its own", names[-1])
+    (field, value), = given.items()
+    if field == "response_format":
+        kind, spec, options = _response_format(value)
+    elif field == "structured_outputs":
+        kind, spec, options = _structured_outputs(value)
+    else:
+        kind, spec, options = field.removeprefix("guided_"), value, {}
+    grammar = _compile(kind, spec, options, field)
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"{field} is too large ({len(grammar)} characters compiled; at most "
+                              f"{MAX_GRAMMAR_CHARS})", field)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(f"{field}: {_first_line(error)}", field)
+    return grammar
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type", "text") == "text"
+
+
+def _response_format(value: Any) -> tuple[str, Any, dict]:
+    if not isinstance(value, dict):
+        raise ConstraintError("response_format must be an object with a type", "response_format")
+    kind = value.get("type")
+    if kind == "json_object":
+        return "json_object", None, {}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ConstraintError('response_format of type json_schema needs "json_schema": {"name": ..., '
+                                  '"schema": {...}}', "response_format")
+        return "json", spec["schema"], {}
+    raise ConstraintError(f"response_format type must be text, json_object or json_schema, not {kind!r}",
+                          "response_format")
+
+
+def _structured_outputs(value: Any) -> tuple[str, Any, dict]:
+    if not isinstance(value, dict):
+        raise ConstraintError("structured_outputs must be an object", "structured_outputs")
+    unknown = sorted(set(value) - set(_KINDS) - set(_OPTIONS))
+    if unknown:
+        raise ConstraintError(f"structured_outputs: {unknown[0]} is not supported by this server (it takes "
+                              f"{', '.join(_KINDS)})", "structured_outputs")
+    kinds = [k for k in _KINDS if value.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ConstraintError(f"structured_outputs takes exactly one of {', '.join(_KINDS)}", "structured_outputs")
+    options = {k: value[k] for k in _OPTIONS if value.get(k) is not None}
+    return kinds[0], value[kinds[0]], options
+
+
+def _compile(kind: str, spec: Any, options: dict, field: str) -> str:
+    """llguidance's grammar text of one constraint."""
+    try:
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else spec
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise ConstraintError(f"{field}: a JSON schema is an object", field)
+            overrides = {}
+            if options.get("disable_any_whitespace"):
+                overrides["whitespace_flexible"] = False
+            if options.get("whitespace_pattern"):
+                overrides["whitespace_pattern"] = str(options["whitespace_pattern"])
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides or None)
+        if kind == "regex":
+            if not isinstance(spec, str):
+                raise ConstraintError(f"{field}: a regular expression is a string", field)
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ConstraintError(f"{field}: choices are a list of non-empty strings", field)
+            return llguidance.grammar_from("choice", spec)
+        if kind == "grammar":
+            if not isinstance(spec, str) or not spec.strip():
+                raise ConstraintError(f"{field}: a grammar is a string (Lark or GBNF)", field)
+            return llguidance.grammar_from("grammar", spec)
+    except ConstraintError:
+        raise
+    except (ValueError, TypeError, RecursionError) as e:  # (json's JSONDecodeError is a ValueError)
+        raise ConstraintError(f"{field}: {_first_line(str(e))}", field) from None
+    raise ConstraintError(f"{field}: unknown constraint {kind!r}", field)
+
+
+def _first_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(lines[:3])[:500] if lines else "invalid constraint"
