@@ -84,9 +84,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False  # the answer continues the last message (as transformers and vLLM do)
     add_special_tokens: bool = False  # a BOS before the rendered template (which usually writes its own)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # function tools (gateway/tools.py)
+    tool_choice: Any = None  # none, auto, required or a function; default: auto with tools, else none
+    parallel_tool_calls: bool | None = None  # false: tool_choice required makes one call at most
     # (not supported: refused where they would change the answer)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     echo: bool = False
     chat_template: str | None = None  # a template from the request (vLLM also refuses one unless trusted)
 
@@ -99,6 +100,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None  # rendered by the chat template, as /v1/chat/completions renders them
     chat_template: str | None = None  # (refused, as /v1/chat/completions refuses it: not silently ignored)
     model: str | None = None
 

@@ -34,9 +34,11 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import tools as tool_calls
 from gateway.chat import ChatTemplate, TemplateError
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
+from gateway.tools import ToolError, ToolMode, ToolStream
 from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
 from moemesh import __version__, structured
@@ -312,7 +314,8 @@ class Gateway:
             raise HTTPError(400, "chat_template is not supported by this server", "chat_template")
         if body.messages is not None:
             ids = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs or {},
-                                    body.continue_final_message, bool(body.add_special_tokens))
+                                    body.continue_final_message, bool(body.add_special_tokens),
+                                    self._tools(body.tools))
         elif body.prompt is not None:
             ids = self._encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
@@ -375,17 +378,33 @@ class Gateway:
         for name, given in (("echo", body.echo), ("chat_template", body.chat_template is not None)):
             if given:
                 raise HTTPError(400, f"{name} is not supported by this server", name)
+        tools = self._tools(body.tools)
+        try:
+            mode, constraint = tool_calls.tool_mode(tools, body.tool_choice, body.parallel_tool_calls,
+                                                    self.cfg.tool_call_parser)
+        except ToolError as e:
+            raise HTTPError(400, str(e), e.param) from None
         ids = self._truncated(body, self._chat_prompt(body.messages, body.add_generation_prompt,
                                                       body.chat_template_kwargs or {}, body.continue_final_message,
-                                                      body.add_special_tokens))
+                                                      body.add_special_tokens, tools))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self._check_prompt_logprobs(body)
-        params = [self._params(body, len(ids), max_tokens, logprobs, body.prompt_logprobs, param, "messages")]
-        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True)
+        params = [self._params(body, len(ids), max_tokens, logprobs, body.prompt_logprobs, param, "messages",
+                               constraint)]
+        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True, tools=mode)
+
+    @staticmethod
+    def _tools(tools) -> list[dict] | None:
+        if not tools:
+            return None
+        try:
+            return tool_calls.functions(tools)
+        except ToolError as e:
+            raise HTTPError(400, str(e), e.param) from None
 
     @staticmethod
     def _check_prompt_logprobs(body: SamplingFields) -> None:
@@ -409,11 +428,10 @@ class Gateway:
         return prompt[-k:]
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
-                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt"):
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt", tool_constraint: dict | None = None):
+        """tool_constraint: the structured output a tool_choice asks for (gateway/tools.py), as fields."""
         unsupported = [name for name, given in [
-            ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None))),
-            ("tools", bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none")]
-            if given]
+            ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None)))] if given]
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
             raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
@@ -452,6 +470,14 @@ class Gateway:
             grammar = structured.grammar_of({name: getattr(body, name) for name in CONSTRAINTS})
         except structured.ConstraintError as e:
             raise HTTPError(400, str(e), e.param) from None
+        if tool_constraint is not None:
+            if grammar is not None:
+                raise HTTPError(400, "tool_choice required or of a function constrains the answer already: give "
+                                     "no response_format or structured_outputs with it", "tool_choice")
+            try:
+                grammar = structured.grammar_of(tool_constraint)
+            except structured.ConstraintError as e:  # (a function's parameters: not a schema llguidance takes)
+                raise HTTPError(400, f"a tool's parameters: {str(e).removeprefix('guided_json: ')}", "tools") from None
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -460,7 +486,8 @@ class Gateway:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
-                     chat: bool, echoes: list[str] | None = None):
+                     chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None):
+        """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text."""
         if not self._accepting():
             raise self._not_serving()
         n_seqs = len(prompts) * body.n
@@ -482,8 +509,8 @@ class Gateway:
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
                      "skip_special_tokens": body.skip_special_tokens}
             if body.stream:
-                return await self._stream(request, body, rid, jobs, shown, chat, echoes)
-            return await self._complete(body, rid, jobs, shown, chat, echoes)
+                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools)
+            return await self._complete(body, rid, jobs, shown, chat, echoes, tools)
         finally:
             self.pending -= n_seqs
 
@@ -577,7 +604,7 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, body, rid, jobs, shown, chat, echoes=None):
+    async def _complete(self, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
         async for index, kind, payload in self._gather(rid, jobs, shown):
@@ -591,8 +618,13 @@ class Gateway:
             prompt = jobs[index][1]
             if chat:
                 lp = {"content": [self._chat_logprob(x) for x in c.logprobs]} if body.logprobs else None
-                out.append({"index": index, "message": {"role": "assistant", "content": c.detok.text},
-                            "logprobs": lp, "finish_reason": _reason(c.finish_reason)})
+                message, reason = {"role": "assistant", "content": c.detok.text}, _reason(c.finish_reason)
+                if tools is not None:
+                    message["content"], calls = tool_calls.read_calls(tools, c.detok.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = _tool_reason(tools, reason)
+                out.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 text = c.detok.text
                 lp = None
@@ -613,7 +645,7 @@ class Gateway:
             response["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps.get(0), body.prompt_logprobs)
         return web.json_response(response)
 
-    async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None):
+    async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -639,6 +671,7 @@ class Gateway:
 
         choices: dict[int, Choice] = {}
         offsets: dict[int, TextAt] = {}  # completions: where each choice's next token starts
+        streams: dict[int, ToolStream] = {}  # chat with tools: each choice's text, as calls are read from it
         events = self._gather(rid, jobs, shown)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
@@ -671,8 +704,12 @@ class Gateway:
                     if chat:
                         if d.text or d.finish_reason or d.logprobs or d.has_tokens:
                             lp = {"content": [self._chat_logprob(x) for x in d.logprobs]} if body.logprobs else None
-                            await send(chunk([{"index": index, "delta": {"content": d.text} if d.text else {},
-                                               "logprobs": lp, "finish_reason": _reason(d.finish_reason)}]))
+                            delta, reason = {"content": d.text} if d.text else {}, _reason(d.finish_reason)
+                            if tools is not None:
+                                delta, reason = self._tool_delta(streams.setdefault(index, ToolStream(tools)),
+                                                                 d.text, reason)
+                            await send(chunk([{"index": index, "delta": delta, "logprobs": lp,
+                                               "finish_reason": reason}]))
                     else:
                         prefix, echo = "", None
                         if body.echo and index not in offsets:  # the first chunk carries the prompt
@@ -774,7 +811,10 @@ class Gateway:
         return prompts
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict,
-                     continue_final: bool = False, add_special_tokens: bool = False) -> list[int]:
+                     continue_final: bool = False, add_special_tokens: bool = False,
+                     tools: list[dict] | None = None) -> list[int]:
+        """tools: the request's function tools, for the template's `tools` (its earlier calls' arguments as
+        objects, gateway/tools.py)."""
         if self.chat_template is None:
             raise HTTPError(400, "this model has no chat template; use /v1/completions", "messages")
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -785,9 +825,12 @@ class Gateway:
             raise HTTPError(400, f"{len(messages)} messages, more than this model's context holds "
                                  f"({self.max_model_len} tokens)", "messages")
         # as transformers does: keys with null values are dropped; content parts become text
-        messages = [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
-                    for m in messages]
+        messages = tool_calls.template_messages(
+            [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
+             for m in messages])
         kwargs = dict(kwargs)  # chat_template_kwargs: may set add_generation_prompt (as vLLM's), not the messages
+        if tools is not None:
+            kwargs["tools"] = tools
         if "messages" in kwargs:
             raise HTTPError(400, "chat_template_kwargs cannot set `messages`", "chat_template_kwargs")
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
@@ -810,6 +853,32 @@ class Gateway:
         which the generated text starts with, whole (IncrementalDetokenizer)."""
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return text.rstrip("\ufffd") if self.tokenizer.ends_inside_character(ids) else text
+
+    @staticmethod
+    def _tool_delta(stream: ToolStream, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chat choice's delta where tools may be called: a named function's arguments as they
+        come, content as it may be sent (gateway/tools.py), and at the end the calls read from the text."""
+        delta: dict = {}
+        if stream.mode.kind == "named":
+            if text:
+                entry: dict = {"index": 0, "function": {"arguments": text}}
+                if not stream.text:  # (the first piece names the call)
+                    first = tool_calls.call(stream.mode.name, text)
+                    entry = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
+                stream.text += text
+                delta["tool_calls"] = [entry]
+            return delta, reason
+        content = stream.content(text)
+        calls: list[dict] = []
+        if reason is not None:
+            rest, calls = stream.finish()
+            content += rest
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            reason = _tool_reason(stream.mode, reason)
+        return delta, reason
 
     def _chat_logprob(self, lp: TokenLogprobs) -> dict:
         def entry(token_id, logprob):  # (a piece of a character: "bytes:\\xNN" and its own bytes)
@@ -920,6 +989,14 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
 
 def _reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _tool_reason(mode: ToolMode, reason: str | None) -> str | None:
+    """A choice that called tools ends with "tool_calls" (as vLLM's), but one that named its function
+    with "stop" (as OpenAI's); one cut short by max_tokens stays "length"."""
+    if reason == "length" or mode.kind == "named":
+        return reason
+    return "tool_calls"
 
 
 def _usage(jobs, choices: dict[int, Choice], n: int) -> dict:

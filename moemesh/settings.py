@@ -507,6 +507,10 @@ class GatewaySettings(MeshSecurity):
                 "model's generation_config.json values, and its max_new_tokens caps max_tokens (as in vLLM); "
                 "vllm: the OpenAI defaults",
         choices=("auto", "vllm"))
+    tool_call_parser: str | None = flag(
+        None, "read the model's tool calls from its text, which tool_choice auto (the default with tools) needs: "
+              "hermes (<tool_call> JSON blocks, as Qwen2.5, Qwen3 and Hermes models write them)",
+        choices=("hermes",))
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)

@@ -271,8 +271,9 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         # what would change the answer and is not supported is refused, not ignored
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), "logit_bias"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "suffix": "end"}), "suffix"),
+        # (tool_choice auto, the default with tools, needs --tool-call-parser)
         (http("POST", chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-         "tools"),
+         "tool_choice"),
         # a structured output that cannot be had, or two at once
         (http("POST", chat, {"messages": user, "response_format": {"type": "json_schema"}}), "response_format"),
         (http("POST", chat, {"messages": user, "guided_regex": "[a-"}), "guided_regex"),
@@ -299,7 +300,8 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     for ok in [{"chat_template_kwargs": {"add_generation_prompt": False}}, {"logit_bias": {}}, {"bad_words": []},
                {"stream_options": {}},
                {"spaces_between_special_tokens": True},
-               {"response_format": {"type": "text"}}, {"tools": [{"type": "function"}], "tool_choice": "none"}]:
+               {"response_format": {"type": "text"}},
+               {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]:
         status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
         assert status == 200, (ok, body)
     # what OpenAI's API and vLLM take: null for a field with a default (the default), top_k -1 (off), any
@@ -360,6 +362,124 @@ def test_structured_outputs_through_the_api_as_the_engine_gives_them(model, serv
     r = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=20, temperature=1.0, n=3,
                                   seed=3, extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
     assert all(c.text in ("alpha", "beta", "gamma") for c in r.choices)
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}\n{%- endfor %}\n"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for tc in message.tool_calls %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+                                                                                           "minimum": 1, "maximum": 3}},
+                                                "required": ["city", "days"], "additionalProperties": False,
+                                                "x-guidance": {"whitespace_flexible": False}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(model, tmp_path_factory):
+    """The module's model with a chat template that renders tools and earlier calls (Qwen's way, in
+    short), served with the hermes tool-call parser."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("tools") / "tiny-mixtral"
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    config = json.loads((copy / "config.json").read_text())  # (room for the tools: this tokenizer's tokens are short)
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    s = Server(copy, "--tool-call-parser", "hermes")
+    s.model = copy
+    yield s
+    s.stop()
+
+
+def _streamed_calls(client, **kw) -> tuple[str, dict[int, dict], str]:
+    """A streamed chat answer's (content, tool calls by index with their arguments joined, finish reason)."""
+    content, calls, reason = "", {}, None
+    for c in client.chat.completions.create(stream=True, **kw):
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            entry["id"] = entry["id"] or tc.id
+            entry["name"] = entry["name"] or (tc.function.name if tc.function else None)
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        reason = c.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+def test_tools_are_rendered_and_called_by_name_required_or_auto(tool_server):
+    """The template renders the tools and an earlier call (arguments as an object) as transformers
+    does; a named function's arguments, the "required" calls and the hermes blocks an answer writes
+    (forced here by a regex: the random model would not write them) come back as tool calls,
+    streamed or not."""
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "user", "content": "And tomorrow?"}]
+    hf_messages = [messages[0], {**messages[1], "content": "", "tool_calls": [{**messages[1]["tool_calls"][0],
+                   "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}}]}, *messages[2:]]
+    want = AutoTokenizer.from_pretrained(tool_server.model).apply_chat_template(
+        hf_messages, tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    status, body, _ = http("POST", f"{tool_server.url}/tokenize", {"messages": messages, "tools": [WEATHER, CLOCK]})
+    assert status == 200 and json.loads(body)["tokens"] == want
+    kw = dict(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK], max_tokens=80, temperature=0)
+
+    named = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+    choice = named.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.type == "function" and choice.finish_reason == "stop"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 3 and not choice.message.content
+    content, calls, reason = _streamed_calls(client, tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}, **kw)
+    assert content == "" and reason == "stop" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments and calls[0]["id"]
+
+    required = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    call = required.message.tool_calls[0]
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    content, calls, reason = _streamed_calls(client, tool_choice="required", parallel_tool_calls=False, **kw)
+    assert (content, reason) == ("", "tool_calls") and calls[0]["name"] == call.function.name
+    assert calls[0]["arguments"] == call.function.arguments
+
+    hermes = 'Let me check\\.\\n<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone": "UTC"\\}\\}\\n</tool_call>'
+    auto = client.chat.completions.create(extra_body={"guided_regex": hermes}, **kw).choices[0]
+    assert auto.finish_reason == "tool_calls" and auto.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in auto.message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})]
+    content, calls, reason = _streamed_calls(client, extra_body={"guided_regex": hermes}, **kw)
+    assert content == "Let me check.\n" and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"zone": "UTC"})]
+    plain = client.chat.completions.create(tool_choice="none", **{**kw, "max_tokens": 4}).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "length"
+    # what cannot be had is a 400 naming the field
+    chat = f"{tool_server.url}/v1/chat/completions"
+    for body, param in [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                         "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice")]:
+        status, raw, _ = http("POST", chat, {"messages": messages[:1], **body})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
 
 
 def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_among_the_top(server, model):

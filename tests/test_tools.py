@@ -1,0 +1,91 @@
+"""Tool calling's pieces (gateway/tools.py): the tool_choice a request gives, the constraint it
+becomes, and the calls read from a finished or streamed answer. Through the gateway and the mesh:
+tests/test_gateway.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.tools import ToolError, ToolMode, ToolStream, functions, read_calls, template_messages, tool_mode
+from moemesh.structured import grammar_of
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
+    tools = functions([WEATHER, TIME])
+    assert tool_mode(None, None, None, None) == (None, None)
+    assert tool_mode(tools, "none", None, None) == (None, None)
+    mode, fields = tool_mode(tools, {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    schema = WEATHER["function"]["parameters"]
+    assert mode == ToolMode("named", name="get_weather")
+    assert fields == {"guided_json": {**schema, "x-guidance": {"whitespace_pattern": "[ ]?"}}}
+    own = {**schema, "x-guidance": {"whitespace_flexible": False}}  # (a schema's own say wins)
+    assert tool_mode(functions([{"type": "function", "function": {"name": "f", "parameters": own}}]),
+                     {"type": "function", "function": {"name": "f"}}, None, None)[1] == {"guided_json": own}
+    mode, fields = tool_mode(tools, "required", False, None)
+    assert mode.kind == "required" and fields["guided_json"]["maxItems"] == 1
+    assert grammar_of(fields)  # (a schema llguidance takes)
+    assert tool_mode(tools, None, None, "hermes") == (ToolMode("auto", parser="hermes"), None)
+    errors = [  # (tools, tool_choice, parser) -> the field named
+        (([WEATHER], None, None), "tool_choice"),  # auto without a parser
+        (([WEATHER], {"type": "function", "function": {"name": "nope"}}, None), "tool_choice"),
+        ((None, "required", None), "tool_choice"),
+        (([WEATHER], "sometimes", None), "tool_choice"),
+    ]
+    for (given, choice, parser), param in errors:
+        with pytest.raises(ToolError) as e:
+            tool_mode(functions(given) if given else None, choice, None, parser)
+        assert e.value.param == param, (given, choice)
+    for bad in ([{"type": "function"}], [{"type": "retrieval", "function": {"name": "x"}}], "x",
+                [{"function": {"name": "f", "parameters": "no"}}]):
+        with pytest.raises(ToolError):
+            functions(bad)
+
+
+def test_calls_read_from_answers():
+    content, calls = read_calls(ToolMode("named", name="f"), '{"a": 1}')
+    assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    content, calls = read_calls(ToolMode("required"), '[{"name": "f", "parameters": {"a": "é"}}, {"name": "g", '
+                                                      '"parameters": {}}]')
+    assert content is None and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"a": "é"}'},
+                                                                   {"name": "g", "arguments": "{}"}]
+    assert read_calls(ToolMode("required"), '[{"name": "f", "param') == ('[{"name": "f", "param', [])
+    auto = ToolMode("auto", parser="hermes")
+    text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n' \
+           '{"name": "g", "arguments": {}}\n</tool_call>'
+    content, calls = read_calls(auto, text)
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 2} and calls[0]["id"] != calls[1]["id"]
+    assert read_calls(auto, "no calls here") == ("no calls here", [])
+    assert read_calls(auto, "<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    _, calls = read_calls(auto, '<tool_call>{"name": "f", "arguments": {"x": 1}}')  # (unclosed at the end)
+    assert [c["function"]["name"] for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7])
+def test_a_streamed_answer_sends_content_until_a_call_begins(cut):
+    text = 'Sure <b>.\n<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>'
+    stream = ToolStream(ToolMode("auto", parser="hermes"))
+    sent = "".join(stream.content(text[i:i + cut]) for i in range(0, len(text), cut))
+    rest, calls = stream.finish()
+    assert sent + rest == "Sure <b>.\n" and [c["function"]["name"] for c in calls] == ["f"]
+    plain = ToolStream(ToolMode("auto", parser="hermes"))
+    sent = "".join(plain.content(p) for p in ["a <tool", "_c", "x> b"])
+    assert sent + plain.finish()[0] == "a <tool_cx> b" and plain.finish()[1] == []
+    held = ToolStream(ToolMode("required"))
+    assert held.content('[{"name": "f", "parameters": {}}]') == "" and len(held.finish()[1]) == 1
+
+
+def test_earlier_calls_reach_the_template_with_object_arguments():
+    messages = [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "f", "arguments": '{"x": 1}'}}, {"function": {"name": "g", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "3"}]
+    out = template_messages(messages)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert out[0]["tool_calls"][1]["function"]["arguments"] == "not json" and out[1] == messages[1]
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # (the request is left alone)
