@@ -725,7 +725,7 @@ class Coordinator:
     def status(self, timeline: bool = False, nonce: int = 0) -> StatusReply:
         core, loop, reg = self.core, self.loop, self.registry
         return StatusReply(
-            nonce=nonce,
+            nonce=nonce, protocol=PROTOCOL_VERSION,
             stage_spans=[list(d) for d in self.stage_spans] if timeline else [],
             coordinator_spans=list(loop.spans) if timeline and loop else [],
             serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,

@@ -47,7 +47,7 @@ from moemesh.config import ModelConfig, generation_defaults
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
-from moemesh.protocol import TokenLogprobs
+from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
 from moemesh.sampling import MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
@@ -141,7 +141,13 @@ class Gateway:
             raise TimeoutError(f"the coordinator at {self.cfg.coordinator} did not serve within 600 s")
         model_dir = self.cfg.model or self.status.model
         self.tokenizer = TextTokenizer(model_dir)
-        self.vocab_size = ModelConfig.from_dir(model_dir).vocab_size  # the model's, may exceed the tokenizer's
+        config = ModelConfig.from_dir(model_dir)
+        self.vocab_size = config.vocab_size  # the model's, may exceed the tokenizer's
+        try:  # structured outputs' reading of it (the last stage's, which masks the logits)
+            self.grammar_tokenizer, self.grammar_unavailable = (
+                structured.tokenizer(model_dir, config.vocab_size, config.eos_token_ids), None)
+        except ValueError as e:
+            self.grammar_tokenizer, self.grammar_unavailable = None, str(e)
         self.chat_template = ChatTemplate.from_dir(model_dir)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self._set_max_model_len(self.status.max_model_len)
@@ -466,24 +472,42 @@ class Gateway:
             if not -(1 << 63) <= seed < 1 << 64:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")
             seed %= 1 << 63
-        try:
-            grammar = structured.grammar_of({name: getattr(body, name) for name in CONSTRAINTS})
-        except structured.ConstraintError as e:
-            raise HTTPError(400, str(e), e.param) from None
-        if tool_constraint is not None:
-            if grammar is not None:
-                raise HTTPError(400, "tool_choice required or of a function constrains the answer already: give "
-                                     "no response_format or structured_outputs with it", "tool_choice")
-            try:
-                grammar = structured.grammar_of(tool_constraint)
-            except structured.ConstraintError as e:  # (a function's parameters: not a schema llguidance takes)
-                raise HTTPError(400, f"a tool's parameters: {str(e).removeprefix('guided_json: ')}", "tools") from None
+        grammar = self._grammar(body, tool_constraint)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar, **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
+
+    def _grammar(self, body: SamplingFields, tool_constraint: dict | None) -> str | None:
+        """The request's structured output as an llguidance grammar (moemesh/structured.py), checked
+        against the model's tokenizer, or None."""
+        given = {name: getattr(body, name) for name in CONSTRAINTS}
+        param = next((k for k, v in given.items() if v is not None), None)
+        try:
+            grammar = structured.grammar_of(given, self.grammar_tokenizer)
+        except structured.ConstraintError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        if tool_constraint is not None:
+            if grammar is not None:
+                raise HTTPError(400, "tool_choice required or of a function constrains the answer already: give "
+                                     "no response_format or structured_outputs with it", "tool_choice")
+            param = "tool_choice"
+            try:
+                grammar = structured.grammar_of(tool_constraint, self.grammar_tokenizer)
+            except structured.ConstraintError as e:  # (a function's parameters: not a schema llguidance takes)
+                raise HTTPError(400, f"a tool's parameters: {str(e).removeprefix('guided_json: ')}", "tools") from None
+        if grammar is None:
+            return None
+        if self.grammar_tokenizer is None:
+            raise HTTPError(400, f"structured outputs are not available with this model: {self.grammar_unavailable}",
+                            param)
+        if self.status.protocol < PROTOCOL_VERSION:  # (it would drop the grammar it does not know of)
+            raise HTTPError(503, f"the coordinator speaks protocol {self.status.protocol}, older than this gateway's "
+                                 f"{PROTOCOL_VERSION}, and would ignore {param}: run the same moemesh version on "
+                                 f"every host")
+        return grammar
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None):
@@ -860,12 +884,8 @@ class Gateway:
         come, content as it may be sent (gateway/tools.py), and at the end the calls read from the text."""
         delta: dict = {}
         if stream.mode.kind == "named":
-            if text:
-                entry: dict = {"index": 0, "function": {"arguments": text}}
-                if not stream.text:  # (the first piece names the call)
-                    first = tool_calls.call(stream.mode.name, text)
-                    entry = {"index": 0, "id": first["id"], "type": "function", "function": first["function"]}
-                stream.text += text
+            entry = stream.arguments(text)
+            if entry is not None:
                 delta["tool_calls"] = [entry]
             return delta, reason
         content = stream.content(text)

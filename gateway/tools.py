@@ -42,10 +42,12 @@ class ToolError(ValueError):
 @dataclass(frozen=True)
 class ToolMode:
     """How a chat completion's answer is read: "named" (its text is the arguments of `name`),
-    "required" (a JSON array of calls) or "auto" (calls found in the text by `parser`)."""
+    "required" (a JSON array of calls) or "auto" (calls found in the text by `parser`; only the first
+    where `parallel` is false)."""
     kind: str
     name: str | None = None
     parser: str | None = None
+    parallel: bool = True
 
 
 def functions(tools: Any) -> list[dict]:
@@ -81,17 +83,18 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
         if parser is None:
             raise ToolError('"auto" tool choice needs a tool-call parser: start the gateway with --tool-call-parser '
                             '(or give tool_choice "required", "none" or a function)', "tool_choice")
-        return ToolMode("auto", parser=parser), None
+        return ToolMode("auto", parser=parser, parallel=parallel is not False), None
     if tool_choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
              "required": ["name", "parameters"], "additionalProperties": False} for name, fn in by_name.items()]},
-            "x-guidance": CALL_WHITESPACE}
+            "x-guidance": CALL_WHITESPACE, **_shared_definitions(by_name)}
         if parallel is False:
             calls["maxItems"] = 1
         return ToolMode("required"), {"guided_json": calls}
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" or not name:
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name or tool_choice.get("type", "function") != "function":
         raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": ...}}', "tool_choice")
     if name not in by_name:
@@ -105,6 +108,22 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
 
 def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object"}
+
+
+def _shared_definitions(by_name: dict[str, dict]) -> dict:
+    """The functions' `$defs` and `definitions`, gathered at the root of the "required" schema that nests
+    their parameters, where their local references ("#/$defs/X") point (400 for two that differ)."""
+    shared: dict[str, dict] = {}
+    for name, fn in by_name.items():
+        for key in ("$defs", "definitions"):
+            defs = _parameters(fn).get(key)
+            if not isinstance(defs, dict):
+                continue
+            for def_name, schema in defs.items():
+                if shared.setdefault(key, {}).setdefault(def_name, schema) != schema:
+                    raise ToolError(f"tool_choice required: two functions define {key}/{def_name} differently "
+                                    f"(name them apart, or call one function by name)", "tools")
+    return shared
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -145,7 +164,8 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
             return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
         except (ValueError, TypeError, KeyError):  # (cut short by max_tokens: not JSON yet)
             return text, []
-    return _hermes(text)
+    content, calls = _hermes(text)
+    return content, calls if mode.parallel else calls[:1]
 
 
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.S)
@@ -166,8 +186,7 @@ def _hermes(text: str) -> tuple[str | None, list[dict]]:
                               else json.dumps(arguments, ensure_ascii=False)))
     except (ValueError, TypeError, AttributeError):  # (not calls after all: the text is the answer)
         return text, []
-    content = text[:start].strip()
-    return content or None, calls
+    return text[:start] or None, calls  # (the text before the calls, as it streams: vLLM's)
 
 
 class ToolStream:
@@ -176,8 +195,17 @@ class ToolStream:
     auto: content streams until a `<tool_call>` begins (a tail that could be its start waits)."""
 
     def __init__(self, mode: ToolMode):
-        self.mode, self.text, self.sent, self.opened = mode, "", 0, False
+        self.mode, self.text, self.sent = mode, "", 0
         self.held = mode.kind == "required"
+
+    def arguments(self, piece: str) -> dict | None:
+        """named: the delta's tool-call entry for a piece of the arguments (the first names the call)."""
+        if not piece:
+            return None
+        first, self.text = not self.text, self.text + piece
+        if not first:
+            return {"index": 0, "function": {"arguments": piece}}
+        return {"index": 0, **call(self.mode.name, piece)}
 
     def content(self, piece: str) -> str:
         """The new text's part that is content to send now (auto mode)."""
@@ -194,9 +222,7 @@ class ToolStream:
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
-        """At the choice's end: (content still to send, its calls)."""
-        if self.mode.kind == "named":
-            return "", []
+        """At the choice's end (required, auto): (content still to send, its calls)."""
         content, calls = read_calls(self.mode, self.text)
         if not calls:
             return self.text[self.sent:], []

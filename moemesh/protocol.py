@@ -21,7 +21,7 @@ from typing import Union
 
 import msgspec
 
-from moemesh.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from moemesh.sampling import MAX_GRAMMAR_CHARS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 class ProtocolError(ValueError):
@@ -159,6 +159,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
     unreached: str = ""  # a link between stages that never connected (a wrong --advertise-host), named
+    protocol: int = 0  # the coordinator's PROTOCOL_VERSION (0: older than the field): a gateway sends what it knows
     # with StatusRequest(timeline=True): the most recent steps (TIMELINE_SPANS at most) of each stage,
     # and the coordinator's own
     stage_spans: list[list[StepSpan]] = []
@@ -430,8 +431,9 @@ HEADER_SLACK = 1 << 20
 
 
 def max_client_message_bytes(max_model_len: int) -> int:
-    """A generate request: its prompt ids (9 bytes each at most in msgpack) and its parameters."""
-    return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS
+    """A generate request: its prompt ids (9 bytes each at most in msgpack) and its parameters (with a
+    structured output's grammar, UTF-8)."""
+    return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS + 4 * MAX_GRAMMAR_CHARS
 
 
 def max_result_bytes(max_batched_tokens: int, max_seqs: int, num_steps: int = 1) -> int:
@@ -457,5 +459,6 @@ def worker_message_bytes(hidden_size: int, max_batched_tokens: int, max_seqs: in
 def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: int, block_size: int) -> int:
     """A schedule to a worker: per sequence its block table (on admission) and parameters, the step's token ids
     (a first chunk may also carry its prompt ids and cached ids: up to max_model_len each)."""
-    per_seq = 512 + 9 * (-(-max_model_len // block_size)) + 9 * MAX_STOP_TOKEN_IDS + 18 * max_model_len
+    per_seq = (512 + 9 * (-(-max_model_len // block_size)) + 9 * MAX_STOP_TOKEN_IDS + 18 * max_model_len
+               + 4 * MAX_GRAMMAR_CHARS)  # (a structured output's grammar, UTF-8)
     return HEADER_SLACK + max_seqs * per_seq + 9 * max_batched_tokens

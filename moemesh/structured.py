@@ -17,6 +17,7 @@ No torch here: the gateway validates a constraint (a 400 naming the field) befor
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -37,10 +38,23 @@ class ConstraintError(ValueError):
         self.param = param
 
 
-def grammar_of(fields: dict[str, Any]) -> str | None:
+def tokenizer(model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """llguidance's reading of the checkpoint's tokenizer.json (the one the last stage reads too, with
+    the logits' width and the model's EOS ids); raises ValueError where it has none it can read."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"no tokenizer.json in {model_dir}")
+    try:
+        return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    except Exception as e:  # (llguidance raises ValueError or RuntimeError for a tokenizer it cannot read)
+        raise ValueError(f"llguidance cannot read {path}: {_first_line(str(e))}") from None
+
+
+def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
     """The llguidance grammar of a request's constraint fields (their names as the request spells them;
     None or absent: not given), or None where none is given. Raises ConstraintError for more than
-    one, a malformed one, or one llguidance refuses."""
+    one, a malformed one, or one llguidance refuses (with `tokenizer`, the model's LLTokenizer, also
+    one naming tokens the model does not have)."""
     given = {k: v for k, v in fields.items() if v is not None and not (k == "response_format" and _is_text(v))}
     if not given:
         return None
@@ -58,7 +72,7 @@ def grammar_of(fields: dict[str, Any]) -> str | None:
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(f"{field} is too large ({len(grammar)} characters compiled; at most "
                               f"{MAX_GRAMMAR_CHARS})", field)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise ConstraintError(f"{field}: {_first_line(error)}", field)
     return grammar
@@ -110,8 +124,10 @@ def _compile(kind: str, spec: Any, options: dict, field: str) -> str:
             overrides = {}
             if options.get("disable_any_whitespace"):
                 overrides["whitespace_flexible"] = False
-            if options.get("whitespace_pattern"):
-                overrides["whitespace_pattern"] = str(options["whitespace_pattern"])
+            if options.get("whitespace_pattern") is not None:
+                if not isinstance(options["whitespace_pattern"], str):
+                    raise ConstraintError(f"{field}: whitespace_pattern is a regular expression (a string)", field)
+                overrides["whitespace_pattern"] = options["whitespace_pattern"]
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides or None)
         if kind == "regex":
             if not isinstance(spec, str):

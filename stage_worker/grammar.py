@@ -19,11 +19,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-log = logging.getLogger("moemesh.stage_worker")
+from moemesh import structured
 
-_BITS = torch.arange(8, dtype=torch.uint8)
+log = logging.getLogger("moemesh.stage_worker")
 
 
 @dataclass
@@ -42,20 +43,18 @@ class Grammars:
         self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, tuple(eos_token_ids)
         self._tokenizer = None
         self._tokenizer_error: str | None = None
+        try:  # now, not in the pipeline's way at the first constrained request (a large vocabulary takes ~1 s)
+            self.tokenizer()
+        except RuntimeError:
+            pass  # (a model without tokenizer.json: its constrained requests end, each saying why)
 
     def tokenizer(self):
         """llguidance's tokenizer of the model's tokenizer.json; raises RuntimeError where there is none."""
         if self._tokenizer is None and self._tokenizer_error is None:
             try:
-                import llguidance
-
-                path = Path(self.model_dir or ".") / "tokenizer.json"
-                if not path.is_file():
-                    raise FileNotFoundError(f"no tokenizer.json in {self.model_dir}")
-                self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
-                                                         eos_token=list(self.eos_token_ids) or None)
-            except Exception as e:  # (llguidance raises ValueError/RuntimeError for a tokenizer it cannot read)
-                self._tokenizer_error = f"{type(e).__name__}: {e}"
+                self._tokenizer = structured.tokenizer(self.model_dir or ".", self.vocab_size, self.eos_token_ids)
+            except ValueError as e:
+                self._tokenizer_error = str(e)
         if self._tokenizer is None:
             raise RuntimeError(f"structured output needs the model's tokenizer: {self._tokenizer_error}")
         return self._tokenizer
@@ -70,10 +69,8 @@ class Grammars:
             self._follow(state, grammar, outputs, seq_id)
         if state.matcher is None:
             return state, self._end_only()
-        mask = torch.frombuffer(bytearray(state.matcher.compute_bitmask()), dtype=torch.uint8)
-        bits = ((mask[:, None] >> _BITS) & 1).view(-1)[:self.vocab_size].bool()
-        if len(bits) < self.vocab_size:
-            bits = torch.cat([bits, torch.zeros(self.vocab_size - len(bits), dtype=torch.bool)])
+        packed = np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint8)  # (32 tokens a word, low bit first)
+        bits = torch.from_numpy(np.unpackbits(packed, count=self.vocab_size, bitorder="little").view(np.bool_))
         if not bits.any():  # (a matcher in error allows nothing: end the sequence rather than sample noise)
             self._fail(state, seq_id, state.matcher.get_error() or "no token allowed")
             return state, self._end_only()
@@ -94,11 +91,13 @@ class Grammars:
 
     def _follow(self, state: GrammarState, grammar: str, outputs: list[int], seq_id: int) -> None:
         """Rolls the matcher back to the longest prefix it shares with `outputs`, then feeds the rest."""
-        common = 0
-        for a, b in zip(state.consumed, outputs):
-            if a != b:
-                break
-            common += 1
+        common = len(state.consumed)
+        if outputs[:common] != state.consumed:  # (not the usual one token more: find where they part)
+            common = 0
+            for a, b in zip(state.consumed, outputs):
+                if a != b:
+                    break
+                common += 1
         if common < len(state.consumed):
             if not state.matcher.rollback(len(state.consumed) - common):
                 fresh = self._start(grammar, seq_id)

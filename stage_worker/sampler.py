@@ -41,8 +41,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     V = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
-        if r.allowed is not None:
-            logits[i].masked_fill_(~r.allowed[:V], float("-inf"))
+        if r.allowed is not None:  # (a host mask: on the logits' device)
+            logits[i].masked_fill_(~r.allowed[:V].to(logits.device), float("-inf"))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
             left = r.allowed.clone() if r.allowed is not None else None

@@ -462,7 +462,7 @@ def test_tools_are_rendered_and_called_by_name_required_or_auto(tool_server):
 
     hermes = 'Let me check\\.\\n<tool_call>\\n\\{"name": "get_time", "arguments": \\{"zone": "UTC"\\}\\}\\n</tool_call>'
     auto = client.chat.completions.create(extra_body={"guided_regex": hermes}, **kw).choices[0]
-    assert auto.finish_reason == "tool_calls" and auto.message.content == "Let me check."
+    assert auto.finish_reason == "tool_calls" and auto.message.content == "Let me check.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in auto.message.tool_calls] == [
         ("get_time", {"zone": "UTC"})]
     content, calls, reason = _streamed_calls(client, extra_body={"guided_regex": hermes}, **kw)
@@ -477,7 +477,12 @@ def test_tools_are_rendered_and_called_by_name_required_or_auto(tool_server):
                         ({"tools": [{"type": "function", "function": {}}]}, "tools"),
                         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
                          "tool_choice"),
-                        ({"tool_choice": "required"}, "tool_choice")]:
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+                         "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"function": {"name": ["get_weather"]}}}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"function": {"name": {"a": 1}}}}, "tool_choice"),
+                        ({"guided_grammar": 'start: "a" <|nosuch|>'}, "guided_grammar")]:
         status, raw, _ = http("POST", chat, {"messages": messages[:1], **body})
         assert status == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
 

@@ -152,6 +152,34 @@ def test_sampled_answers_follow_their_constraint(model):
                 assert check(_text(model, out.token_ids)), (name, _text(model, out.token_ids))
 
 
+def test_a_complete_answer_ends_even_under_min_tokens_or_ignore_eos(model):
+    """Where the grammar allows only the end of sequence, that ends it: min_tokens and ignore_eos
+    would otherwise have it sample EOS until they were met."""
+    engine = _engine(model)
+    grammar = grammar_of({"guided_choice": ["yes", "no"]})
+    free = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, grammar=grammar))[0]
+    for extra in ({"min_tokens": 20}, {"ignore_eos": True}):
+        out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0, grammar=grammar, **extra))[0]
+        assert out.token_ids == free.token_ids and out.finish_reason == "stop", extra
+    assert _text(model, free.token_ids) in ("yes", "no")
+
+
+def test_the_gateway_refuses_a_grammar_naming_tokens_the_model_lacks(model):
+    from moemesh.config import ModelConfig
+    from moemesh.structured import tokenizer
+
+    config = ModelConfig.from_dir(model)
+    tok = tokenizer(model, config.vocab_size, config.eos_token_ids)
+    assert grammar_of({"guided_grammar": 'start: "a" <|im_end|>'}, tok)
+    for grammar in ('start: "a" <|nosuch|>', 'start: "a" <[99999]>'):
+        assert grammar_of({"guided_grammar": grammar})  # (without the tokenizer it cannot tell)
+        with pytest.raises(ConstraintError) as e:
+            grammar_of({"guided_grammar": grammar}, tok)
+        assert e.value.param == "guided_grammar"
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        tokenizer(model / "nowhere", config.vocab_size, config.eos_token_ids)
+
+
 def test_a_finished_grammar_ends_the_sequence_even_before_min_tokens():
     """Where the grammar allows only the end of sequence, min_tokens' ban of EOS gives way (it would
     leave nothing to sample)."""
@@ -199,3 +227,33 @@ def test_a_worker_without_the_tokenizer_ends_the_sequence_and_says_why(model, tm
     assert mask.nonzero().view(-1).tolist() == [0]
     warnings = [r for r in caplog.records if "structured output" in r.getMessage()]
     assert len(warnings) == 1 and "tokenizer.json" in warnings[0].fields["reason"]
+
+
+def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(model):
+    """An older coordinator would drop SamplingParams.grammar unread and answer unconstrained: the
+    gateway refuses (503) instead; a model llguidance cannot read is a 400 naming the field."""
+    import msgspec
+
+    from gateway.schemas import CompletionRequest
+    from gateway.server import Gateway, HTTPError
+    from moemesh.config import ModelConfig
+    from moemesh.protocol import PROTOCOL_VERSION, StatusReply
+    from moemesh.structured import tokenizer
+
+    config = ModelConfig.from_dir(model)
+    gateway = object.__new__(Gateway)
+    gateway.grammar_tokenizer, gateway.grammar_unavailable = tokenizer(model, config.vocab_size, config.eos_token_ids), None
+    gateway.status = StatusReply(serving=True, num_blocks=1, num_free_blocks=1, num_running=0, num_waiting=0,
+                                 num_preemptions=0, stage_busy_seconds=[], stage_comm_seconds=[], uptime_seconds=1,
+                                 malformed_messages=0, protocol=PROTOCOL_VERSION - 1)
+    body = msgspec.convert({"prompt": "x", "guided_choice": ["a", "b"]}, CompletionRequest)
+    with pytest.raises(HTTPError) as e:
+        gateway._grammar(body, None)
+    assert e.value.status == 503 and f"protocol {PROTOCOL_VERSION - 1}" in e.value.message
+    assert gateway._grammar(msgspec.convert({"prompt": "x"}, CompletionRequest), None) is None  # (nothing to drop)
+    gateway.status = msgspec.structs.replace(gateway.status, protocol=PROTOCOL_VERSION)
+    assert gateway._grammar(body, None)
+    gateway.grammar_tokenizer, gateway.grammar_unavailable = None, "no tokenizer.json in /m"
+    with pytest.raises(HTTPError) as e:
+        gateway._grammar(body, None)
+    assert e.value.status == 400 and e.value.param == "guided_choice" and "tokenizer.json" in e.value.message

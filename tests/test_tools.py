@@ -36,6 +36,9 @@ def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
         (([WEATHER], {"type": "function", "function": {"name": "nope"}}, None), "tool_choice"),
         ((None, "required", None), "tool_choice"),
         (([WEATHER], "sometimes", None), "tool_choice"),
+        (([WEATHER], {"type": "function", "function": "get_weather"}, None), "tool_choice"),
+        (([WEATHER], {"function": {"name": ["get_weather"]}}, None), "tool_choice"),
+        (([WEATHER], {"function": {"name": {"a": 1}}}, None), "tool_choice"),
     ]
     for (given, choice, parser), param in errors:
         with pytest.raises(ToolError) as e:
@@ -45,6 +48,19 @@ def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
                 [{"function": {"name": "f", "parameters": "no"}}]):
         with pytest.raises(ToolError):
             functions(bad)
+
+
+def test_required_gathers_the_functions_definitions_where_their_references_point():
+    location = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = functions([{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
+        "$defs": {"Loc": location}}}} for name in ("a", "b")])
+    _, fields = tool_mode(tools, "required", None, None)
+    assert fields["guided_json"]["$defs"] == {"Loc": location} and grammar_of(fields)
+    clash = functions([*tools, {"type": "function", "function": {"name": "c", "parameters": {
+        "type": "object", "$defs": {"Loc": {"type": "integer"}}}}}])
+    with pytest.raises(ToolError, match="Loc"):
+        tool_mode(clash, "required", None, None)
 
 
 def test_calls_read_from_answers():
@@ -59,7 +75,9 @@ def test_calls_read_from_answers():
     text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n' \
            '{"name": "g", "arguments": {}}\n</tool_call>'
     content, calls = read_calls(auto, text)
-    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert content == "Let me look.\n" and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert [c["function"]["name"] for c in read_calls(ToolMode("auto", parser="hermes", parallel=False), text)[1]] \
+        == ["f"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": 2} and calls[0]["id"] != calls[1]["id"]
     assert read_calls(auto, "no calls here") == ("no calls here", [])
     assert read_calls(auto, "<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
