@@ -270,8 +270,10 @@ class Scheduler:
         p, token, n = seq.params, seq.output_ids[-1], len(seq.output_ids)
         if n >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if p.grammar is not None and token in self.eos_token_ids:  # (a structured output's grammar allows EOS
-            return "stop"  # only where its text is whole, or where it cannot go on: min_tokens and ignore_eos yield)
+        # a structured output's grammar allows EOS only where its text is whole (or where the constraint
+        # cannot go on): that ends it whatever min_tokens and ignore_eos say
+        if p.grammar is not None and token in self.eos_token_ids:
+            return "stop"
         if n >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None

@@ -38,9 +38,9 @@ from gateway import tools as tool_calls
 from gateway.chat import ChatTemplate, TemplateError
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
-from gateway.tools import ToolError, ToolMode, ToolStream
 from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
+from gateway.tools import ToolError, ToolMode, ToolStream
 from moemesh import __version__, structured
 from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig, generation_defaults

@@ -72,9 +72,9 @@ def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(f"{field} is too large ({len(grammar)} characters compiled; at most "
                               f"{MAX_GRAMMAR_CHARS})", field)
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise ConstraintError(f"{field}: {_first_line(error)}", field)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if failed:  # (a warning, such as a schema keyword only checked loosely, lets it through)
+        raise ConstraintError(f"{field}: {_first_line(messages[0] if messages else 'invalid')}", field)
     return grammar
 
 

@@ -35,8 +35,8 @@ class GrammarState:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance reads it (built on first use), and the masks of constrained
-    sequences. vocab_size: the width of the logits (tokens past the tokenizer's vocabulary are never
+    """The model's tokenizer as llguidance reads it (read when the stage is built), and the masks of
+    constrained sequences. vocab_size: the width of the logits (tokens past the tokenizer's vocabulary are never
     allowed); eos_token_ids: what ends a sequence once its constraint is complete."""
 
     def __init__(self, model_dir: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]):
