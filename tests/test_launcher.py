@@ -110,11 +110,19 @@ def test_a_dead_stage_worker_is_restarted_and_generate_completes(model):
         timeout=120)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moemesh", "generate", "--model", str(model), "--pp", "2", "--prompt-ids", "1,2,3",
-         "--max-tokens", "1500", "--ignore-eos", "--temperature", "0", "--json", "--kv-memory", str(8 << 20)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+         "--max-tokens", "1500", "--ignore-eos", "--temperature", "0", "--json", "--kv-memory", str(8 << 20),
+         "--log-level", "info"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     kids = wait_for_children(proc, timeout=60)
-    os.kill(max(kids), signal.SIGKILL)  # the last started: a stage worker
+    # a worker killed before the pipeline serves fails its start (as it should): kill one once it serves
+    deadline, seen = time.monotonic() + 120, b""
+    while b"logger=moemesh.coordinator msg='serving'" not in seen and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, (seen, proc.communicate())
+        seen += line
+    time.sleep(0.5)  # (into the run: 1,500 tokens take several seconds)
+    os.kill(max(children(proc.pid)), signal.SIGKILL)  # the last started: a stage worker
     out, err = proc.communicate(timeout=120)
+    err = seen + err
     assert proc.returncode == 0, err
     assert json.loads(out)["token_ids"] == json.loads(undisturbed.stdout)["token_ids"]
     assert len(json.loads(out)["token_ids"]) == 1500 and b"restarting" in err  # killed mid-run
