@@ -39,10 +39,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     if any(_needs_edit(r) for r in rows):
         logits = logits.clone()
     V = logits.shape[1]
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if masked:  # structured outputs' masks, in one pass (host masks: to the logits' device)
+        idx = torch.tensor(masked, device=logits.device)
+        allowed = torch.stack([rows[i].allowed[:V] for i in masked]).to(logits.device)
+        logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     for i, r in enumerate(rows):
         p = r.params
-        if r.allowed is not None:  # (a host mask: on the logits' device)
-            logits[i].masked_fill_(~r.allowed[:V].to(logits.device), float("-inf"))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
             left = r.allowed.clone() if r.allowed is not None else None
