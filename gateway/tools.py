@@ -208,9 +208,9 @@ class ToolStream:
         return {"index": 0, **call(self.mode.name, piece)}
 
     def content(self, piece: str) -> str:
-        """The new text's part that is content to send now (auto mode)."""
+        """required and auto: the new text's part that is content to send now."""
         self.text += piece
-        if self.held or self.mode.kind != "auto":
+        if self.held:  # (required: always)
             return ""
         start = self.text.find(HERMES_OPEN, max(0, self.sent - len(HERMES_OPEN)))
         if start >= 0:

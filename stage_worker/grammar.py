@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import llguidance
 import numpy as np
 import torch
 
@@ -40,21 +41,17 @@ class Grammars:
     allowed); eos_token_ids: what ends a sequence once its constraint is complete."""
 
     def __init__(self, model_dir: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, tuple(eos_token_ids)
-        self._tokenizer = None
-        self._tokenizer_error: str | None = None
-        try:  # now, not in the pipeline's way at the first constrained request (a large vocabulary takes ~1 s)
-            self.tokenizer()
-        except RuntimeError:
-            pass  # (a model without tokenizer.json: its constrained requests end, each saying why)
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        # read now, not in the pipeline's way at the first constrained request (a large vocabulary takes
+        # ~1 s); a model without one ends its constrained requests, each saying why
+        self._tokenizer, self._tokenizer_error = None, None
+        try:
+            self._tokenizer = structured.tokenizer(model_dir or ".", vocab_size, self.eos_token_ids)
+        except ValueError as e:
+            self._tokenizer_error = str(e)
 
     def tokenizer(self):
         """llguidance's tokenizer of the model's tokenizer.json; raises RuntimeError where there is none."""
-        if self._tokenizer is None and self._tokenizer_error is None:
-            try:
-                self._tokenizer = structured.tokenizer(self.model_dir or ".", self.vocab_size, self.eos_token_ids)
-            except ValueError as e:
-                self._tokenizer_error = str(e)
         if self._tokenizer is None:
             raise RuntimeError(f"structured output needs the model's tokenizer: {self._tokenizer_error}")
         return self._tokenizer
@@ -77,8 +74,6 @@ class Grammars:
         return state, bits
 
     def _start(self, grammar: str, seq_id: int) -> GrammarState:
-        import llguidance
-
         state = GrammarState(None)
         try:
             state.matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
