@@ -530,8 +530,9 @@ class Gateway:
         try:
             jobs = [(i * body.n + j, p, _seeded(sp, j)) for i, (p, sp) in enumerate(zip(prompts, params))
                     for j in range(body.n)]
+            # (a parser that looks for a special token sees it in the text, as vLLM's mistral parser)
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
-                     "skip_special_tokens": body.skip_special_tokens}
+                     "skip_special_tokens": body.skip_special_tokens and not (tools and tools.keeps_special_tokens)}
             if body.stream:
                 return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools)
             return await self._complete(body, rid, jobs, shown, chat, echoes, tools)

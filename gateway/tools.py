@@ -11,26 +11,29 @@ hands them to templates. What `tool_choice` asks decides how the answer is made 
   of the tools each (one at most with parallel_tool_calls false), which come back as tool calls;
   finish_reason "tool_calls";
 - "auto" (the default when tools are given): the model decides, and the gateway's
-  `--tool-call-parser` reads its calls from the text (`hermes`: `<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>` blocks, the format of Qwen2.5, Qwen3 and Hermes models). Without
-  a parser "auto" is refused (a 400), as vLLM refuses it without --enable-auto-tool-choice;
+  `--tool-call-parser` reads its calls from the text (PARSERS: the formats of Qwen, Hermes, Mistral
+  and Llama models). Without a parser "auto" is refused (a 400), as vLLM refuses it without
+  --enable-auto-tool-choice;
 - "none": the tools are rendered, and the answer is text.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-PARSERS = ("hermes",)
 # a constrained call's JSON takes at most one space where JSON allows whitespace, and no newline: a
 # model cannot pad a call until max_tokens (vLLM allows any; a function's schema may say otherwise in
 # its own "x-guidance")
 CALL_WHITESPACE = {"whitespace_pattern": "[ ]?"}
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 class ToolError(ValueError):
@@ -48,6 +51,12 @@ class ToolMode:
     name: str | None = None
     parser: str | None = None
     parallel: bool = True
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Its parser looks for a special token ([TOOL_CALLS]), which the answer's text must keep (as
+        vLLM's mistral parser has it)."""
+        return self.kind == "auto" and PARSERS[self.parser].special
 
 
 def functions(tools: Any) -> list[dict]:
@@ -149,8 +158,8 @@ def _with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
-def call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+def call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -164,39 +173,159 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
             return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
         except (ValueError, TypeError, KeyError):  # (cut short by max_tokens: not JSON yet)
             return text, []
-    content, calls = _hermes(text)
-    return content, calls if mode.parallel else calls[:1]
+    parser = PARSERS[mode.parser]
+    start = parser.begin(text)
+    if start is None:
+        return text, []
+    try:
+        calls = [call(name, arguments, parser.call_id()) for name, arguments in parser.read(text[start:])]
+    except (ValueError, TypeError, AttributeError, KeyError, SyntaxError, RecursionError):
+        calls = []  # (not calls after all: the text is the answer)
+    if not calls:
+        return text, []
+    # the text before the calls, as it streams (vLLM's)
+    return text[:start] or None, calls if mode.parallel else calls[:1]
+
+
+def _arguments(c: Any) -> tuple[str, str]:
+    """(name, arguments as JSON text) of a call written as {"name": ..., "arguments" or "parameters": {...}}."""
+    if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
+        raise ValueError("a call without a name")
+    arguments = c.get("arguments", c.get("parameters", {}))
+    return c["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.S)
 
 
-def _hermes(text: str) -> tuple[str | None, list[dict]]:
-    start = text.find(HERMES_OPEN)
-    if start < 0:
-        return text, []
+def _hermes(text: str) -> list[tuple[str, str]]:
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (the last may be left open at the end)."""
+    return [_arguments(json.loads(block)) for block in _HERMES_BLOCK.findall(text)]
+
+
+def _mistral(text: str) -> list[tuple[str, str]]:
+    """After each [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral's v3 tokenizers: Mixtral-8x22B,
+    Mistral 7B v0.3), one such object, or name[ARGS]{...} (v11 tokenizers) or name{...}."""
     calls = []
-    try:
-        for block in _HERMES_BLOCK.findall(text[start:]):
-            c = json.loads(block)
-            arguments = c.get("arguments", c.get("parameters", {}))
-            if not isinstance(c.get("name"), str):
-                raise ValueError("a call without a name")
-            calls.append(call(c["name"], arguments if isinstance(arguments, str)
-                              else json.dumps(arguments, ensure_ascii=False)))
-    except (ValueError, TypeError, AttributeError):  # (not calls after all: the text is the answer)
-        return text, []
-    return text[:start] or None, calls  # (the text before the calls, as it streams: vLLM's)
+    for part in text.split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if part.startswith(("[", "{")):
+            given = json.loads(part)
+            calls += [_arguments(c) for c in (given if isinstance(given, list) else [given])]
+            continue
+        name, sep, arguments = part.partition(MISTRAL_ARGS)
+        if not sep:
+            brace = part.find("{")
+            if brace < 0:
+                raise ValueError("a call without arguments")
+            name, arguments = part[:brace], part[brace:]
+        if not isinstance(json.loads(arguments), dict) or not name.strip():
+            raise ValueError("a call's arguments are an object")
+        calls.append((name.strip(), arguments.strip()))
+    return calls
+
+
+_JSON = json.JSONDecoder()
+_LLAMA_TAG = "<|python_tag|>"
+
+
+def _llama3_json(text: str) -> list[tuple[str, str]]:
+    """{"name": ..., "parameters": {...}} objects, `;` between them, as Llama 3.1-3.3 write calls (after an
+    optional <|python_tag|>, where special tokens are shown)."""
+    text = text.strip().removeprefix(_LLAMA_TAG)
+    calls, at = [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        c, at = _JSON.raw_decode(text, at)
+        calls.append(_arguments(c))
+        rest = text[at:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            raise ValueError("calls are separated by ;")
+        at = len(text) - len(rest) + 1
+
+
+_PYTHONIC_TAGS = ("<|python_start|>", "<|python_end|>")
+
+
+def _pythonic(text: str) -> list[tuple[str, str]]:
+    """[f(a=1, b="x"), g()]: a Python list of calls with literal keyword arguments, as Llama 3.2 and 4
+    write them (between <|python_start|> and <|python_end|> where special tokens are shown)."""
+    text = text.strip()
+    for tag in _PYTHONIC_TAGS:
+        text = text.replace(tag, "")
+    tree = ast.parse(text.strip(), mode="eval").body
+    if not isinstance(tree, ast.List):
+        raise ValueError("calls are a list")
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                or any(k.arg is None for k in node.keywords):
+            raise ValueError("a call is name(keyword=literal, ...)")
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _mistral_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse other tool call ids in later turns."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+@dataclass(frozen=True)
+class Parser:
+    """A --tool-call-parser: where an answer's calls begin, and how they read.
+    marker: the calls begin where it first appears, after content (hermes, mistral); or, with `opening`,
+    only at the answer's start, which matches `opening` (llama3_json, pythonic) and is then not content.
+    special: the marker is a special token, kept in the answer's text for it."""
+    read: Callable[[str], list[tuple[str, str]]]
+    marker: str | None = None
+    opening: re.Pattern | None = None  # (its group 1: where the calls begin)
+    undecided: re.Pattern | None = None  # an answer's start that may still open calls (held back)
+    special: bool = False
+    call_id: Callable[[], str | None] = lambda: None
+
+    def begin(self, text: str, after: int = 0) -> int | None:
+        """Where text's calls begin (searching from `after`), or None where there are none yet."""
+        if self.marker is not None:
+            at = text.find(self.marker, after)
+            return None if at < 0 else at
+        return 0 if self.opening.match(text) else None
+
+    def hold(self, text: str) -> int:
+        """The length of text's tail that may yet begin calls, and is not sent as content yet."""
+        if self.marker is not None:
+            return _partial_suffix(text, self.marker)
+        return len(text) if self.undecided.fullmatch(text) else 0
+
+
+def _starts(opener: str, *tags: str) -> dict[str, re.Pattern]:
+    """opening: an answer that opens with `opener`, after whitespace and any of tags; undecided: one that
+    may yet."""
+    tag = "|".join(re.escape(t) for t in tags)
+    prefixes = "|".join(re.escape(t[:k]) for t in tags for k in range(1, len(t) + 1))
+    return {"opening": re.compile(rf"\s*(?:(?:{tag})\s*)?{re.escape(opener)}"),
+            "undecided": re.compile(rf"\s*(?:(?:{tag})\s*|{prefixes})?")}
+
+
+PARSERS = {
+    "hermes": Parser(_hermes, marker=HERMES_OPEN),
+    "mistral": Parser(_mistral, marker=MISTRAL_CALLS, special=True, call_id=_mistral_id),
+    "llama3_json": Parser(_llama3_json, **_starts("{", _LLAMA_TAG)),
+    "pythonic": Parser(_pythonic, **_starts("[", _PYTHONIC_TAGS[0])),
+}
 
 
 class ToolStream:
     """A streamed choice's text, split into what can be sent as content now and what is held for the
     calls read at its end. named: every piece is arguments of the one call; required: all is held;
-    auto: content streams until a `<tool_call>` begins (a tail that could be its start waits)."""
+    auto: content streams until the parser's calls begin (a tail that could begin them waits)."""
 
     def __init__(self, mode: ToolMode):
         self.mode, self.text, self.sent = mode, "", 0
         self.held = mode.kind == "required"
+        self.parser = PARSERS[mode.parser] if mode.kind == "auto" else None
 
     def arguments(self, piece: str) -> dict | None:
         """named: the delta's tool-call entry for a piece of the arguments (the first names the call)."""
@@ -212,12 +341,12 @@ class ToolStream:
         self.text += piece
         if self.held:  # (required: always)
             return ""
-        start = self.text.find(HERMES_OPEN, max(0, self.sent - len(HERMES_OPEN)))
-        if start >= 0:
+        start = self.parser.begin(self.text, max(0, self.sent - len(self.parser.marker or "")))
+        if start is not None:
             self.held = True
             end = start
         else:
-            end = len(self.text) - _partial_suffix(self.text, HERMES_OPEN)
+            end = len(self.text) - self.parser.hold(self.text)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 

@@ -509,8 +509,9 @@ class GatewaySettings(MeshSecurity):
         choices=("auto", "vllm"))
     tool_call_parser: str | None = flag(
         None, "read the model's tool calls from its text, which tool_choice auto (the default with tools) needs: "
-              "hermes (<tool_call> JSON blocks, as Qwen2.5, Qwen3 and Hermes models write them)",
-        choices=("hermes",))
+              "hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), mistral ([TOOL_CALLS] and a JSON list: "
+              "Mixtral-8x22B, Mistral), llama3_json (JSON objects: Llama 3.1-3.3), pythonic ([f(x=1)]: Llama 3.2, 4)",
+        choices=("hermes", "mistral", "llama3_json", "pythonic"))  # (gateway/tools.py's PARSERS)
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)

@@ -487,6 +487,54 @@ def test_tools_are_rendered_and_called_by_name_required_or_auto(tool_server):
         assert status == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
 
 
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS]{{ message.tool_calls | tojson }}"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{%- else %}{{ message.content }}{%- endif %}{%- endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral_server(model, tmp_path_factory):
+    """The module's model with a special [TOOL_CALLS] token (in place of <|im_start|>, id 2) and a
+    Mistral-style template, served with the mistral tool-call parser."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("mistral") / "tiny-mixtral"
+    shutil.copytree(model, copy)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (copy / name).write_text((copy / name).read_text().replace("<|im_start|>", "[TOOL_CALLS]"))
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": MISTRAL_TEMPLATE}))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    s = Server(copy, "--tool-call-parser", "mistral")
+    yield s
+    s.stop()
+
+
+def test_mistral_calls_are_read_after_their_special_token(mistral_server):
+    """The mistral parser finds its calls after [TOOL_CALLS], a special token (forced here by a grammar
+    that names it by id: the random model would not write it), which the answer's text keeps for it;
+    the calls' ids are nine letters and digits, as Mistral's templates take them back."""
+    client = openai.OpenAI(base_url=f"{mistral_server.url}/v1", api_key="unused", max_retries=0)
+    kw = dict(model="tiny-mixtral", messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, CLOCK],
+              max_tokens=60, temperature=0, extra_body={"guided_grammar": (
+                  'start: "Sure." <[2]> " [{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": \\"CET\\"}}]"')})
+    answer = client.chat.completions.create(**kw).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
+        ("get_time", {"zone": "CET"})]
+    assert len(answer.message.tool_calls[0].id) == 9 and answer.message.tool_calls[0].id.isalnum()
+    content, calls, reason = _streamed_calls(client, **kw)
+    assert (content, reason) == ("Sure.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"zone": "CET"})]
+    # without a call, the answer is its text
+    plain = client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": "It is noon\\."}}).choices[0]
+    assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is noon.", None, "stop")
+
+
 def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_among_the_top(server, model):
     """include_stop_str_in_output keeps the stop string, truncate_prompt_tokens keeps the prompt's last
     tokens, and each position's top_logprobs holds the sampled token (OpenAI: up to logprobs + 1)."""

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gateway.tools import ToolError, ToolMode, ToolStream, functions, read_calls, template_messages, tool_mode
+from gateway.tools import PARSERS, ToolError, ToolMode, ToolStream, functions, read_calls, template_messages, tool_mode
 from moemesh.structured import grammar_of
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -97,6 +97,70 @@ def test_a_streamed_answer_sends_content_until_a_call_begins(cut):
     assert sent + plain.finish()[0] == "a <tool_cx> b" and plain.finish()[1] == []
     held = ToolStream(ToolMode("required"))
     assert held.content('[{"name": "f", "parameters": {}}]') == "" and len(held.finish()[1]) == 1
+
+
+# each parser: (answer text, its content, its calls as (name, arguments)) for a finished answer
+WRITTEN = {
+    "mistral": [
+        ('Checking. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 2}}, {"name": "g", "arguments": {}}]',
+         "Checking. ", [("f", {"x": 2}), ("g", {})]),
+        ('[TOOL_CALLS]f[ARGS]{"x": 2}[TOOL_CALLS]g{}', None, [("f", {"x": 2}), ("g", {})]),  # (v11 tokenizers)
+        ('[TOOL_CALLS] {"name": "f", "arguments": {"x": 2}}', None, [("f", {"x": 2})]),
+        ("no calls [TOOL_CALLS] [{not json", "no calls [TOOL_CALLS] [{not json", []),
+        ("[TOOL_CALLS]f", "[TOOL_CALLS]f", []),
+    ],
+    "llama3_json": [
+        ('{"name": "f", "parameters": {"x": 2}}; {"name": "g", "parameters": {}}', None, [("f", {"x": 2}), ("g", {})]),
+        (' <|python_tag|>{"name": "f", "arguments": {"x": "é"}}', None, [("f", {"x": "é"})]),
+        ('The answer is {"name": "f"}', 'The answer is {"name": "f"}', []),
+        ('{"name": "f", "parameters": {}} and more', '{"name": "f", "parameters": {}} and more', []),
+        ('{"no": "name"}', '{"no": "name"}', []),
+    ],
+    "pythonic": [
+        ('[f(x=2, y="a"), g(z=[1, {"k": None}])]', None, [("f", {"x": 2, "y": "a"}), ("g", {"z": [1, {"k": None}]})]),
+        ("<|python_start|>[f()]<|python_end|>", None, [("f", {})]),
+        ("[f(2)]", "[f(2)]", []),  # (positional: not a call this format writes)
+        ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # (literals only: nothing is run)
+        ("[1, 2]", "[1, 2]", []),
+        ("Sure: [f(x=1)]", "Sure: [f(x=1)]", []),
+    ],
+}
+
+
+@pytest.mark.parametrize("parser", sorted(WRITTEN))
+def test_each_parser_reads_its_models_calls_and_leaves_other_text_as_content(parser):
+    mode = ToolMode("auto", parser=parser)
+    for text, content, calls in WRITTEN[parser]:
+        got_content, got = read_calls(mode, text)
+        assert (got_content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got]) \
+            == (content, calls), text
+        if parser == "mistral":  # (Mistral's templates take nine letters and digits as a call's id)
+            assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)
+        for cut in (1, 2, 5):  # streamed: what is sent as it comes and at the end is the content
+            stream = ToolStream(mode)
+            sent = "".join(stream.content(text[i:i + cut]) for i in range(0, len(text), cut))
+            rest, streamed = stream.finish()
+            assert sent + rest == (content or ""), (text, cut)
+            assert [c["function"] for c in streamed] == [c["function"] for c in got]
+    assert ToolMode("auto", parser="mistral").keeps_special_tokens
+    assert not ToolMode("auto", parser="hermes").keeps_special_tokens
+    assert not ToolMode("named", name="f").keeps_special_tokens
+
+
+def test_a_start_that_may_open_calls_is_held_until_it_is_known():
+    stream = ToolStream(ToolMode("auto", parser="llama3_json"))
+    assert [stream.content(p) for p in ["  ", "<|py", "thon_tag|>"]] == ["", "", ""]  # (it may still be calls)
+    plain = ToolStream(ToolMode("auto", parser="llama3_json"))
+    assert [plain.content(p) for p in [" ", "<|py", "x", " {"]] == ["", "", " <|pyx", " {"]
+    pythonic = ToolStream(ToolMode("auto", parser="pythonic"))
+    assert [pythonic.content(p) for p in ["\n", "Hello", " [f()]"]] == ["", "\nHello", " [f()]"]
+
+
+def test_the_gateways_parsers_are_the_flags_choices():
+    from moemesh.settings import GatewaySettings
+
+    (flag,) = [f for f in GatewaySettings.flags() if f.name == "tool_call_parser"]
+    assert set(flag.metadata["flag"].choices) == set(PARSERS)
 
 
 def test_earlier_calls_reach_the_template_with_object_arguments():
