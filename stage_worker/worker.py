@@ -47,8 +47,9 @@ from stage_worker.tensors import frames_of, from_frame, torch_dtype
 log = get_logger("stage_worker")
 
 COPY_BELOW = 4 << 20  # activations of fewer bytes are copied into their message, larger ones sent zero-copy
-# seconds after a refused handshake on the link to the next stage before it is made again (libzmq does
-# not try a refused handshake again: a worker key added to that host's allowed set late, in a rotation)
+# seconds after a refused handshake on the link to the next stage, or to the coordinator before it
+# answered, before the link is made again (libzmq does not try a refused handshake again: a worker key
+# added to that host's allowed set late, in a rotation)
 RELINK_AFTER = 2.0
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
 
@@ -86,14 +87,13 @@ class StageWorker:
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host, coordinator=cfg.coordinator)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
-        self.ctrl = self.ctx.socket(zmq.DEALER)
-        # one identity per process: a replacement never takes over the identity of the one it replaces
-        self.ctrl.setsockopt(zmq.IDENTITY, f"w{cfg.pp_rank}.{cfg.tp_rank}.{os.getpid()}".encode())
-        set_heartbeats(self.ctrl)
+        self.ctrl = self._control_socket()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        for sock in (self.ctrl, self.pull):  # more than the largest schedule or activations: cut off
-            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        self.registration: Register | None = None  # sent again with the control link, if it is made again
+        self.ctrl_link: LinkState | None = None  # whether the coordinator's host took the handshake (until it did)
+        self.reregistrations = 0  # control links made again after a refused handshake
         self.push: zmq.asyncio.Socket | None = None
         self.link: LinkState | None = None  # whether `push` has ever connected (heartbeats say)
         self.relinks = 0  # times `push` was made again after a refused handshake
@@ -128,6 +128,20 @@ class StageWorker:
 
             self.recorder = Recorder(cfg.record, cfg.record_steps)
 
+    def _control_socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        # one identity per process: a replacement never takes over the identity of the one it replaces
+        sock.setsockopt(zmq.IDENTITY, f"w{self.cfg.pp_rank}.{self.cfg.tp_rank}.{os.getpid()}".encode())
+        set_heartbeats(sock)
+        # more than the largest schedule or activations: cut off
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+        return sock
+
+    def _connect_control(self) -> None:
+        self.guard.connect(self.ctrl, "worker")
+        self.ctrl_link = LinkState(self.ctrl)
+        self.ctrl.connect(self.cfg.coordinator)  # zmq keeps retrying until the coordinator is up
+
     async def run(self) -> int:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or 1)
@@ -144,10 +158,10 @@ class StageWorker:
         # a stage's ranks share a host: their process group meets on loopback (it has no authentication
         # of its own; docs/security.md says what else to firewall)
         rendezvous = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-        self.guard.connect(self.ctrl, "worker")
-        self.ctrl.connect(cfg.coordinator)  # zmq keeps retrying until the coordinator is up
-        await self._send(Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
-                                  cfg.max_message_bytes, PROTOCOL_VERSION))
+        self._connect_control()
+        self.registration = Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
+                                     cfg.max_message_bytes, PROTOCOL_VERSION)
+        await self._send(self.registration)
         log.info("registering", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
         watch = asyncio.ensure_future(self._watch_coordinator())
@@ -230,11 +244,18 @@ class StageWorker:
         """Says, every half minute, that no layers came yet: from a coordinator that never answered, it
         may not be up at that address (ZeroMQ keeps trying); from one that did, it assigns them once
         every rank of its layout has registered, and refuses (in its own log) a rank outside that
-        layout."""
-        waited = 0.0
+        layout. A handshake the coordinator's host refused (this worker's key not yet among its allowed
+        ones) is made again RELINK_AFTER seconds later, and the registration sent again: the key may be
+        added while this worker waits."""
+        waited, warned = 0.0, 0.0
+        tick = min(every, RELINK_AFTER / 4)
         while True:
-            await asyncio.sleep(every)
-            waited += every
+            await asyncio.sleep(tick)
+            waited += tick
+            await self._register_again_if_refused()
+            if waited - warned < every:
+                continue
+            warned = waited
             if self.last_heard is None:
                 hint = "no answer from the coordinator yet: is it up, at this address (--coordinator)?"
                 if self.cfg.mesh_keys:  # (a handshake the coordinator refuses looks the same from here)
@@ -246,6 +267,22 @@ class StageWorker:
             log.warning("no layers assigned yet", extra={"fields": {
                 "coordinator": self.cfg.coordinator, "pp_rank": self.cfg.pp_rank, "tp_rank": self.cfg.tp_rank,
                 "seconds": round(waited), "hint": hint}})
+
+    async def _register_again_if_refused(self) -> None:
+        if self.ctrl_link is None or self.ctrl_link.refused_for() < RELINK_AFTER:
+            return
+        self.reregistrations += 1
+        if self.reregistrations <= 3 or self.reregistrations % 12 == 0:  # (then every half minute or so)
+            log.warning("the coordinator's host refused the handshake, connecting again", extra={"fields": {
+                "coordinator": self.cfg.coordinator, "attempts": self.reregistrations,
+                "hint": "the coordinator's host must allow this worker's key (its --mesh-keys workers/ directory)"}})
+        # a fresh socket (as the next stage's link): sends and receives waiting on the refused one move to
+        # it (`_send`, `_recv_one`), after the registration, which goes first
+        refused, self.ctrl = self.ctrl, self._control_socket()
+        self.ctrl_link.close()
+        self._connect_control()
+        refused.close(linger=0)
+        await self._send(self.registration)
 
     async def _load(self, a: Assignment) -> int:
         cfg = self.cfg
@@ -334,7 +371,18 @@ class StageWorker:
         self.push.connect(address)
 
     async def _send(self, msg) -> None:
-        await self.ctrl.send_multipart(Codec.encode(msg), copy=False)
+        while True:
+            sock = self.ctrl
+            try:
+                return await sock.send_multipart(Codec.encode(msg), copy=False)
+            except asyncio.CancelledError:
+                if not self._replaced(sock):
+                    raise
+
+    def _replaced(self, sock: zmq.asyncio.Socket) -> bool:
+        """Whether a wait on the control socket `sock` ended because a refused link was made again
+        (closing a socket cancels what waits on it), not because the waiting task was cancelled."""
+        return sock is not self.ctrl and not asyncio.current_task().cancelling()
 
     async def _expect(self, kind):
         """Waits for a control message of one kind (others before it are malformed here); None when
@@ -360,7 +408,13 @@ class StageWorker:
 
     async def _recv_one(self):
         while True:
-            frames = await receive(self.ctrl)
+            sock = self.ctrl
+            try:
+                frames = await receive(sock)
+            except asyncio.CancelledError:
+                if not self._replaced(sock):
+                    raise
+                continue
             try:
                 msg = self.codec.decode(frames)[0]
             except ProtocolError as e:

@@ -685,8 +685,11 @@ def test_a_worker_no_coordinator_answers_suspects_its_keys_too(caplog):
     from stage_worker.worker import StageWorker
 
     async def hints(mesh_keys):
+        async def unrefused():
+            pass
+
         stand_in = types.SimpleNamespace(cfg=WorkerSettings(coordinator="tcp://127.0.0.1:9", mesh_keys=mesh_keys),
-                                         last_heard=None)
+                                         last_heard=None, _register_again_if_refused=unrefused)
         task = asyncio.ensure_future(StageWorker._while_unassigned(stand_in, every=0.01))
         deadline = asyncio.get_running_loop().time() + 10
         while not any(r.getMessage() == "no layers assigned yet" for r in caplog.records):
@@ -763,3 +766,50 @@ def test_a_worker_key_rotated_in_the_wrong_order_heals_without_losing_the_reques
     assert tokens == reference[0]
     assert seconds < 30, seconds  # (well inside --step-timeout: the link's late connection reset it)
     assert after.unreached == "" and after.step_resets == 1 and after.mesh_refused >= 1
+
+
+def test_a_worker_the_coordinator_refused_joins_once_its_key_is_allowed(model, reference, tmp_path):
+    """A worker started with a key the coordinator's host does not allow yet: the coordinator refuses
+    its handshake (libzmq never tries a refused one again on that connection). Once the key is added
+    to the coordinator's allowed set, the worker's next attempt (every RELINK_AFTER seconds while no
+    layers came) registers it, and the mesh serves the tokens of one that never refused it."""
+    import shutil
+
+    from stage_worker.worker import _free_port
+
+    keys = make_keys(tmp_path / "keys")
+    new = make_keys(tmp_path / "new")  # (of which only the worker key pair is used)
+    worker_keys = tmp_path / "worker"
+    shutil.copytree(keys, worker_keys)
+    for name in ("worker.key", "worker.key_secret"):
+        shutil.copy2(new / name, worker_keys / name)
+    port, client_port = _free_port("127.0.0.1"), _free_port("127.0.0.1")
+    base = [sys.executable, "-m", "moemesh"]
+    procs = [subprocess.Popen([*base, "coordinator", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                               "--client-port", str(client_port), "--mesh-keys", str(keys)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+             subprocess.Popen([*base, "stage-worker", "--coordinator", f"tcp://127.0.0.1:{port}", "--pp-rank", "0",
+                               "--host", "127.0.0.1", "--kv-memory", str(16 << 20), "--mesh-keys", str(worker_keys)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+
+    async def scenario():
+        client = CoordinatorClient(f"tcp://127.0.0.1:{client_port}", mesh_keys=str(keys))
+        try:
+            deadline = time.monotonic() + 60
+            while not (status := await client.status()).mesh_refused:
+                assert time.monotonic() < deadline, "the worker's handshake was never refused"
+                await asyncio.sleep(0.3)
+            assert not status.serving
+            shutil.copy2(new / "worker.key", keys / "workers" / "worker-2.key")  # the rotation's late step
+            await client.wait_serving(timeout=60)
+            return await _greedy_tokens(client, PROMPTS[0])
+        finally:
+            await client.close()
+
+    try:
+        tokens = run(scenario())
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert tokens == reference[0]
