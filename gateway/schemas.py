@@ -38,7 +38,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # (not supported: refused unless empty)
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, added to its logit
     # vLLM's extra parameters
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -52,8 +52,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    allowed_token_ids: list[int] | None = None  # only these tokens are sampled
     # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool = False
@@ -62,7 +62,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-VLLM_UNSUPPORTED = ("allowed_token_ids", "bad_words", "use_beam_search", "return_tokens_as_token_ids",
+VLLM_UNSUPPORTED = ("bad_words", "use_beam_search", "return_tokens_as_token_ids",
                     "spaces_between_special_tokens", "logits_processors")
 
 

@@ -48,7 +48,7 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import MAX_LOGPROBS, SamplingParams
+from moemesh.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -436,8 +436,7 @@ class Gateway:
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt", tool_constraint: dict | None = None):
         """tool_constraint: the structured output a tool_choice asks for (gateway/tools.py), as fields."""
-        unsupported = [name for name, given in [
-            ("logit_bias", bool(body.logit_bias)), ("suffix", bool(getattr(body, "suffix", None)))] if given]
+        unsupported = ["suffix"] if getattr(body, "suffix", None) else []
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
             raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
@@ -473,10 +472,20 @@ class Gateway:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")
             seed %= 1 << 63
         grammar = self._grammar(body, tool_constraint)
+        bias, allowed = self._logit_bias(body.logit_bias), body.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise HTTPError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
+            self._check_ids(allowed, "allowed_token_ids")
+        for param, given in (("logit_bias", bias), ("allowed_token_ids", allowed is not None)):
+            if given:
+                self._require_protocol(param)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar, **fields)
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar,
+                                  logit_bias=bias, allowed_token_ids=None if allowed is None else tuple(allowed),
+                                  **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
@@ -503,11 +512,31 @@ class Gateway:
         if self.grammar_tokenizer is None:
             raise HTTPError(400, f"structured outputs are not available with this model: {self.grammar_unavailable}",
                             param)
-        if self.status.protocol < PROTOCOL_VERSION:  # (it would drop the grammar it does not know of)
+        self._require_protocol(param)
+        return grammar
+
+    def _require_protocol(self, param: str) -> None:
+        """A 503 where the coordinator is older than this gateway: it would drop the sampling field it does
+        not know of (a grammar, logit_bias, allowed_token_ids) and answer as if it were not given."""
+        if self.status.protocol < PROTOCOL_VERSION:
             raise HTTPError(503, f"the coordinator speaks protocol {self.status.protocol}, older than this gateway's "
                                  f"{PROTOCOL_VERSION}, and would ignore {param}: run the same moemesh version on "
                                  f"every host")
-        return grammar
+
+    def _logit_bias(self, given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias ({"token id": bias in [-100, 100]}) as SamplingParams takes it."""
+        if not given:
+            return ()
+        if len(given) > MAX_LOGIT_BIAS:
+            raise HTTPError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+        out = []
+        for key, bias in given.items():
+            if not key.strip().isdigit() or not -100 <= bias <= 100:  # (JSON has no NaN)
+                raise HTTPError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias!r}",
+                                "logit_bias")
+            out.append((int(key), float(bias)))
+        self._check_ids([t for t, _ in out], "logit_bias")
+        return tuple(out)
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None):

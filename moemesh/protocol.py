@@ -36,8 +36,8 @@ class ProtocolError(ValueError):
 # that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
 # (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`). 6: sampling
 # parameters may carry a structured output's grammar (`SamplingParams.grammar`: an older last stage would
-# sample without it).
-PROTOCOL_VERSION = 6
+# sample without it). 7: and logit_bias and allowed_token_ids (`SamplingParams`).
+PROTOCOL_VERSION = 7
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 

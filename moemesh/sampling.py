@@ -8,6 +8,8 @@ import msgspec
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 17  # (moemesh/structured.py: the gateway refuses longer ones with a 400)
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias (logit_bias)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # (more than any vocabulary)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 
@@ -27,6 +29,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # logprob of each sampled token, with this many top alternatives
     prompt_logprobs: int | None = None  # logprob of each prompt token, with this many alternatives
     grammar: str | None = None  # structured output: an llguidance grammar the text must follow (moemesh/structured.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs added to its logit before sampling
+    allowed_token_ids: tuple[int, ...] | None = None  # only these tokens are sampled (vLLM's allowed_token_ids)
 
     def __post_init__(self):
         checks = [
@@ -47,6 +51,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.grammar is None or 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS,
              f"grammar must be 1 to {MAX_GRAMMAR_CHARS} characters"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens"),
+            (all(0 <= t < 1 << 31 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids (>= 0) to biases in [-100, 100]"),
+            (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+             f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKEN_IDS} ids"),
+            (self.allowed_token_ids is None or all(0 <= t < 1 << 31 for t in self.allowed_token_ids),
+             "allowed_token_ids must be token ids (>= 0)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -60,3 +71,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether every step's logits are edited before sampling, whatever the sequence's state (its
+        min_tokens and grammar aside): penalties, logit_bias, allowed_token_ids."""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None

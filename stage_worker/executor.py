@@ -172,8 +172,9 @@ class StageExecutor:
     @staticmethod
     def _plain_greedy(st: SeqState) -> bool:
         """The sequence's next token is its logits' first maximum, with no logit edited (penalties,
-        min_tokens' bans, a structured output's mask) or reported (logprobs)."""
-        return (st.params.greedy and not st.params.has_penalties and st.params.logprobs is None
+        logit_bias, allowed_token_ids, min_tokens' bans, a structured output's mask) or reported
+        (logprobs)."""
+        return (st.params.greedy and not st.params.edits_logits and st.params.logprobs is None
                 and st.params.grammar is None and len(st.tokens) - st.prompt_len >= st.params.min_tokens)
 
     def _row(self, seq_id: int) -> SampleRow:

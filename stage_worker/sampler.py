@@ -1,7 +1,8 @@
 """Turning the last stage's logits into tokens.
 
 Per row, in order: a structured output's mask (tokens its grammar does not allow next are off the
-table), min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
+table) and allowed_token_ids (only those are), logit_bias (added to the logits, as OpenAI's and
+vLLM's), min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
 penalty (prompt and output tokens), presence and frequency penalties (output tokens), then greedy
 rows take the argmax; the others apply temperature, top-k, top-p and min-p and draw once by the
 exponential race (argmax of p / Exp(1) noise, which samples from p). A seeded request draws its
@@ -39,16 +40,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     if any(_needs_edit(r) for r in rows):
         logits = logits.clone()
     V = logits.shape[1]
-    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
-    if masked:  # structured outputs' masks, in one pass (host masks: to the logits' device)
+    masks = [_allowed(r, V) for r in rows]
+    masked = [i for i, m in enumerate(masks) if m is not None]
+    if masked:  # the masks, in one pass (host masks: to the logits' device)
         idx = torch.tensor(masked, device=logits.device)
-        allowed = torch.stack([rows[i].allowed[:V] for i in masked]).to(logits.device)
+        allowed = torch.stack([masks[i] for i in masked]).to(logits.device)
         logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     for i, r in enumerate(rows):
         p = r.params
+        if p.logit_bias:
+            biased = [(t, b) for t, b in p.logit_bias if t < V]
+            if biased:
+                logits[i].index_add_(0, torch.tensor([t for t, _ in biased], device=logits.device),
+                                     torch.tensor([b for _, b in biased], dtype=logits.dtype, device=logits.device))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
-            left = r.allowed.clone() if r.allowed is not None else None
+            left = masks[i].clone() if masks[i] is not None else None
             if left is not None:
                 left[banned] = False
             if left.any() if left is not None else len(banned) < V:
@@ -110,8 +117,21 @@ def token_ranks(logprobs: torch.Tensor, tokens: list[int]) -> list[int]:
     return (logprobs >= logprobs.gather(1, ids)).sum(dim=1).tolist()
 
 
+def _allowed(r: SampleRow, V: int) -> torch.Tensor | None:
+    """[V] bool: the tokens the row may sample, by its grammar's mask and its allowed_token_ids (both
+    where both are given and some token is in both; the grammar's alone where none is), or None."""
+    grammar = r.allowed[:V] if r.allowed is not None else None
+    if r.params.allowed_token_ids is None:
+        return grammar
+    only = torch.zeros(V, dtype=torch.bool)
+    only[[t for t in r.params.allowed_token_ids if t < V]] = True
+    if grammar is not None:
+        only &= grammar
+    return only if only.any() else grammar  # (ids beyond the vocabulary alone: nothing to keep to)
+
+
 def _needs_edit(r: SampleRow) -> bool:
-    return len(r.output_ids) < r.params.min_tokens or r.params.has_penalties or r.allowed is not None
+    return len(r.output_ids) < r.params.min_tokens or r.params.edits_logits or r.allowed is not None
 
 
 def _apply_penalties(row: torch.Tensor, r: SampleRow, V: int) -> None:

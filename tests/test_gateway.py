@@ -89,13 +89,14 @@ def client(server, model):
     return c
 
 
-def engine_greedy(model, prompt_ids, n):
+def engine_greedy(model, prompt_ids, n, **params):
     from moemesh.entrypoints.engine import LLMEngine
     from moemesh.settings import EngineSettings
     from moemesh.sampling import SamplingParams
 
     engine = LLMEngine(EngineSettings(model=str(model), num_kv_blocks=64), progress=False)
-    return engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                        **params))[0].token_ids
 
 
 def test_completion_matches_the_engine_streaming_or_not(model, client):
@@ -269,8 +270,16 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", chat, {"messages": [{"role": "user", "content": "word " * 200_000}]}), "messages"),
         (http("POST", chat, {"messages": user, "max_completion_tokens": 0}), "max_completion_tokens"),
         # what would change the answer and is not supported is refused, not ignored
-        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}), "logit_bias"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "suffix": "end"}), "suffix"),
+        # biases and token sets that name no token of the model, or are out of range
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}), "logit_bias"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": 100.5}}), "logit_bias"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}), "logit_bias"),
+        (http("POST", chat, {"messages": user, "logit_bias": {"-5": 1}}), "logit_bias"),
+        (http("POST", chat, {"messages": user, "logit_bias": {"5": "up"}}), "logit_bias[...]"),  # (msgspec's path)
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": []}), "allowed_token_ids"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": [5, 99999]}),
+         "allowed_token_ids"),
         # (tool_choice auto, the default with tools, needs --tool-call-parser)
         (http("POST", chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}),
          "tool_choice"),
@@ -282,7 +291,7 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "x"}}),
          "structured_outputs"),
         # and so are vLLM's extra parameters that this server does not have
-        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}), "allowed_token_ids"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["the"]}), "bad_words"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True}), "use_beam_search"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}),
          "spaces_between_special_tokens"),
@@ -533,6 +542,30 @@ def test_mistral_calls_are_read_after_their_special_token(mistral_server):
     # without a call, the answer is its text
     plain = client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": "It is noon\\."}}).choices[0]
     assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is noon.", None, "stop")
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_last_stage(server, model):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids give the in-process engine's tokens under the
+    same edit (tests/test_logit_bias.py holds those to transformers), in completions and chat."""
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    prompt = tok.encode("Once upon a time")
+    plain = engine_greedy(model, prompt, 6)
+    bias = {str(plain[0]): -100, str(plain[1]): 5.5, "300": 3}
+    allowed = [t for t in range(4, 400, 3) if t not in plain]
+    for fields, params in (({"logit_bias": bias}, {"logit_bias": tuple((int(k), float(v)) for k, v in bias.items())}),
+                           ({"allowed_token_ids": allowed}, {"allowed_token_ids": tuple(allowed)})):
+        want = engine_greedy(model, prompt, 6, **params)
+        assert want != plain
+        r = json.loads(http("POST", f"{server.url}/v1/completions", {"prompt": prompt, "max_tokens": 6,
+                                                                     "temperature": 0, "ignore_eos": True,
+                                                                     **fields})[1])
+        assert r["choices"][0]["text"] == tok.decode(want), fields
+    forced = json.loads(http("POST", f"{server.url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0.7, "seed": 5,
+        "logit_bias": {str(plain[2]): 100}, "min_tokens": 4})[1])
+    assert forced["choices"][0]["message"]["content"] == tok.decode([plain[2]] * 4)
 
 
 def test_vllm_extras_stop_string_kept_truncated_prompt_and_the_sampled_token_among_the_top(server, model):
