@@ -477,9 +477,10 @@ class Gateway:
             if not allowed:
                 raise HTTPError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
             self._check_ids(allowed, "allowed_token_ids")
+            allowed = sorted(set(allowed))  # (so at most the vocabulary: SamplingParams' bound holds)
         for param, given in (("logit_bias", bias), ("allowed_token_ids", allowed is not None)):
             if given:
-                self._require_protocol(param)
+                self._require_protocol(param, 7)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -512,13 +513,14 @@ class Gateway:
         if self.grammar_tokenizer is None:
             raise HTTPError(400, f"structured outputs are not available with this model: {self.grammar_unavailable}",
                             param)
-        self._require_protocol(param)
+        self._require_protocol(param, 6)
         return grammar
 
-    def _require_protocol(self, param: str) -> None:
-        """A 503 where the coordinator is older than this gateway: it would drop the sampling field it does
-        not know of (a grammar, logit_bias, allowed_token_ids) and answer as if it were not given."""
-        if self.status.protocol < PROTOCOL_VERSION:
+    def _require_protocol(self, param: str, version: int) -> None:
+        """A 503 where the coordinator is older than the protocol `version` that brought the sampling field
+        (a grammar: 6, logit_bias and allowed_token_ids: 7): it would drop the field it does not know of
+        and answer as if it were not given."""
+        if self.status.protocol < version:
             raise HTTPError(503, f"the coordinator speaks protocol {self.status.protocol}, older than this gateway's "
                                  f"{PROTOCOL_VERSION}, and would ignore {param}: run the same moemesh version on "
                                  f"every host")
@@ -531,10 +533,11 @@ class Gateway:
             raise HTTPError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
         out = []
         for key, bias in given.items():
-            if not key.strip().isdigit() or not -100 <= bias <= 100:  # (JSON has no NaN)
-                raise HTTPError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias!r}",
-                                "logit_bias")
-            out.append((int(key), float(bias)))
+            digits = key.strip()  # (ASCII digits: "²" is a digit to str.isdigit, not to int)
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 10) or not -100 <= bias <= 100:
+                raise HTTPError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key[:20]!r}: "
+                                     f"{bias!r}", "logit_bias")  # (JSON has no NaN)
+            out.append((int(digits), float(bias)))
         self._check_ids([t for t, _ in out], "logit_bias")
         return tuple(out)
 

@@ -52,6 +52,11 @@ class ToolMode:
     parser: str | None = None
     parallel: bool = True
 
+    def call_id(self) -> str | None:
+        """An id for a call (None: OpenAI's kind), as the parser's models take them back (mistral's nine
+        letters and digits), whatever the tool_choice."""
+        return PARSERS[self.parser].call_id() if self.parser is not None else None
+
     @property
     def keeps_special_tokens(self) -> bool:
         """Its parser looks for a special token ([TOOL_CALLS]), which the answer's text must keep (as
@@ -100,7 +105,7 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
             "x-guidance": CALL_WHITESPACE, **_shared_definitions(by_name)}
         if parallel is False:
             calls["maxItems"] = 1
-        return ToolMode("required"), {"guided_json": calls}
+        return ToolMode("required", parser=parser), {"guided_json": calls}
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name or tool_choice.get("type", "function") != "function":
@@ -112,7 +117,7 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
     own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
     if "whitespace_flexible" not in own and "whitespace_pattern" not in own:
         schema = {**schema, "x-guidance": {**own, **CALL_WHITESPACE}}
-    return ToolMode("named", name=name), {"guided_json": schema}
+    return ToolMode("named", name=name, parser=parser), {"guided_json": schema}
 
 
 def _parameters(fn: dict) -> dict:
@@ -166,11 +171,11 @@ def call(name: str, arguments: str, call_id: str | None = None) -> dict:
 def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
     """A finished answer's (content, tool calls). Text that does not read as calls stays content."""
     if mode.kind == "named":
-        return None, [call(mode.name, text)]
+        return None, [call(mode.name, text, mode.call_id())]
     if mode.kind == "required":
         try:
             calls = json.loads(text)
-            return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+            return None, [call(c["name"], _json(c["parameters"]), mode.call_id()) for c in calls]
         except (ValueError, TypeError, KeyError):  # (cut short by max_tokens: not JSON yet)
             return text, []
     parser = PARSERS[mode.parser]
@@ -178,8 +183,9 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
     if start is None:
         return text, []
     try:
-        calls = [call(name, arguments, parser.call_id()) for name, arguments in parser.read(text[start:])]
-    except (ValueError, TypeError, AttributeError, KeyError, SyntaxError, RecursionError):
+        calls = [call(name, arguments, mode.call_id()) for name, arguments in parser.read(text[start:])]
+    # (ast.parse of deep nesting: RecursionError, or MemoryError "parser stack overflowed")
+    except (ValueError, TypeError, AttributeError, KeyError, SyntaxError, RecursionError, MemoryError):
         calls = []  # (not calls after all: the text is the answer)
     if not calls:
         return text, []
@@ -188,11 +194,17 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
 
 
 def _arguments(c: Any) -> tuple[str, str]:
-    """(name, arguments as JSON text) of a call written as {"name": ..., "arguments" or "parameters": {...}}."""
+    """(name, arguments as JSON text) of a call written as {"name": ..., "arguments" or "parameters": {...}}
+    (an object without either is not a call: a JSON answer that has a "name", say)."""
     if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
         raise ValueError("a call without a name")
-    arguments = c.get("arguments", c.get("parameters", {}))
-    return c["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    arguments = c["arguments"] if "arguments" in c else c["parameters"]
+    return c["name"], arguments if isinstance(arguments, str) else _json(arguments)
+
+
+def _json(value: Any) -> str:
+    """Arguments as strict JSON (no NaN or Infinity, which JSON.parse refuses: a ValueError, so not a call)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.S)
@@ -219,9 +231,9 @@ def _mistral(text: str) -> list[tuple[str, str]]:
             if brace < 0:
                 raise ValueError("a call without arguments")
             name, arguments = part[:brace], part[brace:]
-        if not isinstance(json.loads(arguments), dict) or not name.strip():
+        if not isinstance(parsed := json.loads(arguments), dict) or not name.strip():
             raise ValueError("a call's arguments are an object")
-        calls.append((name.strip(), arguments.strip()))
+        calls.append((name.strip(), _json(parsed)))
     return calls
 
 
@@ -264,7 +276,7 @@ def _pythonic(text: str) -> list[tuple[str, str]]:
                 or any(k.arg is None for k in node.keywords):
             raise ValueError("a call is name(keyword=literal, ...)")
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-        calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        calls.append((node.func.id, _json(arguments)))
     return calls
 
 
@@ -326,6 +338,7 @@ class ToolStream:
         self.mode, self.text, self.sent = mode, "", 0
         self.held = mode.kind == "required"
         self.parser = PARSERS[mode.parser] if mode.kind == "auto" else None
+        self.plain = False  # the answer's start says it is no calls (a parser whose calls open it)
 
     def arguments(self, piece: str) -> dict | None:
         """named: the delta's tool-call entry for a piece of the arguments (the first names the call)."""
@@ -334,19 +347,23 @@ class ToolStream:
         first, self.text = not self.text, self.text + piece
         if not first:
             return {"index": 0, "function": {"arguments": piece}}
-        return {"index": 0, **call(self.mode.name, piece)}
+        return {"index": 0, **call(self.mode.name, piece, self.mode.call_id())}
 
     def content(self, piece: str) -> str:
         """required and auto: the new text's part that is content to send now."""
         self.text += piece
         if self.held:  # (required: always)
             return ""
+        if self.plain:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
         start = self.parser.begin(self.text, max(0, self.sent - len(self.parser.marker or "")))
         if start is not None:
             self.held = True
             end = start
         else:
             end = len(self.text) - self.parser.hold(self.text)
+            self.plain = self.parser.marker is None and bool(self.text) and end == len(self.text)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 

@@ -21,7 +21,8 @@ from typing import Union
 
 import msgspec
 
-from moemesh.sampling import MAX_GRAMMAR_CHARS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from moemesh.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                              MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 class ProtocolError(ValueError):
@@ -428,12 +429,14 @@ def _buffer(frame):
 # (msgpack's worst case per value, slack for headers): a limit that refuses a real message is a bug.
 
 HEADER_SLACK = 1 << 20
+# a request's allowed_token_ids (5 bytes an id) and logit_bias (an array of an id and a float64: 16 bytes)
+TOKEN_EDIT_BYTES = 5 * MAX_ALLOWED_TOKEN_IDS + 16 * MAX_LOGIT_BIAS
 
 
 def max_client_message_bytes(max_model_len: int) -> int:
     """A generate request: its prompt ids (9 bytes each at most in msgpack) and its parameters (with a
-    structured output's grammar, UTF-8)."""
-    return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS + 4 * MAX_GRAMMAR_CHARS
+    structured output's grammar, UTF-8; allowed_token_ids and logit_bias pairs)."""
+    return HEADER_SLACK + 9 * max_model_len + 9 * MAX_STOP_TOKEN_IDS + 4 * MAX_GRAMMAR_CHARS + TOKEN_EDIT_BYTES
 
 
 def max_result_bytes(max_batched_tokens: int, max_seqs: int, num_steps: int = 1) -> int:
@@ -460,5 +463,5 @@ def max_schedule_bytes(max_batched_tokens: int, max_seqs: int, max_model_len: in
     """A schedule to a worker: per sequence its block table (on admission) and parameters, the step's token ids
     (a first chunk may also carry its prompt ids and cached ids: up to max_model_len each)."""
     per_seq = (512 + 9 * (-(-max_model_len // block_size)) + 9 * MAX_STOP_TOKEN_IDS + 18 * max_model_len
-               + 4 * MAX_GRAMMAR_CHARS)  # (a structured output's grammar, UTF-8)
+               + 4 * MAX_GRAMMAR_CHARS + TOKEN_EDIT_BYTES)  # (a structured output's grammar, UTF-8)
     return HEADER_SLACK + max_seqs * per_seq + 9 * max_batched_tokens

@@ -20,7 +20,7 @@ from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, Sampl
 from moemesh.sampling import SamplingParams
 from stage_worker.grammar import Grammars, GrammarState
 from stage_worker.runner import StageRunner, StepInput
-from stage_worker.sampler import SampleRow, sample, token_logprobs, token_ranks
+from stage_worker.sampler import SampleRow, TokenEdits, sample, token_logprobs, token_ranks
 
 
 @dataclass
@@ -30,6 +30,7 @@ class SeqState:
     tokens: list[int]  # every token fed so far, from position 0
     prompt_ids: list[int] | None  # the whole prompt, when prompt logprobs are wanted
     grammar: GrammarState | None = None  # a structured output's matcher (made at its first sample)
+    edits: TokenEdits | None = None  # its allowed_token_ids and logit_bias as tensors (made at its first sample)
 
 
 class StageExecutor:
@@ -185,7 +186,9 @@ class StageExecutor:
         allowed = None
         if st.params.grammar is not None:
             st.grammar, allowed = self.grammars.allowed(st.grammar, st.params.grammar, outputs, seq_id)
-        return SampleRow(st.params, prompt, outputs, allowed)
+        if st.edits is None and (st.params.logit_bias or st.params.allowed_token_ids is not None):
+            st.edits = TokenEdits.of(st.params, self.runner.config.vocab_size)
+        return SampleRow(st.params, prompt, outputs, allowed, st.edits)
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
         if not prompt_rows:

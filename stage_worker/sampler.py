@@ -31,6 +31,32 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]  # generated so far
     allowed: torch.Tensor | None = None  # [V] bool: the tokens a structured output's grammar allows next
+    edits: "TokenEdits | None" = None  # params' allowed_token_ids and logit_bias as tensors (made if not given)
+
+
+@dataclass(frozen=True)
+class TokenEdits:
+    """A sequence's allowed_token_ids and logit_bias as tensors over a vocabulary of V tokens (ids beyond
+    it dropped), made once per sequence (StageExecutor keeps them), not at every step: a set may hold
+    every id of the vocabulary."""
+    only: torch.Tensor | None  # [V] bool; None where no id of the set is in the vocabulary (nothing to keep to)
+    bias_ids: torch.Tensor | None  # [n] long
+    bias: torch.Tensor | None  # [n] float32
+
+    @classmethod
+    def of(cls, params: SamplingParams, V: int) -> "TokenEdits":
+        only = None
+        if params.allowed_token_ids is not None:
+            ids = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+            ids = ids[ids < V]
+            if len(ids):
+                only = torch.zeros(V, dtype=torch.bool)
+                only[ids] = True
+        biased = [(t, b) for t, b in params.logit_bias if t < V]
+        if not biased:
+            return cls(only, None, None)
+        return cls(only, torch.tensor([t for t, _ in biased], dtype=torch.long),
+                   torch.tensor([b for _, b in biased], dtype=torch.float32))
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
@@ -40,7 +66,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     if any(_needs_edit(r) for r in rows):
         logits = logits.clone()
     V = logits.shape[1]
-    masks = [_allowed(r, V) for r in rows]
+    edits = [(r.edits or TokenEdits.of(r.params, V)) if r.params.edits_logits else None for r in rows]
+    masks = [_allowed(r, e, V) for r, e in zip(rows, edits)]
     masked = [i for i, m in enumerate(masks) if m is not None]
     if masked:  # the masks, in one pass (host masks: to the logits' device)
         idx = torch.tensor(masked, device=logits.device)
@@ -48,11 +75,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
         logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     for i, r in enumerate(rows):
         p = r.params
-        if p.logit_bias:
-            biased = [(t, b) for t, b in p.logit_bias if t < V]
-            if biased:
-                logits[i].index_add_(0, torch.tensor([t for t, _ in biased], device=logits.device),
-                                     torch.tensor([b for _, b in biased], dtype=logits.dtype, device=logits.device))
+        if edits[i] is not None and edits[i].bias is not None:
+            logits[i].index_add_(0, edits[i].bias_ids.to(logits.device),
+                                 edits[i].bias.to(device=logits.device, dtype=logits.dtype))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
             left = masks[i].clone() if masks[i] is not None else None
@@ -117,17 +142,16 @@ def token_ranks(logprobs: torch.Tensor, tokens: list[int]) -> list[int]:
     return (logprobs >= logprobs.gather(1, ids)).sum(dim=1).tolist()
 
 
-def _allowed(r: SampleRow, V: int) -> torch.Tensor | None:
+def _allowed(r: SampleRow, edits: TokenEdits | None, V: int) -> torch.Tensor | None:
     """[V] bool: the tokens the row may sample, by its grammar's mask and its allowed_token_ids (both
     where both are given and some token is in both; the grammar's alone where none is), or None."""
     grammar = r.allowed[:V] if r.allowed is not None else None
-    if r.params.allowed_token_ids is None:
+    if edits is None or edits.only is None:
         return grammar
-    only = torch.zeros(V, dtype=torch.bool)
-    only[[t for t in r.params.allowed_token_ids if t < V]] = True
-    if grammar is not None:
-        only &= grammar
-    return only if only.any() else grammar  # (ids beyond the vocabulary alone: nothing to keep to)
+    if grammar is None:
+        return edits.only[:V]
+    both = edits.only[:V] & grammar
+    return both if both.any() else grammar
 
 
 def _needs_edit(r: SampleRow) -> bool:

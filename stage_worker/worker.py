@@ -375,13 +375,14 @@ class StageWorker:
             sock = self.ctrl
             try:
                 return await sock.send_multipart(Codec.encode(msg), copy=False)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, zmq.ZMQError):  # (ENOTSOCK: closed between two tries)
                 if not self._replaced(sock):
                     raise
 
     def _replaced(self, sock: zmq.asyncio.Socket) -> bool:
         """Whether a wait on the control socket `sock` ended because a refused link was made again
-        (closing a socket cancels what waits on it), not because the waiting task was cancelled."""
+        (closing a socket cancels what waits on it, or fails the next try), not because the waiting
+        task was cancelled."""
         return sock is not self.ctrl and not asyncio.current_task().cancelling()
 
     async def _expect(self, kind):
@@ -411,7 +412,7 @@ class StageWorker:
             sock = self.ctrl
             try:
                 frames = await receive(sock)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, zmq.ZMQError):  # (ENOTSOCK: closed between two tries)
                 if not self._replaced(sock):
                     raise
                 continue

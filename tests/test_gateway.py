@@ -276,6 +276,8 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"5": 100.5}}), "logit_bias"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}), "logit_bias"),
         (http("POST", chat, {"messages": user, "logit_bias": {"-5": 1}}), "logit_bias"),
+        (http("POST", chat, {"messages": user, "logit_bias": {"\u00b2": 1}}), "logit_bias"),  # (a digit to isdigit)
+        (http("POST", chat, {"messages": user, "logit_bias": {"1" * 5000: 1}}), "logit_bias"),
         (http("POST", chat, {"messages": user, "logit_bias": {"5": "up"}}), "logit_bias[...]"),  # (msgspec's path)
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": []}), "allowed_token_ids"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "allowed_token_ids": [5, 99999]}),

@@ -245,14 +245,25 @@ def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(mode
     gateway.grammar_tokenizer, gateway.grammar_unavailable = tokenizer(model, config.vocab_size, config.eos_token_ids), None
     gateway.status = StatusReply(serving=True, num_blocks=1, num_free_blocks=1, num_running=0, num_waiting=0,
                                  num_preemptions=0, stage_busy_seconds=[], stage_comm_seconds=[], uptime_seconds=1,
-                                 malformed_messages=0, protocol=PROTOCOL_VERSION - 1)
+                                 malformed_messages=0, protocol=5)  # (grammars came with protocol 6)
     body = msgspec.convert({"prompt": "x", "guided_choice": ["a", "b"]}, CompletionRequest)
     with pytest.raises(HTTPError) as e:
         gateway._grammar(body, None)
-    assert e.value.status == 503 and f"protocol {PROTOCOL_VERSION - 1}" in e.value.message
+    assert e.value.status == 503 and "protocol 5" in e.value.message
     assert gateway._grammar(msgspec.convert({"prompt": "x"}, CompletionRequest), None) is None  # (nothing to drop)
-    gateway.status = msgspec.structs.replace(gateway.status, protocol=PROTOCOL_VERSION)
+    gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
     assert gateway._grammar(body, None)
+    # logit_bias and allowed_token_ids came with protocol 7
+    gateway.defaults, gateway.max_model_len, gateway.vocab_size = {}, 256, config.vocab_size
+    for fields in ({"logit_bias": {"5": 1}}, {"allowed_token_ids": [5, 5, 9]}):
+        edited = msgspec.convert({"prompt": "x", **fields}, CompletionRequest)
+        with pytest.raises(HTTPError) as e:
+            gateway._params(edited, 1, 4, None, None)
+        assert e.value.status == 503 and next(iter(fields)) in e.value.message
+        gateway.status = msgspec.structs.replace(gateway.status, protocol=PROTOCOL_VERSION)
+        params = gateway._params(edited, 1, 4, None, None)
+        assert params.logit_bias == ((5, 1.0),) or params.allowed_token_ids == (5, 9)  # (ids once each)
+        gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
     gateway.grammar_tokenizer, gateway.grammar_unavailable = None, "no tokenizer.json in /m"
     with pytest.raises(HTTPError) as e:
         gateway._grammar(body, None)

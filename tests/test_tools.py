@@ -115,6 +115,8 @@ WRITTEN = {
         ('The answer is {"name": "f"}', 'The answer is {"name": "f"}', []),
         ('{"name": "f", "parameters": {}} and more', '{"name": "f", "parameters": {}} and more', []),
         ('{"no": "name"}', '{"no": "name"}', []),
+        ('{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),  # (a JSON answer, not a call)
+        ('{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),  # (not JSON)
     ],
     "pythonic": [
         ('[f(x=2, y="a"), g(z=[1, {"k": None}])]', None, [("f", {"x": 2, "y": "a"}), ("g", {"z": [1, {"k": None}]})]),
@@ -123,6 +125,8 @@ WRITTEN = {
         ("[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # (literals only: nothing is run)
         ("[1, 2]", "[1, 2]", []),
         ("Sure: [f(x=1)]", "Sure: [f(x=1)]", []),
+        ("[f(x=1e999)]", "[f(x=1e999)]", []),  # (Infinity: not JSON)
+        ("[f(a=" + "-" * 6000 + "1)]", "[f(a=" + "-" * 6000 + "1)]", []),  # (the parser's stack overflows)
     ],
 }
 
@@ -142,6 +146,15 @@ def test_each_parser_reads_its_models_calls_and_leaves_other_text_as_content(par
             rest, streamed = stream.finish()
             assert sent + rest == (content or ""), (text, cut)
             assert [c["function"] for c in streamed] == [c["function"] for c in got]
+    if parser == "mistral":  # (and so are the calls of a named function or of "required")
+        tools = functions([WEATHER, TIME])
+        for choice, text in (({"type": "function", "function": {"name": "get_time"}}, "{}"),
+                             ("required", '[{"name": "get_time", "parameters": {}}]')):
+            mode, _ = tool_mode(tools, choice, None, "mistral")
+            (c,) = read_calls(mode, text)[1]
+            assert len(c["id"]) == 9 and c["id"].isalnum(), choice
+        assert len(ToolStream(tool_mode(tools, {"type": "function", "function": {"name": "get_time"}}, None,
+                                        "mistral")[0]).arguments("{")["id"]) == 9
     assert ToolMode("auto", parser="mistral").keeps_special_tokens
     assert not ToolMode("auto", parser="hermes").keeps_special_tokens
     assert not ToolMode("named", name="f").keeps_special_tokens
@@ -153,7 +166,9 @@ def test_a_start_that_may_open_calls_is_held_until_it_is_known():
     plain = ToolStream(ToolMode("auto", parser="llama3_json"))
     assert [plain.content(p) for p in [" ", "<|py", "x", " {"]] == ["", "", " <|pyx", " {"]
     pythonic = ToolStream(ToolMode("auto", parser="pythonic"))
-    assert [pythonic.content(p) for p in ["\n", "Hello", " [f()]"]] == ["", "\nHello", " [f()]"]
+    assert [pythonic.content(p) for p in ["", "\n", "Hello", " [f()]"]] == ["", "", "\nHello", " [f()]"]
+    late = ToolStream(ToolMode("auto", parser="pythonic"))  # (an empty first piece decides nothing)
+    assert [late.content(p) for p in ["", "[f()]"]] == ["", ""] and late.finish()[1]
 
 
 def test_the_gateways_parsers_are_the_flags_choices():
