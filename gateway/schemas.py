@@ -53,8 +53,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     allowed_token_ids: list[int] | None = None  # only these tokens are sampled
+    bad_words: list[str] | None = None  # words never generated (at the text's start or after a space)
     # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
-    bad_words: list[str] | None = None
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
@@ -62,7 +62,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-VLLM_UNSUPPORTED = ("bad_words", "use_beam_search", "return_tokens_as_token_ids",
+VLLM_UNSUPPORTED = ("use_beam_search", "return_tokens_as_token_ids",
                     "spaces_between_special_tokens", "logits_processors")
 
 

@@ -48,7 +48,7 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -56,6 +56,7 @@ from moemesh.tokenizer import TextTokenizer, whole_characters
 log = get_logger("gateway")
 
 MAX_N = 16  # choices per prompt
+MAX_BAD_WORD_CHARS = 256  # a bad word's characters (tokenized twice on the event loop)
 MAX_PROMPTS = 256  # prompts in one completions request
 # seconds of the coordinator's silence after which the requests in flight end with an error: the
 # longest stall tolerated (a coordinator that answers again still holds them; past the workers'
@@ -478,7 +479,9 @@ class Gateway:
                 raise HTTPError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
             self._check_ids(allowed, "allowed_token_ids")
             allowed = sorted(set(allowed))  # (so at most the vocabulary: SamplingParams' bound holds)
-        for param, given in (("logit_bias", bias), ("allowed_token_ids", allowed is not None)):
+        bad_words = self._bad_words(body.bad_words)
+        for param, given in (("logit_bias", bias), ("allowed_token_ids", allowed is not None),
+                             ("bad_words", bad_words)):
             if given:
                 self._require_protocol(param, 7)
         try:
@@ -486,7 +489,7 @@ class Gateway:
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar,
                                   logit_bias=bias, allowed_token_ids=None if allowed is None else tuple(allowed),
-                                  **fields)
+                                  bad_words=bad_words, **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
@@ -539,6 +542,27 @@ class Gateway:
                                      f"{bias!r}", "logit_bias")  # (JSON has no NaN)
             out.append((int(digits), float(bias)))
         self._check_ids([t for t, _ in out], "logit_bias")
+        return tuple(out)
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as the model writes it at the text's start and
+        after a space (both, where they differ), so neither is generated."""
+        if not words:
+            return ()
+        if len(words) > MAX_BAD_WORDS:
+            raise HTTPError(400, f"bad_words takes at most {MAX_BAD_WORDS} words", "bad_words")
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            word = word.strip()
+            if not word or len(word) > MAX_BAD_WORD_CHARS:
+                raise HTTPError(400, f"each of bad_words must have 1 to {MAX_BAD_WORD_CHARS} characters besides "
+                                     f"spaces", "bad_words")
+            for text in (word, " " + word):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                    raise HTTPError(400, f"{word[:40]!r} of bad_words is {len(ids)} tokens; at most "
+                                         f"{MAX_BAD_WORD_TOKENS} are taken", "bad_words")
+                out[ids] = None
         return tuple(out)
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],

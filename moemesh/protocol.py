@@ -21,8 +21,8 @@ from typing import Union
 
 import msgspec
 
-from moemesh.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
-                              MAX_STOP_TOKEN_IDS, SamplingParams)
+from moemesh.sampling import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_GRAMMAR_CHARS,
+                              MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 class ProtocolError(ValueError):
@@ -37,7 +37,7 @@ class ProtocolError(ValueError):
 # that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
 # (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`). 6: sampling
 # parameters may carry a structured output's grammar (`SamplingParams.grammar`: an older last stage would
-# sample without it). 7: and logit_bias and allowed_token_ids (`SamplingParams`).
+# sample without it). 7: and logit_bias, allowed_token_ids and bad_words (`SamplingParams`).
 PROTOCOL_VERSION = 7
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
@@ -429,8 +429,10 @@ def _buffer(frame):
 # (msgpack's worst case per value, slack for headers): a limit that refuses a real message is a bug.
 
 HEADER_SLACK = 1 << 20
-# a request's allowed_token_ids (5 bytes an id) and logit_bias (an array of an id and a float64: 16 bytes)
-TOKEN_EDIT_BYTES = 5 * MAX_ALLOWED_TOKEN_IDS + 16 * MAX_LOGIT_BIAS
+# a request's allowed_token_ids (5 bytes an id), logit_bias (an array of an id and a float64: 16 bytes) and
+# bad_words' token sequences (an array header and 5 bytes an id)
+TOKEN_EDIT_BYTES = (5 * MAX_ALLOWED_TOKEN_IDS + 16 * MAX_LOGIT_BIAS
+                    + 2 * MAX_BAD_WORDS * (5 + 5 * MAX_BAD_WORD_TOKENS))
 
 
 def max_client_message_bytes(max_model_len: int) -> int:

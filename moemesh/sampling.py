@@ -10,6 +10,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 17  # (moemesh/structured.py: the gateway refuses longer ones with a 400)
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias (logit_bias)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # (more than any vocabulary)
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 256, 64  # bad words a request may give (twice that as token sequences), tokens each
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 
@@ -31,6 +32,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     grammar: str | None = None  # structured output: an llguidance grammar the text must follow (moemesh/structured.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs added to its logit before sampling
     allowed_token_ids: tuple[int, ...] | None = None  # only these tokens are sampled (vLLM's allowed_token_ids)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the output ends with the
+    # rest of it (a one-token word: always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         checks = [
@@ -58,6 +62,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
              f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKEN_IDS} ids"),
             (self.allowed_token_ids is None or all(0 <= t < 1 << 31 for t in self.allowed_token_ids),
              "allowed_token_ids must be token ids (>= 0)"),
+            (len(self.bad_words) <= 2 * MAX_BAD_WORDS
+             and all(0 < len(w) <= MAX_BAD_WORD_TOKENS and all(0 <= t < 1 << 31 for t in w) for w in self.bad_words),
+             f"bad_words takes at most {2 * MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids"),
         ]
         for ok, message in checks:
             if not ok:
@@ -75,5 +82,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def edits_logits(self) -> bool:
         """Whether every step's logits are edited before sampling, whatever the sequence's state (its
-        min_tokens and grammar aside): penalties, logit_bias, allowed_token_ids."""
-        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+        min_tokens and grammar aside): penalties, logit_bias, allowed_token_ids, bad_words."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words))

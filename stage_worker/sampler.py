@@ -1,8 +1,8 @@
 """Turning the last stage's logits into tokens.
 
 Per row, in order: a structured output's mask (tokens its grammar does not allow next are off the
-table) and allowed_token_ids (only those are), logit_bias (added to the logits, as OpenAI's and
-vLLM's), min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
+table) and allowed_token_ids (only those are), bad_words (a word's last token, where the output ends
+with the rest of it), logit_bias (added to the logits, as OpenAI's and vLLM's), min_tokens (EOS and stop tokens banned until enough tokens exist), repetition
 penalty (prompt and output tokens), presence and frequency penalties (output tokens), then greedy
 rows take the argmax; the others apply temperature, top-k, top-p and min-p and draw once by the
 exponential race (argmax of p / Exp(1) noise, which samples from p). A seeded request draws its
@@ -75,6 +75,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
         logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     for i, r in enumerate(rows):
         p = r.params
+        if p.bad_words:
+            banned = _bad_words_next(p.bad_words, r.output_ids, V)
+            row = logits[i].clone()
+            row[banned] = float("-inf")
+            if banned and row.max() > float("-inf"):  # (not where it would leave nothing to sample)
+                logits[i] = row
         if edits[i] is not None and edits[i].bias is not None:
             logits[i].index_add_(0, edits[i].bias_ids.to(logits.device),
                                  edits[i].bias.to(device=logits.device, dtype=logits.dtype))
@@ -152,6 +158,17 @@ def _allowed(r: SampleRow, edits: TokenEdits | None, V: int) -> torch.Tensor | N
         return edits.only[:V]
     both = edits.only[:V] & grammar
     return both if both.any() else grammar
+
+
+def _bad_words_next(words: tuple[tuple[int, ...], ...], output_ids: list[int], V: int) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last token where the output ends with
+    the rest of it (a one-token word's, always), as vLLM bans them (its generated tokens only)."""
+    banned = set()
+    for w in words:
+        n = len(w) - 1
+        if w[-1] < V and n <= len(output_ids) and (n == 0 or tuple(output_ids[-n:]) == w[:-1]):
+            banned.add(w[-1])
+    return sorted(banned)
 
 
 def _needs_edit(r: SampleRow) -> bool:

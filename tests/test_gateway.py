@@ -293,7 +293,9 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "structured_outputs": {"structural_tag": "x"}}),
          "structured_outputs"),
         # and so are vLLM's extra parameters that this server does not have
-        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["the"]}), "bad_words"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["  "]}), "bad_words"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["x" * 300]}), "bad_words"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["a"] * 257}), "bad_words"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True}), "use_beam_search"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}),
          "spaces_between_special_tokens"),
@@ -546,9 +548,9 @@ def test_mistral_calls_are_read_after_their_special_token(mistral_server):
     assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is noon.", None, "stop")
 
 
-def test_logit_bias_and_allowed_token_ids_reach_the_last_stage(server, model):
-    """OpenAI's logit_bias and vLLM's allowed_token_ids give the in-process engine's tokens under the
-    same edit (tests/test_logit_bias.py holds those to transformers), in completions and chat."""
+def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_last_stage(server, model):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids and bad_words give the in-process engine's tokens
+    under the same edit (tests/test_logit_bias.py holds those to transformers), in completions and chat."""
     from moemesh.tokenizer import TextTokenizer
 
     tok = TextTokenizer(model)
@@ -564,6 +566,15 @@ def test_logit_bias_and_allowed_token_ids_reach_the_last_stage(server, model):
                                                                      "temperature": 0, "ignore_eos": True,
                                                                      **fields})[1])
         assert r["choices"][0]["text"] == tok.decode(want), fields
+    # bad_words: each word as written at the start and after a space (the engine given those sequences)
+    words = [w for w in (tok.decode([t]).strip() for t in plain) if w.isalpha()][:2]  # (its whole-word tokens)
+    assert words
+    sequences = tuple(dict.fromkeys(tuple(tok.encode(t, add_special_tokens=False)) for w in words
+                                    for t in (w, " " + w)))
+    want = engine_greedy(model, prompt, 6, bad_words=sequences)
+    r = json.loads(http("POST", f"{server.url}/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                                 "ignore_eos": True, "bad_words": words})[1])
+    assert r["choices"][0]["text"] == tok.decode(want) != tok.decode(plain)
     forced = json.loads(http("POST", f"{server.url}/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0.7, "seed": 5,
         "logit_bias": {str(plain[2]): 100}, "min_tokens": 4})[1])

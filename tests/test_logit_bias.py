@@ -1,5 +1,6 @@
-"""logit_bias (OpenAI's) and allowed_token_ids (vLLM's): the last stage adds the biases to a row's
-logits and masks the tokens outside the allowed set before it samples, so greedy decoding matches
+"""logit_bias (OpenAI's), allowed_token_ids and bad_words (vLLM's): the last stage adds the biases to
+a row's logits, masks the tokens outside the allowed set and bans the tokens that would complete a
+bad word before it samples, so greedy decoding matches
 transformers' logits edited alike, step by step, in each pipeline layout and with several decode
 steps per schedule; logprobs stay the model's own. Through the gateway: tests/test_gateway.py."""
 
@@ -10,7 +11,7 @@ import torch
 
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from moemesh.sampling import SamplingParams
-from stage_worker.sampler import SampleRow, sample
+from stage_worker.sampler import SampleRow, _bad_words_next, sample
 
 SPEC = TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64, num_experts=4,
                      vocab_size=600, max_position_embeddings=256)
@@ -42,6 +43,9 @@ def oracle(model):
                     keep = torch.zeros_like(logits, dtype=torch.bool)
                     keep[list(params.allowed_token_ids)] = True
                     logits = logits.masked_fill(~keep, float("-inf"))
+                for word in params.bad_words:
+                    if len(word) == 1 or tuple(tokens[-(len(word) - 1):]) == word[:-1]:
+                        logits[word[-1]] = float("-inf")
                 for token, bias in params.logit_bias:
                     logits[token] += bias
                 tokens.append(int(logits.argmax()))
@@ -72,7 +76,9 @@ def _cases(engine) -> list[tuple[list[int], SamplingParams]]:
                                           logit_bias=down + ((11, 2.0), (300, 3.5)))),
                   (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, allowed_token_ids=allowed)),
                   (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, allowed_token_ids=allowed,
-                                          logit_bias=((allowed[3], 4.0),)))]
+                                          logit_bias=((allowed[3], 4.0),))),
+                  (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,  # (its 2nd and 3rd tokens,
+                                          bad_words=(tuple(out.token_ids[1:3]), (out.token_ids[5],))))]  # its 6th)
     return cases
 
 
@@ -113,6 +119,12 @@ def test_the_sampler_biases_masks_and_reports_the_models_own_logprobs():
     for seed in range(20):  # sampled rows stay inside the set
         row = SampleRow(SamplingParams(temperature=2.0, seed=seed, allowed_token_ids=(4, 9)), [1], [])
         assert sample(logits[1:2].clone(), [row])[0][0] in (4, 9)
+    words = ((7,), (3, 4), (1, 2, 5))
+    assert _bad_words_next(words, [], 50) == [7]
+    assert _bad_words_next(words, [9, 3], 50) == [4, 7] and _bad_words_next(words, [1, 2], 50) == [5, 7]
+    assert _bad_words_next(((3, 60),), [3], 50) == []  # (beyond the vocabulary: nothing to ban)
+    only = SampleRow(SamplingParams(temperature=0, allowed_token_ids=(7,), bad_words=((7,),)), [1], [])
+    assert sample(logits[:1].clone(), [only])[0] == [7]  # (a ban that would leave nothing is not made)
     grammar = torch.zeros(50, dtype=torch.bool)
     grammar[[5, 6]] = True
     both = SampleRow(SamplingParams(temperature=0, allowed_token_ids=(6, 8)), [1], [], allowed=grammar)
@@ -123,7 +135,8 @@ def test_the_sampler_biases_masks_and_reports_the_models_own_logprobs():
 
 @pytest.mark.parametrize("bad", [dict(logit_bias=((5, 101.0),)), dict(logit_bias=((-1, 1.0),)),
                                  dict(logit_bias=tuple((t, 1.0) for t in range(1025))),
-                                 dict(allowed_token_ids=()), dict(allowed_token_ids=(-3,))])
+                                 dict(allowed_token_ids=()), dict(allowed_token_ids=(-3,)), dict(bad_words=((),)),
+                                 dict(bad_words=(tuple(range(65)),)), dict(bad_words=((5, -1),))])
 def test_sampling_params_refuse_biases_and_sets_a_worker_could_not_use(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
