@@ -10,7 +10,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_GRAMMAR_CHARS = 1 << 17  # (moemesh/structured.py: the gateway refuses longer ones with a 400)
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias (logit_bias)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # (more than any vocabulary)
-MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 256, 64  # bad words a request may give (twice that as token sequences), tokens each
+# bad words a request may give (twice that many token sequences), and tokens in each
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 256, 64
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 

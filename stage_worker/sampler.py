@@ -77,10 +77,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
         p = r.params
         if p.bad_words:
             banned = _bad_words_next(p.bad_words, r.output_ids, V)
-            row = logits[i].clone()
-            row[banned] = float("-inf")
-            if banned and row.max() > float("-inf"):  # (not where it would leave nothing to sample)
-                logits[i] = row
+            if banned:
+                row = logits[i].clone()
+                row[banned] = float("-inf")
+                if row.max() > float("-inf"):  # (not where it would leave nothing to sample)
+                    logits[i] = row
         if edits[i] is not None and edits[i].bias is not None:
             logits[i].index_add_(0, edits[i].bias_ids.to(logits.device),
                                  edits[i].bias.to(device=logits.device, dtype=logits.dtype))
