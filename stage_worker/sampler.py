@@ -5,9 +5,10 @@ table) and allowed_token_ids (only those are), bad_words (a word's last token, w
 with the rest of it), logit_bias (added to the logits, as OpenAI's and vLLM's), min_tokens (EOS and
 stop tokens banned until enough tokens exist), repetition penalty (prompt and output tokens),
 presence and frequency penalties (output tokens), then greedy rows take the argmax; the others
-apply temperature, top-k, top-p and min-p and draw once by the exponential race (argmax of p / Exp(1) noise, which samples from p). A seeded request draws its
-noise from a generator seeded by (seed, index of the token being sampled), so its tokens do not
-depend on what else is in the batch, on the pipeline layout, or on a recomputation after preemption.
+apply temperature, top-k, top-p and min-p and draw once by the exponential race (argmax of
+p / Exp(1) noise, which samples from p). A seeded request draws its noise from a generator seeded
+by (seed, index of the token being sampled), so its tokens do not depend on what else is in the
+batch, on the pipeline layout, or on a recomputation after preemption.
 
 Logprobs are of the model's own distribution (log-softmax of the raw logits, before penalties and
 temperature), as vLLM reports them by default.
