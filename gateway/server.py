@@ -371,8 +371,9 @@ class Gateway:
         self._check_prompt_logprobs(body)
         # the echo's logprobs and vLLM's prompt_logprobs come from one computation, with the larger top-N
         asked = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
-        params = [self._params(body, len(p), max_tokens(p), body.logprobs, max(asked, default=None))
-                  for p in prompts]
+        bad_words = self._bad_words(body.bad_words)  # (tokenized once for all the prompts)
+        params = [self._params(body, len(p), max_tokens(p), body.logprobs, max(asked, default=None),
+                               bad_words=bad_words) for p in prompts]
         return await self._serve(request, body, "cmpl", prompts, params, chat=False, echoes=echoes)
 
     async def chat_completions(self, request):
@@ -435,8 +436,10 @@ class Gateway:
         return prompt[-k:]
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
-                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt", tool_constraint: dict | None = None):
-        """tool_constraint: the structured output a tool_choice asks for (gateway/tools.py), as fields."""
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt", tool_constraint: dict | None = None,
+                bad_words: tuple[tuple[int, ...], ...] | None = None):
+        """tool_constraint: the structured output a tool_choice asks for (gateway/tools.py), as fields;
+        bad_words: the request's, tokenized (`_bad_words`), or None to tokenize them here."""
         unsupported = ["suffix"] if getattr(body, "suffix", None) else []
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
@@ -479,7 +482,7 @@ class Gateway:
                 raise HTTPError(400, "allowed_token_ids must name at least one token", "allowed_token_ids")
             self._check_ids(allowed, "allowed_token_ids")
             allowed = sorted(set(allowed))  # (so at most the vocabulary: SamplingParams' bound holds)
-        bad_words = self._bad_words(body.bad_words)
+        bad_words = self._bad_words(body.bad_words) if bad_words is None else bad_words
         for param, given in (("logit_bias", bias), ("allowed_token_ids", allowed is not None),
                              ("bad_words", bad_words)):
             if given:
@@ -545,16 +548,17 @@ class Gateway:
         return tuple(out)
 
     def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
-        """vLLM's bad_words as token sequences: each word as the model writes it at the text's start and
-        after a space (both, where they differ), so neither is generated."""
+        """vLLM's bad_words as token sequences: each word (leading spaces stripped, as vLLM) as the model
+        writes it at the text's start and after a space, both where they differ (vLLM keeps the second
+        only where it is as long as the first: this bans a few more)."""
         if not words:
             return ()
         if len(words) > MAX_BAD_WORDS:
             raise HTTPError(400, f"bad_words takes at most {MAX_BAD_WORDS} words", "bad_words")
         out: dict[tuple[int, ...], None] = {}
         for word in words:
-            word = word.strip()
-            if not word or len(word) > MAX_BAD_WORD_CHARS:
+            word = word.lstrip()
+            if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
                 raise HTTPError(400, f"each of bad_words must have 1 to {MAX_BAD_WORD_CHARS} characters besides "
                                      f"spaces", "bad_words")
             for text in (word, " " + word):

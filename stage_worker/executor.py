@@ -139,8 +139,9 @@ class StageExecutor:
     def _steps(self, sched: Schedule, step: StepInput) -> StepResult:
         """A schedule of several decode steps (`Schedule.num_steps`, on a stage that holds the whole
         model): each sequence decodes its token, then the token it sampled, num_steps steps in all.
-        When every sequence samples greedily with nothing to edit or report (no penalties, min_tokens
-        met, no logprobs) and the stage runs the fused decode, the steps are one native call;
+        When every sequence samples greedily with nothing to edit or report (`_plain_greedy`: no
+        penalties, logit_bias, allowed_token_ids, bad_words or grammar, min_tokens met, no logprobs)
+        and the stage runs the fused decode, the steps are one native call;
         otherwise they run one by one through `_sample`, as separate schedules would."""
         k, n = sched.num_steps, len(sched.seqs)
         if not self.runner.model.has_embedding:
@@ -186,7 +187,7 @@ class StageExecutor:
         allowed = None
         if st.params.grammar is not None:
             st.grammar, allowed = self.grammars.allowed(st.grammar, st.params.grammar, outputs, seq_id)
-        if st.edits is None and (st.params.logit_bias or st.params.allowed_token_ids is not None):
+        if st.edits is None and st.params.edits_logits:
             st.edits = TokenEdits.of(st.params, self.runner.config.vocab_size)
         return SampleRow(st.params, prompt, outputs, allowed, st.edits)
 

@@ -37,12 +37,14 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class TokenEdits:
-    """A sequence's allowed_token_ids and logit_bias as tensors over a vocabulary of V tokens (ids beyond
-    it dropped), made once per sequence (StageExecutor keeps them), not at every step: a set may hold
-    every id of the vocabulary."""
+    """A sequence's allowed_token_ids, logit_bias and bad_words as a vocabulary of V tokens takes them (ids
+    beyond it dropped), made once per sequence (StageExecutor keeps them), not at every step: a set may
+    hold every id of the vocabulary, and a request hundreds of bad words."""
     only: torch.Tensor | None  # [V] bool; None where no id of the set is in the vocabulary (nothing to keep to)
     bias_ids: torch.Tensor | None  # [n] long
     bias: torch.Tensor | None  # [n] float32
+    ban_always: tuple[int, ...] = ()  # one-token bad words
+    ban_after: dict[int, tuple[tuple[int, ...], ...]] | None = None  # longer ones, by their next-to-last token
 
     @classmethod
     def of(cls, params: SamplingParams, V: int) -> "TokenEdits":
@@ -54,10 +56,26 @@ class TokenEdits:
                 only = torch.zeros(V, dtype=torch.bool)
                 only[ids] = True
         biased = [(t, b) for t, b in params.logit_bias if t < V]
-        if not biased:
-            return cls(only, None, None)
-        return cls(only, torch.tensor([t for t, _ in biased], dtype=torch.long),
-                   torch.tensor([b for _, b in biased], dtype=torch.float32))
+        bias_ids = torch.tensor([t for t, _ in biased], dtype=torch.long) if biased else None
+        bias = torch.tensor([b for _, b in biased], dtype=torch.float32) if biased else None
+        words = [w for w in params.bad_words if w[-1] < V]
+        after: dict[int, list[tuple[int, ...]]] = {}
+        for w in words:
+            if len(w) > 1:
+                after.setdefault(w[-2], []).append(w)
+        return cls(only, bias_ids, bias, tuple(sorted({w[0] for w in words if len(w) == 1})),
+                   {k: tuple(v) for k, v in after.items()} or None)
+
+    def banned_next(self, output_ids: list[int]) -> list[int]:
+        """The tokens that would complete a bad word now: each word's last token where the generated
+        tokens end with the rest of it (a one-token word's, always), as vLLM bans them."""
+        banned = set(self.ban_always)
+        if self.ban_after and output_ids:
+            for w in self.ban_after.get(output_ids[-1], ()):
+                n = len(w) - 1
+                if n <= len(output_ids) and tuple(output_ids[-n:]) == w[:-1]:
+                    banned.add(w[-1])
+        return sorted(banned)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...] = (),
@@ -76,24 +94,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
         logits[idx] = torch.where(allowed, logits[idx], float("-inf"))
     for i, r in enumerate(rows):
         p = r.params
+        # bans: where one would leave nothing to sample (a grammar's end, a ban of every token), it is not
+        # made; `left` follows what the row may still sample, on the host (None: every token)
+        left = masks[i]
         if p.bad_words:
-            banned = _bad_words_next(p.bad_words, r.output_ids, V)
-            if banned:
-                row = logits[i].clone()
-                row[banned] = float("-inf")
-                if row.max() > float("-inf"):  # (not where it would leave nothing to sample)
-                    logits[i] = row
+            left = _ban(logits, i, edits[i].banned_next(r.output_ids), left, V)
         if edits[i] is not None and edits[i].bias is not None:
             logits[i].index_add_(0, edits[i].bias_ids.to(logits.device),
                                  edits[i].bias.to(device=logits.device, dtype=logits.dtype))
         if len(r.output_ids) < p.min_tokens:  # too early to stop: EOS and stop tokens are off the table
             banned = sorted({t for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids) if 0 <= t < V})
-            left = masks[i].clone() if masks[i] is not None else None
-            if left is not None:
-                left[banned] = False
-            if left.any() if left is not None else len(banned) < V:
-                logits[i, banned] = float("-inf")  # (not where it would leave nothing to sample: the grammar's
-                # end, or a ban of every token)
+            left = _ban(logits, i, banned, left, V)
         if p.has_penalties:
             _apply_penalties(logits[i], r, V)
     tokens = _greedy(logits)
@@ -162,15 +173,19 @@ def _allowed(r: SampleRow, edits: TokenEdits | None, V: int) -> torch.Tensor | N
     return both if both.any() else grammar
 
 
-def _bad_words_next(words: tuple[tuple[int, ...], ...], output_ids: list[int], V: int) -> list[int]:
-    """The tokens that would complete a bad word now: each word's last token where the output ends with
-    the rest of it (a one-token word's, always), as vLLM bans them (its generated tokens only)."""
-    banned = set()
-    for w in words:
-        n = len(w) - 1
-        if w[-1] < V and n <= len(output_ids) and (n == 0 or tuple(output_ids[-n:]) == w[:-1]):
-            banned.add(w[-1])
-    return sorted(banned)
+def _ban(logits: torch.Tensor, i: int, banned: list[int], left: torch.Tensor | None, V: int) \
+        -> torch.Tensor | None:
+    """Row i's `banned` tokens off the table unless that leaves none of `left` (the tokens it may still
+    sample, None: all; raw logits are finite, and only masks and bans make them -inf). Returns `left`
+    after."""
+    if not banned:
+        return left
+    after = torch.ones(V, dtype=torch.bool) if left is None else left.clone()
+    after[banned] = False
+    if not after.any():
+        return left
+    logits[i, banned] = float("-inf")
+    return after
 
 
 def _needs_edit(r: SampleRow) -> bool:

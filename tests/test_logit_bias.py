@@ -11,7 +11,7 @@ import torch
 
 from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
 from moemesh.sampling import SamplingParams
-from stage_worker.sampler import SampleRow, _bad_words_next, sample
+from stage_worker.sampler import SampleRow, TokenEdits, sample
 
 SPEC = TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64, num_experts=4,
                      vocab_size=600, max_position_embeddings=256)
@@ -119,12 +119,19 @@ def test_the_sampler_biases_masks_and_reports_the_models_own_logprobs():
     for seed in range(20):  # sampled rows stay inside the set
         row = SampleRow(SamplingParams(temperature=2.0, seed=seed, allowed_token_ids=(4, 9)), [1], [])
         assert sample(logits[1:2].clone(), [row])[0][0] in (4, 9)
-    words = ((7,), (3, 4), (1, 2, 5))
-    assert _bad_words_next(words, [], 50) == [7]
-    assert _bad_words_next(words, [9, 3], 50) == [4, 7] and _bad_words_next(words, [1, 2], 50) == [5, 7]
-    assert _bad_words_next(((3, 60),), [3], 50) == []  # (beyond the vocabulary: nothing to ban)
+    words = TokenEdits.of(SamplingParams(bad_words=((7,), (3, 4), (1, 2, 5), (6, 2, 5))), 50)
+    assert words.banned_next([]) == [7]
+    assert words.banned_next([9, 3]) == [4, 7] and words.banned_next([1, 2]) == [5, 7]
+    assert words.banned_next([2]) == [7]  # (a prefix longer than the output: not yet)
+    assert TokenEdits.of(SamplingParams(bad_words=((3, 60),)), 50).banned_next([3]) == []  # (beyond the vocabulary)
     only = SampleRow(SamplingParams(temperature=0, allowed_token_ids=(7,), bad_words=((7,),)), [1], [])
     assert sample(logits[:1].clone(), [only])[0] == [7]  # (a ban that would leave nothing is not made)
+    # a bad word's ban, then min_tokens' ban of the stop token, inside an allowed set: the second would
+    # leave nothing, so it is not made (the row never samples outside its set)
+    for temperature in (0, 1.0):
+        both = SampleRow(SamplingParams(temperature=temperature, seed=1, allowed_token_ids=(7, 9), stop_token_ids=(9,),
+                                        bad_words=((7,),), min_tokens=1, max_tokens=2), [1], [])
+        assert sample(logits[:1].clone(), [both])[0] == [9]
     grammar = torch.zeros(50, dtype=torch.bool)
     grammar[[5, 6]] = True
     both = SampleRow(SamplingParams(temperature=0, allowed_token_ids=(6, 8)), [1], [], allowed=grammar)

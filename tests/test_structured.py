@@ -254,15 +254,18 @@ def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(mode
     gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
     assert gateway._grammar(body, None)
     # logit_bias and allowed_token_ids came with protocol 7
+    from moemesh.tokenizer import TextTokenizer
+
     gateway.defaults, gateway.max_model_len, gateway.vocab_size = {}, 256, config.vocab_size
-    for fields in ({"logit_bias": {"5": 1}}, {"allowed_token_ids": [5, 5, 9]}):
+    gateway.tokenizer = TextTokenizer(model)
+    for fields in ({"logit_bias": {"5": 1}}, {"allowed_token_ids": [5, 5, 9]}, {"bad_words": ["the"]}):
         edited = msgspec.convert({"prompt": "x", **fields}, CompletionRequest)
         with pytest.raises(HTTPError) as e:
             gateway._params(edited, 1, 4, None, None)
         assert e.value.status == 503 and next(iter(fields)) in e.value.message
         gateway.status = msgspec.structs.replace(gateway.status, protocol=PROTOCOL_VERSION)
         params = gateway._params(edited, 1, 4, None, None)
-        assert params.logit_bias == ((5, 1.0),) or params.allowed_token_ids == (5, 9)  # (ids once each)
+        assert params.logit_bias == ((5, 1.0),) or params.allowed_token_ids == (5, 9) or params.bad_words  # (ids once)
         gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
     gateway.grammar_tokenizer, gateway.grammar_unavailable = None, "no tokenizer.json in /m"
     with pytest.raises(HTTPError) as e:
