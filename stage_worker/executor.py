@@ -30,7 +30,7 @@ class SeqState:
     tokens: list[int]  # every token fed so far, from position 0
     prompt_ids: list[int] | None  # the whole prompt, when prompt logprobs are wanted
     grammar: GrammarState | None = None  # a structured output's matcher (made at its first sample)
-    edits: TokenEdits | None = None  # its allowed_token_ids and logit_bias as tensors (made at its first sample)
+    edits: TokenEdits | None = None  # its allowed_token_ids, logit_bias and bad_words, made at its first sample
 
 
 class StageExecutor:
@@ -174,8 +174,8 @@ class StageExecutor:
     @staticmethod
     def _plain_greedy(st: SeqState) -> bool:
         """The sequence's next token is its logits' first maximum, with no logit edited (penalties,
-        logit_bias, allowed_token_ids, min_tokens' bans, a structured output's mask) or reported
-        (logprobs)."""
+        logit_bias, allowed_token_ids, bad_words, min_tokens' bans, a structured output's mask) or
+        reported (logprobs)."""
         return (st.params.greedy and not st.params.edits_logits and st.params.logprobs is None
                 and st.params.grammar is None and len(st.tokens) - st.prompt_len >= st.params.min_tokens)
 

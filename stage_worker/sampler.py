@@ -32,7 +32,7 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]  # generated so far
     allowed: torch.Tensor | None = None  # [V] bool: the tokens a structured output's grammar allows next
-    edits: "TokenEdits | None" = None  # params' allowed_token_ids and logit_bias as tensors (made if not given)
+    edits: "TokenEdits | None" = None  # params' allowed_token_ids, logit_bias and bad_words (made if not given)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moemesh.entrypoints.tiny_model import TinyModelSpec, write_tiny_model
+from moemesh.entrypoints.tiny_model import write_tiny_model
 from moemesh.sampling import SamplingParams
 from stage_worker.sampler import SampleRow, TokenEdits, sample
-
-SPEC = TinyModelSpec(arch="mixtral", num_layers=2, hidden_size=64, intermediate_size=64, num_experts=4,
-                     vocab_size=600, max_position_embeddings=256)
-PROMPTS = [[261, 293, 82, 549], [5, 17, 33, 2, 9, 100, 41, 7, 250, 3], [400, 401, 402]]
+from test_structured import PROMPTS, SPEC, _engine
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +51,6 @@ def oracle(model):
         return tokens
 
     return greedy
-
-
-def _engine(model, **cfg):
-    from moemesh.entrypoints.engine import LLMEngine
-    from moemesh.settings import EngineSettings
-
-    return LLMEngine(EngineSettings(model=str(model), **{"num_kv_blocks": 64, **cfg}), progress=False)
 
 
 def _cases(engine) -> list[tuple[list[int], SamplingParams]]:
