@@ -87,6 +87,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Any = None  # function tools (gateway/tools.py)
     tool_choice: Any = None  # none, auto, required or a function; default: auto with tools, else none
     parallel_tool_calls: bool | None = None  # false: tool_choice required makes one call at most
+    include_reasoning: bool = True  # false: a --reasoning-parser's thought is left out of the answer (vLLM's)
     # (not supported: refused where they would change the answer)
     echo: bool = False
     chat_template: str | None = None  # a template from the request (vLLM also refuses one unless trusted)

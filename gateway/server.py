@@ -40,6 +40,8 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
 from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest,
                              DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
+from gateway.reasoning import ReasoningMode, ReasoningStream
+from gateway import reasoning as thoughts
 from gateway.tools import ToolError, ToolMode, ToolStream
 from moemesh import __version__, structured
 from moemesh.client import CoordinatorClient
@@ -48,7 +50,8 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from moemesh.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                              SamplingParams)
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -56,6 +59,7 @@ from moemesh.tokenizer import TextTokenizer, whole_characters
 log = get_logger("gateway")
 
 MAX_N = 16  # choices per prompt
+THOUGHT_TAIL_TOKENS = 8  # a chat prompt's last tokens, read for a `<think>` its template ends with
 MAX_BAD_WORD_CHARS = 256  # a bad word's characters (tokenized twice on the event loop)
 MAX_PROMPTS = 256  # prompts in one completions request
 # seconds of the coordinator's silence after which the requests in flight end with an error: the
@@ -150,6 +154,13 @@ class Gateway:
         except ValueError as e:
             self.grammar_tokenizer, self.grammar_unavailable = None, str(e)
         self.chat_template = ChatTemplate.from_dir(model_dir)
+        # a --reasoning-parser reads the thought's tags in the text, which keeps them where they are special
+        # tokens; a constraint after the thought matches them as tokens then
+        tags = [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (thoughts.THINK_OPEN,
+                                                                                 thoughts.THINK_CLOSE)]
+        self.thought_tags = (tags[0][0], tags[1][0]) if all(
+            len(t) == 1 and t[0] in self.tokenizer.special_ids for t in tags) else None
+        self.eos_token_ids = tuple(config.eos_token_ids)
         self.model_name = self.cfg.served_model_name or os.path.basename(os.path.normpath(model_dir))
         self._set_max_model_len(self.status.max_model_len)
         # the model's recommended sampling, for requests that do not say (vLLM's --generation-config auto)
@@ -401,9 +412,22 @@ class Gateway:
             max_tokens = max(1, self.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self._check_prompt_logprobs(body)
+        thinking = None
+        if self.cfg.reasoning_parser:
+            thinking = ReasoningMode.of(self.cfg.reasoning_parser, self._opens_thought(body, ids),
+                                        body.include_reasoning)
         params = [self._params(body, len(ids), max_tokens, logprobs, body.prompt_logprobs, param, "messages",
-                               constraint)]
-        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True, tools=mode)
+                               constraint, thinking=thinking)]
+        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True, tools=mode,
+                                 thinking=thinking)
+
+    def _opens_thought(self, body: ChatCompletionRequest, ids: list[int]) -> bool:
+        """Whether the chat prompt leaves the answer inside a thought: its template ends it with `<think>`
+        (Qwen3's thinking-2507 models, DeepSeek-R1-0528), or the final message it continues has one open."""
+        if body.continue_final_message or (body.chat_template_kwargs or {}).get("continue_final_message"):
+            return thoughts.opens_thought(_text_content(body.messages[-1].get("content")))
+        tail = self.tokenizer.decode(ids[-THOUGHT_TAIL_TOKENS:], skip_special_tokens=False)
+        return tail.rstrip().endswith(thoughts.THINK_OPEN)
 
     @staticmethod
     def _tools(tools) -> list[dict] | None:
@@ -437,9 +461,10 @@ class Gateway:
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int, logprobs, prompt_logprobs,
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt", tool_constraint: dict | None = None,
-                bad_words: tuple[tuple[int, ...], ...] | None = None):
+                bad_words: tuple[tuple[int, ...], ...] | None = None, thinking: ReasoningMode | None = None):
         """tool_constraint: the structured output a tool_choice asks for (gateway/tools.py), as fields;
-        bad_words: the request's, tokenized (`_bad_words`), or None to tokenize them here."""
+        bad_words: the request's, tokenized (`_bad_words`), or None to tokenize them here; thinking: a chat
+        answer's reasoning (gateway/reasoning.py), which a constraint follows."""
         unsupported = ["suffix"] if getattr(body, "suffix", None) else []
         unsupported += [name for name in VLLM_UNSUPPORTED if _given(getattr(body, name), getattr(_DEFAULTS, name))]
         if unsupported:
@@ -475,7 +500,7 @@ class Gateway:
             if not -(1 << 63) <= seed < 1 << 64:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")
             seed %= 1 << 63
-        grammar = self._grammar(body, tool_constraint)
+        grammar = self._grammar(body, tool_constraint, thinking)
         bias, allowed = self._logit_bias(body.logit_bias), body.allowed_token_ids
         if allowed is not None:
             if not allowed:
@@ -496,9 +521,11 @@ class Gateway:
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
-    def _grammar(self, body: SamplingFields, tool_constraint: dict | None) -> str | None:
+    def _grammar(self, body: SamplingFields, tool_constraint: dict | None,
+                 thinking: ReasoningMode | None = None) -> str | None:
         """The request's structured output as an llguidance grammar (moemesh/structured.py), checked
-        against the model's tokenizer, or None."""
+        against the model's tokenizer, or None. With `thinking` (a --reasoning-parser), it applies after
+        the answer's thought, which it leaves free (as vLLM's)."""
         given = {name: getattr(body, name) for name in CONSTRAINTS}
         param = next((k for k, v in given.items() if v is not None), None)
         try:
@@ -520,6 +547,10 @@ class Gateway:
             raise HTTPError(400, f"structured outputs are not available with this model: {self.grammar_unavailable}",
                             param)
         self._require_protocol(param, 6)
+        if thinking is not None:
+            grammar = structured.after_thought(grammar, thinking.thinking, self.thought_tags, self.eos_token_ids)
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise HTTPError(400, f"the constraint's grammar is more than {MAX_GRAMMAR_CHARS} characters", param)
         return grammar
 
     def _require_protocol(self, param: str, version: int) -> None:
@@ -570,8 +601,10 @@ class Gateway:
         return tuple(out)
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
-                     chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None):
-        """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text."""
+                     chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None,
+                     thinking: ReasoningMode | None = None):
+        """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text; thinking: how
+        its thought is told from its answer (gateway/reasoning.py), or None."""
         if not self._accepting():
             raise self._not_serving()
         n_seqs = len(prompts) * body.n
@@ -591,11 +624,12 @@ class Gateway:
             jobs = [(i * body.n + j, p, _seeded(sp, j)) for i, (p, sp) in enumerate(zip(prompts, params))
                     for j in range(body.n)]
             # (a parser that looks for a special token sees it in the text, as vLLM's mistral parser)
+            keep_special = (tools and tools.keeps_special_tokens) or (thinking and self.thought_tags)
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
-                     "skip_special_tokens": body.skip_special_tokens and not (tools and tools.keeps_special_tokens)}
+                     "skip_special_tokens": body.skip_special_tokens and not keep_special}
             if body.stream:
-                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools)
-            return await self._complete(body, rid, jobs, shown, chat, echoes, tools)
+                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking)
+            return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking)
         finally:
             self.pending -= n_seqs
 
@@ -689,7 +723,8 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None):
+    async def _complete(self, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
+                        thinking: ReasoningMode | None = None):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
         async for index, kind, payload in self._gather(rid, jobs, shown):
@@ -704,8 +739,11 @@ class Gateway:
             if chat:
                 lp = {"content": [self._chat_logprob(x) for x in c.logprobs]} if body.logprobs else None
                 message, reason = {"role": "assistant", "content": c.detok.text}, _reason(c.finish_reason)
-                if tools is not None:
-                    message["content"], calls = tool_calls.read_calls(tools, c.detok.text)
+                if thinking is not None:
+                    thought, message["content"] = thoughts.split(thinking, c.detok.text)
+                    message.update(_thought(thinking, thought))
+                if tools is not None and (message["content"] is not None or tools.kind == "named"):
+                    message["content"], calls = tool_calls.read_calls(tools, message["content"] or "")
                     if calls:
                         message["tool_calls"] = calls
                         reason = _tool_reason(tools, reason)
@@ -730,7 +768,8 @@ class Gateway:
             response["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_lps.get(0), body.prompt_logprobs)
         return web.json_response(response)
 
-    async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None):
+    async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
+                      thinking: ReasoningMode | None = None):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -757,6 +796,7 @@ class Gateway:
         choices: dict[int, Choice] = {}
         offsets: dict[int, TextAt] = {}  # completions: where each choice's next token starts
         streams: dict[int, ToolStream] = {}  # chat with tools: each choice's text, as calls are read from it
+        splits: dict[int, ReasoningStream] = {}  # chat with a reasoning parser: each choice's thought and answer
         events = self._gather(rid, jobs, shown)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
@@ -789,10 +829,18 @@ class Gateway:
                     if chat:
                         if d.text or d.finish_reason or d.logprobs or d.has_tokens:
                             lp = {"content": [self._chat_logprob(x) for x in d.logprobs]} if body.logprobs else None
-                            delta, reason = {"content": d.text} if d.text else {}, _reason(d.finish_reason)
+                            text, thought = d.text, ""
+                            if thinking is not None:
+                                split = splits.setdefault(index, ReasoningStream(thinking))
+                                thought, text = split.add(text)
+                                if d.finish_reason is not None:
+                                    thought, text = (a + b for a, b in zip((thought, text), split.finish()))
+                            delta, reason = {"content": text} if text else {}, _reason(d.finish_reason)
                             if tools is not None:
                                 delta, reason = self._tool_delta(streams.setdefault(index, ToolStream(tools)),
-                                                                 d.text, reason)
+                                                                 text, reason)
+                            if thought and thinking.shown:
+                                delta = {**_thought(thinking, thought), **delta}
                             await send(chunk([{"index": index, "delta": delta, "logprobs": lp,
                                                "finish_reason": reason}]))
                     else:
@@ -1070,6 +1118,13 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
 
 def _reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _thought(mode: ReasoningMode, text: str | None) -> dict:
+    """A message's or delta's reasoning, under vLLM's name and DeepSeek's (vLLM's before 0.11); None where
+    the request asked for none (include_reasoning: false)."""
+    text = text if mode.shown else None
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def _tool_reason(mode: ToolMode, reason: str | None) -> str | None:

@@ -308,7 +308,7 @@ class Parser:
     def hold(self, text: str) -> int:
         """The length of text's tail that may yet begin calls, and is not sent as content yet."""
         if self.marker is not None:
-            return _partial_suffix(text, self.marker)
+            return partial_suffix(text, self.marker)
         return len(text) if self.undecided.fullmatch(text) else 0
 
 
@@ -375,7 +375,7 @@ class ToolStream:
         return "", calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of text's longest tail that is a proper start of marker."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):

@@ -512,6 +512,11 @@ class GatewaySettings(MeshSecurity):
               "hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), mistral ([TOOL_CALLS] and a JSON list: "
               "Mixtral-8x22B, Mistral), llama3_json (JSON objects: Llama 3.1-3.3), pythonic ([f(x=1)]: Llama 3.2, 4)",
         choices=("hermes", "mistral", "llama3_json", "pythonic"))  # (gateway/tools.py's PARSERS)
+    reasoning_parser: str | None = flag(
+        None, "return a thinking model's thought (<think> ... </think>) apart from its answer, in the chat "
+              "message's reasoning and reasoning_content: qwen3 (an answer that opens with <think>; Qwen3), "
+              "deepseek_r1 (the answer up to </think>; DeepSeek-R1, QwQ)",
+        choices=("deepseek_r1", "qwen3"))  # (gateway/reasoning.py's PARSERS)
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)

@@ -78,6 +78,34 @@ def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
     return grammar
 
 
+def after_thought(grammar: str, inside: bool, tags: tuple[int, int] | None = None,
+                  eos_token_ids: tuple[int, ...] = ()) -> str:
+    """`grammar` applied after a reasoning model's thought, as vLLM applies structured outputs with a
+    reasoning parser: the answer may first think (`<think>` ... `</think>`; from its first token where
+    `inside`, the prompt having opened the thought) with no constraint, then follows `grammar`
+    (after the newlines that close the thought). tags: the ids of `<think>` and `</think>` where they
+    are special tokens, matched as tokens (a thought then holds no EOS); else they are matched as text."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:  # (Lark text, as llguidance gives a choice's or a grammar's)
+        top = None
+    if not isinstance(top, dict):
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    grammars = top["grammars"]
+    taken = {g.get("name") for g in grammars}
+    inner = grammars[0].get("name") or next(n for n in (f"answer{k}" for k in range(len(taken) + 1))
+                                             if n not in taken)
+    if tags is not None:
+        opener, closer = tags
+        banned = ",".join(str(t) for t in sorted({closer, *eos_token_ids}))
+        thought, opening, rules = f"<[^{banned}]>* <[{closer}]>", f"<[{opener}]>", ""
+    else:
+        thought, opening, rules = "thought", '"<think>"', '\nthought[stop="</think>"]: /(?s:.*)/'
+    start = f'{thought} "\\n"*' if inside else f'({opening} {thought} "\\n"*)?'
+    lark = f"start: {start} @{inner}{rules}\n"
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, {**grammars[0], "name": inner}, *grammars[1:]]})
+
+
 def _is_text(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type", "text") == "text"
 

@@ -548,6 +548,110 @@ def test_mistral_calls_are_read_after_their_special_token(mistral_server):
     assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("It is noon.", None, "stop")
 
 
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{%- endfor %}"
+    "{%- if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% elif open_thought is defined and open_thought %}<think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(model, tmp_path_factory):
+    """The module's model with special <think> and </think> tokens (in place of <|im_start|> and
+    <|im_end|>, ids 2 and 3; EOS <|endoftext|> alone), a template that may open the thought (as Qwen3's
+    thinking models' do) or close it at once (enable_thinking false), served with the qwen3 parser."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("thinking") / "tiny-mixtral"
+    shutil.copytree(model, copy)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        text = (copy / name).read_text().replace("<|im_start|>", "<think>").replace("<|im_end|>", "</think>")
+        (copy / name).write_text(text)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    config = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [0]}))
+    s = Server(copy, "--reasoning-parser", "qwen3")
+    s.model = copy
+    yield s
+    s.stop()
+
+
+def _streamed_thought(client, **kw) -> tuple[str | None, str | None, str]:
+    """A streamed chat answer's (reasoning, content, finish reason), None where nothing came."""
+    thought, content, reason, named = "", "", None, set()
+    for c in client.chat.completions.create(stream=True, **kw):
+        delta = c.choices[0].delta
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")  # (vLLM's name and DeepSeek's)
+        thought += extra.get("reasoning") or ""
+        content += delta.content or ""
+        reason = c.choices[0].finish_reason or reason
+    return thought or None, content or None, reason
+
+
+def test_a_thinking_models_thought_comes_apart_from_its_answer(thinking_server):
+    """The answer's thought is `reasoning` (and `reasoning_content`), the rest its content, streamed
+    or not, as gateway/reasoning.py splits the in-process engine's text of the same prompt. A prompt
+    whose template opens the thought starts the answer inside it; a constraint applies after the
+    thought (here made short by a logit_bias on </think>), which is free."""
+    from gateway.reasoning import ReasoningMode, split
+    from moemesh.structured import after_thought, grammar_of
+    from moemesh.tokenizer import TextTokenizer
+
+    model = thinking_server.model
+    tok = TextTokenizer(model)
+    client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Is Paris in France?"}]
+    kw = dict(model="tiny-mixtral", messages=messages, max_tokens=12, temperature=0)
+
+    def prompt(**template) -> list[int]:
+        status, body, _ = http("POST", f"{thinking_server.url}/tokenize", {"messages": messages,
+                                                                          "chat_template_kwargs": template})
+        assert status == 200
+        return json.loads(body)["tokens"]
+
+    for template, opened in [({"open_thought": True}, True), ({}, False), ({"enable_thinking": False}, False)]:
+        ids = prompt(**template)
+        assert (ids[-1] == 2) == opened  # (<think>, a special token, ends the prompt that opens the thought)
+        text = tok.decode(engine_greedy(model, ids, 12), skip_special_tokens=False)
+        want = split(ReasoningMode.of("qwen3", opened), text)
+        answer = client.chat.completions.create(extra_body={"chat_template_kwargs": template, "ignore_eos": True},
+                                                **kw).choices[0]
+        extra = answer.message.model_extra
+        assert (extra["reasoning"], answer.message.content) == want and extra["reasoning_content"] == want[0]
+        assert _streamed_thought(client, extra_body={"chat_template_kwargs": template, "ignore_eos": True},
+                                 **kw) == (*want, "length")
+        if want[0] is not None:  # include_reasoning false: the thought is left out, the content stays
+            hidden = client.chat.completions.create(extra_body={"chat_template_kwargs": template, "ignore_eos": True,
+                                                                "include_reasoning": False}, **kw).choices[0]
+            assert (hidden.message.model_extra["reasoning"], hidden.message.content) == (None, want[1])
+            assert _streamed_thought(client, extra_body={"chat_template_kwargs": template, "ignore_eos": True,
+                                                         "include_reasoning": False}, **kw)[:2] == (None, want[1])
+    assert want == (None, text)  # (the model does not open a thought of its own here)
+
+    # a choice after the thought: the prompt opens it, and the answer thinks, closes it, and answers
+    ids = prompt(open_thought=True)
+    choice = {"guided_choice": ["yes", "no"]}
+    import llguidance
+
+    grammar = after_thought(grammar_of(choice), True, (2, 3), (0,))
+    eos = [0]
+    assert llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llguidance.LLTokenizer(
+        (model / "tokenizer.json").read_text(), n_vocab=SPEC.vocab_size, eos_token=eos))[0] is False
+    bias = {"3": 3}  # (five tokens of thought, then </think>)
+    tokens = engine_greedy(model, ids, 12, grammar=grammar, logit_bias=((3, 3.0),))
+    assert tokens[-1] == 0  # (the answer ends the sequence: EOS, which is no text)
+    text = tok.decode(tokens[:-1], skip_special_tokens=False)
+    want = split(ReasoningMode.of("qwen3", True), text)
+    assert want[0] and want[1] in ("yes", "no") and 3 in tokens
+    answer = client.chat.completions.create(extra_body={"chat_template_kwargs": {"open_thought": True},
+                                                        "logit_bias": bias, "ignore_eos": True, **choice}, **kw)
+    assert (answer.choices[0].message.model_extra["reasoning"], answer.choices[0].message.content) == want
+    assert answer.choices[0].finish_reason == "stop"
+    assert _streamed_thought(client, extra_body={"chat_template_kwargs": {"open_thought": True}, "logit_bias": bias,
+                                                 "ignore_eos": True, **choice}, **kw) == (*want, "stop")
+
+
 def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_last_stage(server, model):
     """OpenAI's logit_bias and vLLM's allowed_token_ids and bad_words give the in-process engine's tokens
     under the same edit (tests/test_logit_bias.py holds those to transformers), in completions and chat."""
