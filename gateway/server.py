@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP gateway (aiohttp on uvloop).
 
-    POST /v1/completions, /v1/chat/completions   (streaming as server-sent events, or not)
+    POST /v1/completions, /v1/chat/completions, /v1/responses   (streaming as server-sent events, or not)
     GET  /v1/models, /health (alive: serving or recovering), /ready (serving), /version, /metrics
     GET  /debug/timeline   (the pipeline's recent steps, stage by stage: a Perfetto / chrome://tracing file)
     POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
@@ -42,6 +42,8 @@ from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionReques
                              DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
 from gateway.reasoning import ReasoningMode, ReasoningStream
 from gateway import reasoning as thoughts
+from gateway import responses as responses_api
+from gateway.responses import ResponseBuilder, ResponsesRequest
 from gateway.tools import ToolError, ToolMode, ToolStream
 from moemesh import __version__, structured
 from moemesh.client import CoordinatorClient
@@ -102,6 +104,7 @@ class Delta:
     finish_reason: str | None
     has_tokens: bool
     prompt_logprobs: list | None
+    tokens: int = 0  # how many it added
 
 
 @dataclass
@@ -236,6 +239,7 @@ class Gateway:
         app.on_cleanup.append(self.stop)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)  # (a served name may hold a slash)
         app.router.add_get("/health", self.health)
@@ -389,6 +393,32 @@ class Gateway:
 
     async def chat_completions(self, request):
         body = await self._parse(request, ChatCompletionRequest)
+        ids, params, mode, thinking = self._chat_job(body)
+        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True, tools=mode,
+                                 thinking=thinking)
+
+    async def responses(self, request):
+        """OpenAI's Responses API: the request as a chat completion's (gateway/responses.py), its answer as
+        output items."""
+        body = await self._parse(request, ResponsesRequest)
+        try:
+            fields = responses_api.chat_request(body)
+        except responses_api.ResponsesError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        try:
+            chat = msgspec.convert(fields, type=ChatCompletionRequest)
+            ids, params, mode, thinking = self._chat_job(chat)
+        except msgspec.ValidationError as e:
+            raise HTTPError(400, f"invalid request: {e}") from None
+        except HTTPError as e:  # (named as this API names the field)
+            e.param = responses_api.FIELDS.get(e.param, e.param)
+            raise
+        return await self._serve(request, chat, "resp", [ids], params, chat=True, tools=mode, thinking=thinking,
+                                 responses=body)
+
+    def _chat_job(self, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams], ToolMode | None,
+                                                               ReasoningMode | None]:
+        """A chat request's prompt, sampling parameters, tool calling and reasoning, checked (400s)."""
         self._check_model(body.model)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
@@ -418,8 +448,7 @@ class Gateway:
                                         body.include_reasoning)
         params = [self._params(body, len(ids), max_tokens, logprobs, body.prompt_logprobs, param, "messages",
                                constraint, thinking=thinking)]
-        return await self._serve(request, body, "chatcmpl", [ids], params, chat=True, tools=mode,
-                                 thinking=thinking)
+        return ids, params, mode, thinking
 
     def _opens_thought(self, body: ChatCompletionRequest, ids: list[int]) -> bool:
         """Whether the chat prompt leaves the answer inside a thought: its template ends it with `<think>`
@@ -602,9 +631,10 @@ class Gateway:
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None,
-                     thinking: ReasoningMode | None = None):
+                     thinking: ReasoningMode | None = None, responses: ResponsesRequest | None = None):
         """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text; thinking: how
-        its thought is told from its answer (gateway/reasoning.py), or None."""
+        its thought is told from its answer (gateway/reasoning.py), or None; responses: the Responses API
+        request a chat request answers (its output items, gateway/responses.py)."""
         if not self._accepting():
             raise self._not_serving()
         n_seqs = len(prompts) * body.n
@@ -627,6 +657,11 @@ class Gateway:
             keep_special = (tools and tools.keeps_special_tokens) or (thinking and self.thought_tags)
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
                      "skip_special_tokens": body.skip_special_tokens and not keep_special}
+            if responses is not None:
+                builder = ResponseBuilder(responses, self.model_name)
+                if body.stream:
+                    return await self._respond_stream(request, builder, rid, jobs, shown, tools, thinking)
+                return await self._respond(builder, rid, jobs, shown, tools, thinking)
             if body.stream:
                 return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking)
             return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking)
@@ -678,7 +713,7 @@ class Gateway:
                 if choice.detok.stopped:  # a stop string: cut here and end the request
                     choice.finish_reason = "stop"
                 await queue.put((index, "delta", Delta(text, lps, choice.finish_reason, bool(ids),
-                                                       out.prompt_logprobs)))
+                                                       out.prompt_logprobs, len(ids))))
                 if choice.finish_reason is not None:
                     break
             ended = choice.finish_reason
@@ -770,21 +805,8 @@ class Gateway:
 
     async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
                       thinking: ReasoningMode | None = None):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-
-        async def send_raw(data: bytes) -> None:
-            # a client that stops reading fills its connection's buffers and the write waits: past
-            # --stream-timeout it is cut off, and its sequences aborted (their KV blocks freed)
-            try:
-                await asyncio.wait_for(resp.write(data), self.cfg.stream_timeout)
-            except asyncio.TimeoutError:
-                raise SlowClient from None
-
-        async def send(payload) -> None:
-            await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
         with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices, usage=None):
@@ -797,29 +819,17 @@ class Gateway:
         offsets: dict[int, TextAt] = {}  # completions: where each choice's next token starts
         streams: dict[int, ToolStream] = {}  # chat with tools: each choice's text, as calls are read from it
         splits: dict[int, ReasoningStream] = {}  # chat with a reasoning parser: each choice's thought and answer
-        events = self._gather(rid, jobs, shown)
-        try:  # the first event before the 200: an error the coordinator answers at once keeps its status
-            first = await events.__anext__()
-        except HTTPError as e:
-            await events.aclose()
-            return e.response()
 
-        async def all_events():
-            yield first
-            async for event in events:
-                yield event
+        async def write(send_raw, events) -> None:
+            async def send(payload) -> None:
+                await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
-        try:
-            sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-            if sock is not None:  # a fixed send buffer (no autotuning to megabytes): a reader that stops is seen soon
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
-            await resp.prepare(request)
             try:
                 if chat:
                     for i, _, _ in jobs:
                         await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
-                async for index, kind, payload in all_events():
+                async for index, kind, payload in events:
                     if kind == "done":
                         choices[index] = payload
                         continue
@@ -829,18 +839,7 @@ class Gateway:
                     if chat:
                         if d.text or d.finish_reason or d.logprobs or d.has_tokens:
                             lp = {"content": [self._chat_logprob(x) for x in d.logprobs]} if body.logprobs else None
-                            text, thought = d.text, ""
-                            if thinking is not None:
-                                split = splits.setdefault(index, ReasoningStream(thinking))
-                                thought, text = split.add(text)
-                                if d.finish_reason is not None:
-                                    thought, text = (a + b for a, b in zip((thought, text), split.finish()))
-                            delta, reason = {"content": text} if text else {}, _reason(d.finish_reason)
-                            if tools is not None:
-                                delta, reason = self._tool_delta(streams.setdefault(index, ToolStream(tools)),
-                                                                 text, reason)
-                            if thought and thinking.shown:
-                                delta = {**_thought(thinking, thought), **delta}
+                            delta, reason, _ = self._chat_delta(index, d, tools, thinking, streams, splits)
                             await send(chunk([{"index": index, "delta": delta, "logprobs": lp,
                                                "finish_reason": reason}]))
                     else:
@@ -862,6 +861,41 @@ class Gateway:
             except HTTPError as e:  # mid-stream: an error event, as the openai SDK expects
                 await send(e.body())
             await send_raw(b"data: [DONE]\n\n")
+
+        return await self._sse(request, rid, jobs, shown, write)
+
+    async def _sse(self, request, rid: str, jobs, shown: dict, write) -> web.StreamResponse:
+        """A streamed answer as server-sent events: `write(send_raw, events)` sends them for the jobs'
+        events (`_gather`). An error the coordinator answers at once (before the first event) keeps its
+        status; a client that leaves or stops reading aborts every sequence of the request."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+        async def send_raw(data: bytes) -> None:
+            # a client that stops reading fills its connection's buffers and the write waits: past
+            # --stream-timeout it is cut off, and its sequences aborted (their KV blocks freed)
+            try:
+                await asyncio.wait_for(resp.write(data), self.cfg.stream_timeout)
+            except asyncio.TimeoutError:
+                raise SlowClient from None
+
+        events = self._gather(rid, jobs, shown)
+        try:  # the first event before the 200: an error the coordinator answers at once keeps its status
+            first = await events.__anext__()
+        except HTTPError as e:
+            await events.aclose()
+            return e.response()
+
+        async def all_events():
+            yield first
+            async for event in events:
+                yield event
+
+        try:
+            sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+            if sock is not None:  # a fixed send buffer (no autotuning to megabytes): a reader that stops is seen soon
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+            await resp.prepare(request)
+            await write(send_raw, all_events())
             await asyncio.wait_for(resp.write_eof(), self.cfg.stream_timeout)
         except ConnectionResetError:  # the client left: every sequence of the request is aborted
             await events.aclose()
@@ -875,6 +909,50 @@ class Gateway:
             if request.transport is not None:
                 request.transport.abort()
         return resp
+
+    async def _respond(self, builder: ResponseBuilder, rid, jobs, shown, tools: ToolMode | None,
+                       thinking: ReasoningMode | None):
+        """A Responses API request's whole response: its answer fed to `builder` as a stream's would be."""
+        streams: dict[int, ToolStream] = {}
+        splits: dict[int, ReasoningStream] = {}
+        response = None
+        async for index, kind, payload in self._gather(rid, jobs, shown):
+            if kind == "done":
+                response = self._response_done(builder, jobs, payload)
+            else:
+                delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
+                builder.add(delta, payload.tokens, inside)
+        return web.json_response(response)
+
+    async def _respond_stream(self, request, builder: ResponseBuilder, rid, jobs, shown, tools: ToolMode | None,
+                              thinking: ReasoningMode | None):
+        """A Responses API request streamed: OpenAI's events (`event:` and `data:`, no [DONE])."""
+        streams: dict[int, ToolStream] = {}
+        splits: dict[int, ReasoningStream] = {}
+
+        async def write(send_raw, events) -> None:
+            async def flush() -> None:
+                for event in builder.take():
+                    await send_raw(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
+
+            await flush()  # (created, in_progress)
+            try:
+                async for index, kind, payload in events:
+                    if kind == "done":
+                        self._response_done(builder, jobs, payload)
+                    else:
+                        delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
+                        builder.add(delta, payload.tokens, inside)
+                    await flush()
+            except HTTPError as e:  # mid-stream: OpenAI's error event
+                builder.error(e.message, e.code or e.status, e.param)
+                await flush()
+
+        return await self._sse(request, rid, jobs, shown, write)
+
+    @staticmethod
+    def _response_done(builder: ResponseBuilder, jobs, choice: Choice) -> dict:
+        return builder.finish(choice.finish_reason, len(jobs[0][1]), len(choice.token_ids), choice.cached_tokens)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -986,6 +1064,26 @@ class Gateway:
         which the generated text starts with, whole (IncrementalDetokenizer)."""
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return text.rstrip("\ufffd") if self.tokenizer.ends_inside_character(ids) else text
+
+    def _chat_delta(self, index: int, d: Delta, tools: ToolMode | None, thinking: ReasoningMode | None,
+                    streams: dict[int, ToolStream], splits: dict[int, ReasoningStream]) -> tuple[dict, str | None, bool]:
+        """A streamed chat choice's delta for the text `d` adds (its thought, its content, its tool calls) ->
+        (delta, finish_reason, whether the choice was inside its thought during it). streams, splits: each
+        choice's tool calls and thought so far."""
+        text, thought, inside = d.text, "", False
+        if thinking is not None:
+            split = splits.setdefault(index, ReasoningStream(thinking))
+            inside = split.state == "thought"
+            thought, text = split.add(text)
+            if d.finish_reason is not None:
+                thought, text = (a + b for a, b in zip((thought, text), split.finish()))
+            inside = inside or bool(thought) or split.state == "thought"
+        delta, reason = {"content": text} if text else {}, _reason(d.finish_reason)
+        if tools is not None:
+            delta, reason = self._tool_delta(streams.setdefault(index, ToolStream(tools)), text, reason)
+        if thought and thinking.shown:
+            delta = {**_thought(thinking, thought), **delta}
+        return delta, reason, inside
 
     @staticmethod
     def _tool_delta(stream: ToolStream, text: str, reason: str | None) -> tuple[dict, str | None]:

@@ -551,7 +551,8 @@ def test_mistral_calls_are_read_after_their_special_token(mistral_server):
 THINKING_TEMPLATE = (
     "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{%- endfor %}"
     "{%- if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %}"
-    "<think></think>{% elif open_thought is defined and open_thought %}<think>{% endif %}{% endif %}")
+    "<think></think>{% elif open_thought is defined and open_thought or reasoning_effort is defined %}<think>"
+    "{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -650,6 +651,123 @@ def test_a_thinking_models_thought_comes_apart_from_its_answer(thinking_server):
     assert answer.choices[0].finish_reason == "stop"
     assert _streamed_thought(client, extra_body={"chat_template_kwargs": {"open_thought": True}, "logit_bias": bias,
                                                  "ignore_eos": True, **choice}, **kw) == (*want, "stop")
+
+
+def _response_events(client, **kw) -> tuple[list, object]:
+    """A streamed response's events (numbered in order, opened and closed as OpenAI's) and its last."""
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == sorted(added) == [e.output_index for e in events if e.type == "response.output_item.done"]
+    return events, events[-1].response
+
+
+def test_responses_answer_as_chat_completions_do(client):
+    """/v1/responses (OpenAI's Responses API, through the openai client) answers with the tokens the chat
+    completion of the same conversation gives: instructions as the system message, input as a string or
+    items with text parts, streamed or not; what it cannot serve is a 400 naming the field."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_completion_tokens=10,
+                                          temperature=0)
+    want, reason = chat.choices[0].message.content, chat.choices[0].finish_reason
+    kw = dict(model="tiny-mixtral", instructions="Be brief.", max_output_tokens=10, temperature=0)
+    for given in ["Name a colour.", [{"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}],
+                  [{"type": "message", "role": "user", "content": "Name a colour."}]]:
+        r = client.responses.create(input=given, **kw)
+        assert r.output_text == want and r.status == ("incomplete" if reason == "length" else "completed")
+        assert [item.type for item in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                 chat.usage.completion_tokens)
+        assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.store is False
+    developer = client.responses.create(input=[{"role": "developer", "content": "Be brief."},
+                                               {"role": "user", "content": "Name a colour."}],
+                                        **{**kw, "instructions": None})
+    assert developer.output_text == want  # (a developer message is the system's)
+    events, last = _response_events(client, input="Name a colour.", **kw)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert last.output[0].content[0].text == want and last.usage.output_tokens == chat.usage.completion_tokens
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert done.text == want
+    if reason == "stop":  # (the SDK's own stream reader takes the events whole)
+        with client.responses.stream(input="Name a colour.", **kw) as stream:
+            assert stream.get_final_response().output_text == want
+    url = client.base_url.__str__().replace("/v1/", "/v1/responses")
+    for body, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                         "input"),
+                        ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+                        ({"text": {"format": {"type": "yaml"}}}, "text"),
+                        ({"truncation": "auto"}, "truncation"),
+                        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+                        ({"input": 5}, "input"),
+                        ({"max_output_tokens": 0}, "max_output_tokens"),
+                        ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}},
+                         "text")]:
+        status, raw, _ = http("POST", url, {"model": "tiny-mixtral", "input": "hi", **body})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
+
+
+def test_responses_call_tools_and_take_their_outputs_back(tool_server):
+    """A function tool (Responses' flat shape) called by name comes back as a function_call item with the
+    chat completion's arguments, streamed or not; an earlier call and its output, sent back as input
+    items, render as the chat's assistant tool call and tool message do (the same answer)."""
+    client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "user", "content": "And tomorrow?"}]
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"role": "user", "content": "And tomorrow?"}]
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
+                                          max_tokens=80, temperature=0, tool_choice={
+                                              "type": "function", "function": {"name": "get_weather"}})
+    (want,) = chat.choices[0].message.tool_calls
+    kw = dict(model="tiny-mixtral", input=items, tools=flat, max_output_tokens=80, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    r = client.responses.create(**kw)
+    (call,) = r.output
+    assert (call.type, call.name, call.arguments, r.status) == ("function_call", "get_weather",
+                                                                want.function.arguments, "completed")
+    assert call.call_id and call.id.startswith("fc_")
+    events, last = _response_events(client, **kw)
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert [(o.type, o.name, o.arguments) for o in last.output] == [("function_call", "get_weather", call.arguments)]
+    with client.responses.stream(**kw) as stream:  # (the SDK's own stream reader takes the events whole)
+        final = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", call.arguments)]
+    plain = client.responses.create(**{**kw, "tool_choice": "none", "max_output_tokens": 6})
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
+                                          max_tokens=6, temperature=0, tool_choice="none")
+    assert plain.output_text == chat.choices[0].message.content  # (the items render as the chat's messages)
+
+
+def test_responses_give_the_thought_as_a_reasoning_item(thinking_server):
+    """With a --reasoning-parser the thought is a reasoning item before the answer's (here the template
+    opens the thought for reasoning.effort, as the chat's chat_template_kwargs would), its tokens counted
+    as reasoning tokens."""
+    client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny-mixtral", messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=12,
+        temperature=0, extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}})
+    thought, content = chat.choices[0].message.model_extra["reasoning"], chat.choices[0].message.content
+    assert thought and content is None  # (the random model does not close it)
+    kw = dict(model="tiny-mixtral", input="Is Paris in France?", max_output_tokens=12, temperature=0,
+              reasoning={"effort": "low"})
+    r = client.responses.create(**kw)
+    (item,) = r.output
+    assert item.type == "reasoning" and item.content[0].text == thought and r.status == "incomplete"
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12
+    events, last = _response_events(client, **kw)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert last.output[0].content[0].text == thought and last.usage.output_tokens_details.reasoning_tokens == 12
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_last_stage(server, model):

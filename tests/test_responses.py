@@ -1,0 +1,120 @@
+"""The Responses API's pieces (gateway/responses.py): a request as the chat request that answers it, and
+a chat answer as output items and stream events. Through the gateway and the mesh: tests/test_gateway.py."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gateway.responses import ResponseBuilder, ResponsesError, ResponsesRequest, chat_request
+
+
+def _request(**fields) -> ResponsesRequest:
+    return msgspec.convert({"input": "hi", **fields}, type=ResponsesRequest)
+
+
+def test_a_request_becomes_the_chat_request_that_answers_it():
+    chat = chat_request(_request(
+        model="m", instructions="Be brief.", max_output_tokens=9, temperature=0.5, top_p=0.9, stream=True,
+        parallel_tool_calls=False, reasoning={"effort": "low"},
+        tools=[{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "f"},
+        text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}, "strict": True}},
+        input=[{"role": "developer", "content": "Rules."},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                                               {"type": "input_text", "text": "Now."}]},
+               {"type": "reasoning", "id": "rs_1", "summary": []},
+               {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+               {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+               {"type": "function_call", "call_id": "c2", "name": "f", "arguments": '{"x": 1}'},
+               {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+               {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "3"}]},
+               {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]))
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Rules."},  # (developer: the system's role for a chat template)
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}, {"type": "text", "text": "Now."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "tool_calls": [  # (one turn)
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "3"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                               "parameters": {"type": "object"}}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    assert chat["chat_template_kwargs"] == {"reasoning_effort": "low"}
+    assert (chat["max_completion_tokens"], chat["temperature"], chat["top_p"], chat["stream"],
+            chat["parallel_tool_calls"], chat["model"]) == (9, 0.5, 0.9, True, False, "m")
+    assert chat_request(_request())["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat_request(_request(text={"format": {"type": "text"}}))["response_format"] == {"type": "text"}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "r"}, "previous_response_id"), ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"max_tool_calls": 1}, "max_tool_calls"),
+    ({"tools": [{"type": "web_search"}]}, "tools"), ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text"), ({"input": [5]}, "input"),
+    ({"input": [{"role": "critic", "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # (no call_id)
+    ({"input": [{"type": "computer_call_output"}]}, "input"),
+])
+def test_what_cannot_be_served_is_an_error_naming_its_field(fields, param):
+    with pytest.raises(ResponsesError) as e:
+        chat_request(_request(**fields))
+    assert e.value.param == param
+
+
+def test_an_answer_becomes_output_items_in_the_order_it_came_with_their_events():
+    b = ResponseBuilder(_request(), "m")
+    b.add({"reasoning": "Hmm", "reasoning_content": "Hmm"}, 1, True)
+    b.add({"reasoning": ", yes.", "reasoning_content": ", yes."}, 2, True)
+    b.add({"content": "Sure"}, 1)
+    b.add({"content": "."}, 1)
+    b.add({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                          {"index": 1, "id": "call_b", "type": "function",
+                           "function": {"name": "g", "arguments": '{"x": 1}'}}]}, 0)
+    response = b.finish("stop", prompt_tokens=7, output_tokens=5, cached_tokens=4)
+    events = b.take()
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    rs, msg, fa, fb = response["output"]
+    assert rs["content"] == [{"type": "reasoning_text", "text": "Hmm, yes."}] and rs["status"] == "completed"
+    assert msg["content"][0]["text"] == "Sure." and msg["role"] == "assistant" and msg["status"] == "completed"
+    assert (fa["call_id"], fa["name"], fa["arguments"], fb["call_id"], fb["arguments"]) == (
+        "call_a", "f", "{}", "call_b", '{"x": 1}')
+    assert response["status"] == "completed" and response["incomplete_details"] is None
+    assert response["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+                                 "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 12}
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert events[0]["response"]["output"] == [] and events[-1]["response"] == response
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [a["id"] for a in added] == [item["id"] for item in response["output"]]
+    assert added[0]["content"] == [] and added[1]["content"] == []  # (as they were when added: empty)
+    assert [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"] == ["Hmm", ", yes."]
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Sure", "."]
+    done = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.done"}
+    assert [done[i] for i in range(4)] == response["output"]
+    # every item opens before its deltas and closes after them
+    for i, item in enumerate(response["output"]):
+        at = [k for k, e in enumerate(events) if e.get("output_index") == i]
+        assert events[at[0]]["type"] == "response.output_item.added"
+        assert events[at[-1]]["type"] == "response.output_item.done"
+
+
+def test_a_named_call_streams_its_arguments_and_a_cut_answer_is_incomplete():
+    b = ResponseBuilder(_request(max_output_tokens=3), "m")
+    b.take()
+    b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a'}}]}, 1)
+    b.add({"tool_calls": [{"index": 0, "function": {"arguments": '": 1'}}]}, 2)
+    assert [e["delta"] for e in b.take() if e["type"] == "response.function_call_arguments.delta"] == ['{"a', '": 1']
+    response = b.finish("length", 5, 3, 0)
+    (call,) = response["output"]
+    assert call["arguments"] == '{"a": 1' and response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"} and response["max_output_tokens"] == 3
+    assert b.take()[-1]["type"] == "response.incomplete"
