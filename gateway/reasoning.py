@@ -58,9 +58,10 @@ class ReasoningStream:
     def __init__(self, mode: ReasoningMode):
         self.mode = mode
         # "start": may open a thought; "thought"; "answer". opening: a thought's start not yet past
-        # its `<think>` and newlines; fresh: an answer after a thought, its newlines not yet past
+        # its newlines; tagged: past where its `<think>` may be; fresh: an answer after a thought, its
+        # newlines not yet past
         self.state = "thought" if mode.thinking else "start"
-        self.opening, self.fresh = True, False
+        self.opening, self.tagged, self.fresh = True, False, False
         self.held = ""
 
     def add(self, piece: str) -> tuple[str, str]:
@@ -71,7 +72,7 @@ class ReasoningStream:
             if self.state == "start":
                 stripped = text.lstrip()
                 if stripped.startswith(THINK_OPEN):
-                    self.state, text = "thought", stripped[len(THINK_OPEN):]
+                    self.state, self.tagged, text = "thought", True, stripped[len(THINK_OPEN):]
                     continue
                 if THINK_OPEN.startswith(stripped):  # (whitespace, or a part of the tag: not known yet)
                     self.held = text
@@ -79,13 +80,15 @@ class ReasoningStream:
                 self.state = "answer"
                 continue
             if self.state == "thought":
-                if self.opening:  # a thought opened in the prompt may still write its own tag first
-                    stripped = text.lstrip()
-                    if stripped.startswith(THINK_OPEN):
-                        text = stripped[len(THINK_OPEN):]
-                    elif THINK_OPEN.startswith(stripped) and stripped:
-                        self.held = text
-                        return reasoning, content
+                if self.opening:
+                    if not self.tagged:  # a thought opened in the prompt may still write its own tag first
+                        stripped = text.lstrip()
+                        if stripped != THINK_OPEN and THINK_OPEN.startswith(stripped):
+                            self.held = text  # (whitespace, or a part of the tag: not known yet)
+                            return reasoning, content
+                        self.tagged = True
+                        if stripped.startswith(THINK_OPEN):
+                            text = stripped[len(THINK_OPEN):]
                     text = text.lstrip("\n")
                     if not text:
                         return reasoning, content
@@ -112,9 +115,8 @@ class ReasoningStream:
         """At the choice's end: what is still held, as (reasoning, content)."""
         text, self.held = self.held, ""
         if self.state == "thought":
-            if self.opening:  # (only newlines, or a part of `<think>`, came: the thought is empty)
-                stripped = text.strip()
-                return ("" if THINK_OPEN.startswith(stripped) else stripped), ""
+            if self.opening:  # (only whitespace came, perhaps with a part of `<think>`: that is the thought)
+                return (text.lstrip("\n") if text.strip() else ""), ""
             return text, ""
         return "", text
 

@@ -113,7 +113,7 @@ def _messages(given: Any) -> list[dict]:
                                  "outputs)", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise ResponsesError(f"an input message's role must be one of {', '.join(_ROLES)}", "input")
             out.append({"role": role, "content": _text(item.get("content"))})
@@ -130,6 +130,8 @@ def _messages(given: Any) -> list[dict]:
                         "content": output if isinstance(output, str) else _text(output)})
         elif kind == "reasoning":
             continue  # (an earlier thought: chat templates leave those out)
+        elif not isinstance(kind, str):
+            raise ResponsesError("each input item needs a type (or a role: a message)", "input")
         else:
             raise ResponsesError(f"input items of type {kind!r} are not supported by this server (messages, "
                                  f"function_call, function_call_output, reasoning)", "input")
@@ -152,7 +154,7 @@ def _text(content: Any) -> str | list[dict]:
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get(_TEXT_PARTS[kind]), str):
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS or not isinstance(part.get(_TEXT_PARTS[kind]), str):
             raise ResponsesError(f"content parts of type {kind!r} are not supported by this server (text only)",
                                  "input")
         parts.append({"type": "text", "text": part[_TEXT_PARTS[kind]]})
@@ -236,13 +238,16 @@ class ResponseBuilder:
                             output_index=self.output.index(item), delta=fn["arguments"])
 
     def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-        """The whole response, once the answer has ended (its last event sent with it)."""
-        self._close()
+        """The whole response, once the answer has ended (its last event sent with it). Cut short by
+        max_output_tokens, the item it was writing is incomplete, as the response is."""
         incomplete = finish_reason == "length"
+        last = self.output[-1] if self.output and self.output[-1]["status"] == "in_progress" else None
+        self._close("incomplete" if incomplete else "completed")
         for item in self.calls.values():
-            self._done_call(item)
+            self._done_call(item, "incomplete" if incomplete and item is last else "completed")
         self.calls = {}
-        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+        usage = {"input_tokens": prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
                  "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                  "total_tokens": prompt_tokens + output_tokens}
         status = "incomplete" if incomplete else "completed"
@@ -251,8 +256,13 @@ class ResponseBuilder:
         return response
 
     def error(self, message: str, code: Any, param: str | None) -> None:
-        """An error mid-stream: OpenAI's error event."""
+        """An error mid-stream: OpenAI's error event, and the response failed."""
         self._event("error", code=str(code), message=message, param=param)
+        response = self.response("failed")
+        kind = "server_error" if str(code).startswith("5") else "rate_limit_exceeded" if str(code) == "429" else \
+            "invalid_prompt"
+        response["error"] = {"code": kind, "message": message}
+        self._event("response.failed", response=response)
 
     def response(self, status: str, usage: dict | None = None) -> dict:
         body = self.body
@@ -303,13 +313,13 @@ class ResponseBuilder:
         self._event(name, item_id=self.open["id"], output_index=self.output.index(self.open), content_index=0,
                     delta=piece, **extra)
 
-    def _close(self) -> None:
+    def _close(self, status: str = "completed") -> None:
         """The open text item is done (a call, the other kind of text or the end follows)."""
         item, self.open = self.open, None
         if item is None:
             return
         index, part = self.output.index(item), item["content"][0]
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "reasoning":
             self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                         text=part["text"])
@@ -320,9 +330,9 @@ class ResponseBuilder:
                     part=dict(part))
         self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))
 
-    def _done_call(self, item: dict) -> None:
+    def _done_call(self, item: dict, status: str) -> None:
         index = self.output.index(item)
-        item["status"] = "completed"
+        item["status"] = status
         self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                     name=item["name"], arguments=item["arguments"])
         self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))

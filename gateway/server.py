@@ -52,8 +52,7 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
-                              SamplingParams)
+from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -453,7 +452,7 @@ class Gateway:
     def _opens_thought(self, body: ChatCompletionRequest, ids: list[int]) -> bool:
         """Whether the chat prompt leaves the answer inside a thought: its template ends it with `<think>`
         (Qwen3's thinking-2507 models, DeepSeek-R1-0528), or the final message it continues has one open."""
-        if body.continue_final_message or (body.chat_template_kwargs or {}).get("continue_final_message"):
+        if (body.chat_template_kwargs or {}).get("continue_final_message", body.continue_final_message):
             return thoughts.opens_thought(_text_content(body.messages[-1].get("content")))
         tail = self.tokenizer.decode(ids[-THOUGHT_TAIL_TOKENS:], skip_special_tokens=False)
         return tail.rstrip().endswith(thoughts.THINK_OPEN)
@@ -577,9 +576,11 @@ class Gateway:
                             param)
         self._require_protocol(param, 6)
         if thinking is not None:
-            grammar = structured.after_thought(grammar, thinking.thinking, self.thought_tags, self.eos_token_ids)
-            if len(grammar) > MAX_GRAMMAR_CHARS:
-                raise HTTPError(400, f"the constraint's grammar is more than {MAX_GRAMMAR_CHARS} characters", param)
+            try:
+                grammar = structured.after_thought(grammar, thinking.thinking, self.thought_tags, self.eos_token_ids,
+                                                   self.grammar_tokenizer, param)
+            except structured.ConstraintError as e:
+                raise HTTPError(400, str(e), e.param) from None
         return grammar
 
     def _require_protocol(self, param: str, version: int) -> None:
@@ -777,8 +778,10 @@ class Gateway:
                 if thinking is not None:
                     thought, message["content"] = thoughts.split(thinking, c.detok.text)
                     message.update(_thought(thinking, thought))
-                if tools is not None and (message["content"] is not None or tools.kind == "named"):
-                    message["content"], calls = tool_calls.read_calls(tools, message["content"] or "")
+                if tools is not None and tools.kind != "auto" and not message["content"]:
+                    message["content"] = None  # (no text to read a call from: none, as the stream sends)
+                elif tools is not None and message["content"] is not None:
+                    message["content"], calls = tool_calls.read_calls(tools, message["content"])
                     if calls:
                         message["tool_calls"] = calls
                         reason = _tool_reason(tools, reason)

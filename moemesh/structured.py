@@ -79,12 +79,14 @@ def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
 
 
 def after_thought(grammar: str, inside: bool, tags: tuple[int, int] | None = None,
-                  eos_token_ids: tuple[int, ...] = ()) -> str:
+                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, field: str = "grammar") -> str:
     """`grammar` applied after a reasoning model's thought, as vLLM applies structured outputs with a
     reasoning parser: the answer may first think (`<think>` ... `</think>`; from its first token where
     `inside`, the prompt having opened the thought) with no constraint, then follows `grammar`
     (after the newlines that close the thought). tags: the ids of `<think>` and `</think>` where they
-    are special tokens, matched as tokens (a thought then holds no EOS); else they are matched as text."""
+    are special tokens, matched as tokens (a thought then holds no EOS); else they are matched as text.
+    With `tokenizer`, the wrapped grammar is checked as grammar_of checks one (ConstraintError naming
+    `field`)."""
     try:
         top = json.loads(grammar)
     except ValueError:  # (Lark text, as llguidance gives a choice's or a grammar's)
@@ -103,7 +105,15 @@ def after_thought(grammar: str, inside: bool, tags: tuple[int, int] | None = Non
         thought, opening, rules = "thought", '"<think>"', '\nthought[stop="</think>"]: /(?s:.*)/'
     start = f'{thought} "\\n"*' if inside else f'({opening} {thought} "\\n"*)?'
     lark = f"start: {start} @{inner}{rules}\n"
-    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, {**grammars[0], "name": inner}, *grammars[1:]]})
+    wrapped = json.dumps({**top, "grammars": [{"lark_grammar": lark}, {**grammars[0], "name": inner}, *grammars[1:]]})
+    if len(wrapped) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"{field} is too large ({len(wrapped)} characters compiled, with the thought before "
+                              f"it; at most {MAX_GRAMMAR_CHARS})", field)
+    if tokenizer is not None:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(wrapped, tokenizer)
+        if failed:
+            raise ConstraintError(f"{field}: {_first_line(messages[0] if messages else 'invalid')}", field)
+    return wrapped
 
 
 def _is_text(value: Any) -> bool:

@@ -88,7 +88,8 @@ def test_an_answer_becomes_output_items_in_the_order_it_came_with_their_events()
     assert (fa["call_id"], fa["name"], fa["arguments"], fb["call_id"], fb["arguments"]) == (
         "call_a", "f", "{}", "call_b", '{"x": 1}')
     assert response["status"] == "completed" and response["incomplete_details"] is None
-    assert response["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+    assert response["usage"] == {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+                                 "output_tokens": 5,
                                  "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 12}
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -115,6 +116,42 @@ def test_a_named_call_streams_its_arguments_and_a_cut_answer_is_incomplete():
     assert [e["delta"] for e in b.take() if e["type"] == "response.function_call_arguments.delta"] == ['{"a', '": 1']
     response = b.finish("length", 5, 3, 0)
     (call,) = response["output"]
-    assert call["arguments"] == '{"a": 1' and response["status"] == "incomplete"
+    assert call["arguments"] == '{"a": 1' and response["status"] == "incomplete" and call["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "max_output_tokens"} and response["max_output_tokens"] == 3
     assert b.take()[-1]["type"] == "response.incomplete"
+    cut = ResponseBuilder(_request(), "m")
+    cut.add({"reasoning": "Hmm"}, 1, True)
+    cut.add({"content": "Par"}, 1)
+    assert [item["status"] for item in cut.finish("length", 5, 2, 0)["output"]] == ["completed", "incomplete"]
+
+
+def test_an_error_mid_stream_fails_the_response():
+    b = ResponseBuilder(_request(), "m")
+    b.add({"content": "Hi"}, 1)
+    b.error("the coordinator restarted", 503, None)
+    error, failed = b.take()[-2:]
+    assert (error["type"], error["code"], error["message"]) == ("error", "503", "the coordinator restarted")
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": "the coordinator restarted"}
+
+
+def test_responses_and_events_are_the_openai_sdks_types():
+    """Every event and response the builder makes validates against the openai SDK's own models."""
+    openai = pytest.importorskip("openai")
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    for finish in ("stop", "length"):
+        b = ResponseBuilder(_request(tools=[tool], tool_choice="auto", reasoning={"effort": "low"},
+                                     text={"format": {"type": "text"}}, metadata={"k": "v"}), "m")
+        b.add({"reasoning": "Hmm"}, 1, True)
+        b.add({"content": "Sure."}, 1)
+        b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+        openai.types.responses.Response.model_validate(b.finish(finish, 3, 2, 1))
+        for event in b.take():
+            events.validate_python(event)
+    b = ResponseBuilder(_request(), "m")
+    b.error("boom", 500, None)
+    for event in b.take():
+        events.validate_python(event)
