@@ -45,6 +45,7 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (as vLLM)
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     @property
     def checking(self) -> bool:
@@ -92,6 +93,7 @@ class IncrementalDetokenizer:
         hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
             first, end = min(hits, key=lambda hit: (hit[0], -hit[1]))  # (the first; of those there, the longest)
+            self.matched = self.text[first:end]
             self.text = self.text[:end if self.include_stop else first]
             self.stopped = True
 

@@ -237,7 +237,8 @@ class ResponseBuilder:
                 self._event("response.function_call_arguments.delta", item_id=item["id"],
                             output_index=self.output.index(item), delta=fn["arguments"])
 
-    def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+               stop_string: str | None = None) -> dict:
         """The whole response, once the answer has ended (its last event sent with it). Cut short by
         max_output_tokens, the item it was writing is incomplete, as the response is."""
         incomplete = finish_reason == "length"
@@ -255,8 +256,9 @@ class ResponseBuilder:
         self._event(f"response.{status}", response=response)
         return response
 
-    def error(self, message: str, code: Any, param: str | None) -> None:
+    def error(self, status: int, message: str, param: str | None = None, code: Any = None) -> None:
         """An error mid-stream: OpenAI's error event, and the response failed."""
+        code = code or status
         self._event("error", code=str(code), message=message, param=param)
         response = self.response("failed")
         kind = "server_error" if str(code).startswith("5") else "rate_limit_exceeded" if str(code) == "429" else \

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP gateway (aiohttp on uvloop).
 
-    POST /v1/completions, /v1/chat/completions, /v1/responses   (streaming as server-sent events, or not)
+    POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's)
+         (streaming as server-sent events, or not)
     GET  /v1/models, /health (alive: serving or recovering), /ready (serving), /version, /metrics
     GET  /debug/timeline   (the pipeline's recent steps, stage by stage: a Perfetto / chrome://tracing file)
     POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
@@ -42,7 +43,9 @@ from gateway.schemas import (CONSTRAINTS, VLLM_UNSUPPORTED, ChatCompletionReques
                              DetokenizeRequest, SamplingFields, TokenizeRequest, stop_list)
 from gateway.reasoning import ReasoningMode, ReasoningStream
 from gateway import reasoning as thoughts
+from gateway import messages as messages_api
 from gateway import responses as responses_api
+from gateway.messages import MessageBuilder, MessagesRequest
 from gateway.responses import ResponseBuilder, ResponsesRequest
 from gateway.tools import ToolError, ToolMode, ToolStream
 from moemesh import __version__, structured
@@ -239,6 +242,7 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)  # (a served name may hold a slash)
         app.router.add_get("/health", self.health)
@@ -255,13 +259,16 @@ class Gateway:
     async def _errors(self, request: web.Request, handler):
         try:
             if request.path.startswith(("/v1/", "/debug/")) and self.api_keys:
-                if not key_matches(request.headers.get("Authorization", ""), self.api_keys):
-                    raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)")
+                # (Anthropic's clients send the key as x-api-key)
+                given = request.headers.get("Authorization") or \
+                    ("Bearer " + request.headers["x-api-key"] if "x-api-key" in request.headers else "")
+                if not key_matches(given, self.api_keys):
+                    raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ..., or x-api-key)")
             return await handler(request)
         except HTTPError as e:
-            return e.response()
+            return _refusal(request.path, e)
         except web.HTTPRequestEntityTooLarge:
-            return HTTPError(413, f"request body larger than {self.cfg.max_body_bytes} bytes").response()
+            return _refusal(request.path, HTTPError(413, f"request body larger than {self.cfg.max_body_bytes} bytes"))
         except web.HTTPNotFound:
             return HTTPError(404, f"no route {request.method} {request.path}").response()
         except web.HTTPMethodNotAllowed:
@@ -270,7 +277,7 @@ class Gateway:
             raise
         except Exception as e:  # a bug: say so in OpenAI's shape, and log it
             log.error("request failed", exc_info=True, extra={"fields": {"path": request.path}})
-            return HTTPError(500, f"internal error: {type(e).__name__}").response()
+            return _refusal(request.path, HTTPError(500, f"internal error: {type(e).__name__}"))
 
     # -- plain endpoints -----------------------------------------------------------------------
 
@@ -413,7 +420,23 @@ class Gateway:
             e.param = responses_api.FIELDS.get(e.param, e.param)
             raise
         return await self._serve(request, chat, "resp", [ids], params, chat=True, tools=mode, thinking=thinking,
-                                 responses=body)
+                                 builder=ResponseBuilder(body, self.model_name))
+
+    async def messages(self, request):
+        """Anthropic's Messages API: the request as a chat completion's (gateway/messages.py), its answer as
+        content blocks; errors in Anthropic's shape (the middleware's `_refusal`)."""
+        body = await self._parse(request, MessagesRequest)
+        try:
+            fields = messages_api.chat_request(body)
+        except messages_api.MessagesError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        try:
+            chat = msgspec.convert(fields, type=ChatCompletionRequest)
+            ids, params, mode, thinking = self._chat_job(chat)
+        except msgspec.ValidationError as e:
+            raise HTTPError(400, f"invalid request: {e}") from None
+        return await self._serve(request, chat, "msg", [ids], params, chat=True, tools=mode, thinking=thinking,
+                                 builder=MessageBuilder(self.model_name, len(ids)))
 
     def _chat_job(self, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams], ToolMode | None,
                                                                ReasoningMode | None]:
@@ -632,10 +655,11 @@ class Gateway:
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None,
-                     thinking: ReasoningMode | None = None, responses: ResponsesRequest | None = None):
+                     thinking: ReasoningMode | None = None, builder: ResponseBuilder | MessageBuilder | None = None):
         """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text; thinking: how
-        its thought is told from its answer (gateway/reasoning.py), or None; responses: the Responses API
-        request a chat request answers (its output items, gateway/responses.py)."""
+        its thought is told from its answer (gateway/reasoning.py), or None; builder: the answer's shape
+        where a chat request answers another API's (Responses' output items, gateway/responses.py;
+        Anthropic's content blocks, gateway/messages.py)."""
         if not self._accepting():
             raise self._not_serving()
         n_seqs = len(prompts) * body.n
@@ -658,11 +682,10 @@ class Gateway:
             keep_special = (tools and tools.keeps_special_tokens) or (thinking and self.thought_tags)
             shown = {"stop": stop_list(body.stop), "include_stop": body.include_stop_str_in_output,
                      "skip_special_tokens": body.skip_special_tokens and not keep_special}
-            if responses is not None:
-                builder = ResponseBuilder(responses, self.model_name)
+            if builder is not None:
                 if body.stream:
-                    return await self._respond_stream(request, builder, rid, jobs, shown, tools, thinking)
-                return await self._respond(builder, rid, jobs, shown, tools, thinking)
+                    return await self._build_stream(request, builder, rid, jobs, shown, tools, thinking)
+                return await self._build(builder, rid, jobs, shown, tools, thinking)
             if body.stream:
                 return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking)
             return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking)
@@ -886,7 +909,7 @@ class Gateway:
             first = await events.__anext__()
         except HTTPError as e:
             await events.aclose()
-            return e.response()
+            return _refusal(request.path, e)
 
         async def all_events():
             yield first
@@ -913,23 +936,23 @@ class Gateway:
                 request.transport.abort()
         return resp
 
-    async def _respond(self, builder: ResponseBuilder, rid, jobs, shown, tools: ToolMode | None,
-                       thinking: ReasoningMode | None):
-        """A Responses API request's whole response: its answer fed to `builder` as a stream's would be."""
+    async def _build(self, builder: ResponseBuilder | MessageBuilder, rid, jobs, shown, tools: ToolMode | None,
+                     thinking: ReasoningMode | None):
+        """Another API's whole answer (a response, a message): fed to `builder` as a stream's would be."""
         streams: dict[int, ToolStream] = {}
         splits: dict[int, ReasoningStream] = {}
         response = None
         async for index, kind, payload in self._gather(rid, jobs, shown):
             if kind == "done":
-                response = self._response_done(builder, jobs, payload)
+                response = _finish(builder, jobs, payload)
             else:
                 delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
                 builder.add(delta, payload.tokens, inside)
         return web.json_response(response)
 
-    async def _respond_stream(self, request, builder: ResponseBuilder, rid, jobs, shown, tools: ToolMode | None,
-                              thinking: ReasoningMode | None):
-        """A Responses API request streamed: OpenAI's events (`event:` and `data:`, no [DONE])."""
+    async def _build_stream(self, request, builder: ResponseBuilder | MessageBuilder, rid, jobs, shown,
+                            tools: ToolMode | None, thinking: ReasoningMode | None):
+        """Another API's answer streamed: its events (`event:` and `data:`, no [DONE]), as `builder` makes them."""
         streams: dict[int, ToolStream] = {}
         splits: dict[int, ReasoningStream] = {}
 
@@ -938,24 +961,20 @@ class Gateway:
                 for event in builder.take():
                     await send_raw(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
 
-            await flush()  # (created, in_progress)
+            await flush()  # (the answer's start)
             try:
                 async for index, kind, payload in events:
                     if kind == "done":
-                        self._response_done(builder, jobs, payload)
+                        _finish(builder, jobs, payload)
                     else:
                         delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
                         builder.add(delta, payload.tokens, inside)
                     await flush()
-            except HTTPError as e:  # mid-stream: OpenAI's error event
-                builder.error(e.message, e.code or e.status, e.param)
+            except HTTPError as e:  # mid-stream: the API's error event
+                builder.error(e.status, e.message, e.param, e.code)
                 await flush()
 
         return await self._sse(request, rid, jobs, shown, write)
-
-    @staticmethod
-    def _response_done(builder: ResponseBuilder, jobs, choice: Choice) -> dict:
-        return builder.finish(choice.finish_reason, len(jobs[0][1]), len(choice.token_ids), choice.cached_tokens)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -1219,6 +1238,19 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
 
 def _reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _finish(builder: ResponseBuilder | MessageBuilder, jobs, choice: Choice) -> dict:
+    """Another API's whole answer, once its one choice has ended."""
+    return builder.finish(choice.finish_reason, len(jobs[0][1]), len(choice.token_ids), choice.cached_tokens,
+                          choice.detok.matched)
+
+
+def _refusal(path: str, e: HTTPError) -> web.Response:
+    """An error as the API at `path` shapes it: Anthropic's for /v1/messages, OpenAI's elsewhere."""
+    if path == "/v1/messages":
+        return web.json_response(messages_api.error_body(e.status, e.message), status=e.status, headers=e.headers)
+    return e.response()
 
 
 def _thought(mode: ReasoningMode, text: str | None) -> dict:

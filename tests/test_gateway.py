@@ -551,8 +551,8 @@ def test_mistral_calls_are_read_after_their_special_token(mistral_server):
 THINKING_TEMPLATE = (
     "{%- for message in messages %}{{ message.role }}: {{ message.content }}\n{%- endfor %}"
     "{%- if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %}"
-    "<think></think>{% elif open_thought is defined and open_thought or reasoning_effort is defined %}<think>"
-    "{% endif %}{% endif %}")
+    "<think></think>{% elif open_thought is defined and open_thought or reasoning_effort is defined or "
+    "enable_thinking is defined and enable_thinking %}<think>{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -784,6 +784,93 @@ def test_responses_give_the_thought_as_a_reasoning_item(thinking_server):
     events, last = _response_events(client, **kw)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert last.output[0].content[0].text == thought and last.usage.output_tokens_details.reasoning_tokens == 12
+
+
+def test_anthropic_messages_answer_as_chat_completions_do(server, client):
+    """/v1/messages (Anthropic's Messages API, through the anthropic client) answers with the tokens the chat
+    completion of the same conversation gives, streamed or not; a stop sequence is named; errors are
+    Anthropic's shape."""
+    anthropic = pytest.importorskip("anthropic")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_completion_tokens=10,
+                                          temperature=0)
+    want, reason = chat.choices[0].message.content, chat.choices[0].finish_reason
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    kw = dict(model="tiny-mixtral", system="Be brief.", max_tokens=10, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}])
+    m = claude.messages.create(**kw)
+    assert [(b.type, b.text) for b in m.content] == [("text", want)]
+    assert m.stop_reason == ("max_tokens" if reason == "length" else "end_turn") and m.role == "assistant"
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    with claude.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == want
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", want)] and final.stop_reason == m.stop_reason
+    stop = want.strip()[2:5]  # (a stop sequence inside the answer: it ends there, and is named)
+    cut = claude.messages.create(stop_sequences=[stop], **kw)
+    assert (cut.content[0].text, cut.stop_reason, cut.stop_sequence) == (want[:want.find(stop)], "stop_sequence", stop)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(**{**kw, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]})
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "text only" in e.value.body["error"]["message"]
+    status, body, _ = http("POST", f"{server.url}/v1/messages", {"messages": kw["messages"]})  # (no max_tokens)
+    assert status == 400 and json.loads(body)["type"] == "error" and "max_tokens" in json.loads(body)["error"]["message"]
+
+
+def test_anthropic_tool_use_and_results_go_round_as_chat_tool_calls_do(tool_server):
+    """A tool chosen by name comes back as a tool_use block whose input is the chat completion's
+    arguments, streamed or not; earlier tool_use and tool_result blocks render as the chat's tool calls
+    and tool messages do (the same answer)."""
+    anthropic = pytest.importorskip("anthropic")
+    client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
+    claude = anthropic.Anthropic(base_url=tool_server.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, CLOCK)]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "user", "content": "And tomorrow?"}]
+    blocks = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                 "input": {"city": "Paris", "days": 1}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"},
+                                           {"type": "text", "text": "And tomorrow?"}]}]
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
+                                          max_tokens=80, temperature=0, tool_choice={
+                                              "type": "function", "function": {"name": "get_weather"}})
+    (want,) = chat.choices[0].message.tool_calls
+    kw = dict(model="tiny-mixtral", messages=blocks, tools=tools, max_tokens=80, extra_body={"temperature": 0},
+              tool_choice={"type": "tool", "name": "get_weather"})
+    m = claude.messages.create(**kw)
+    (use,) = m.content
+    assert (use.type, use.name, use.input, m.stop_reason) == ("tool_use", "get_weather",
+                                                              json.loads(want.function.arguments), "tool_use")
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", use.input)]
+    plain = claude.messages.create(**{**kw, "tool_choice": {"type": "none"}, "max_tokens": 6})
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
+                                          max_tokens=6, temperature=0, tool_choice="none")
+    assert plain.content[0].text == chat.choices[0].message.content  # (the blocks render as the chat's messages)
+
+
+def test_anthropic_thinking_comes_back_as_a_thinking_block(thinking_server):
+    anthropic = pytest.importorskip("anthropic")
+    client = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny-mixtral", messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=12,
+        temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    thought = chat.choices[0].message.model_extra["reasoning"]
+    assert thought and chat.choices[0].message.content is None
+    claude = anthropic.Anthropic(base_url=thinking_server.url, api_key="unused", max_retries=0)
+    kw = dict(model="tiny-mixtral", messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=12,
+              extra_body={"temperature": 0}, thinking={"type": "enabled", "budget_tokens": 1024})
+    m = claude.messages.create(**kw)
+    assert [(b.type, b.thinking) for b in m.content] == [("thinking", thought)] and m.stop_reason == "max_tokens"
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.thinking) for b in final.content] == [("thinking", thought)]
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words_reach_the_last_stage(server, model):
@@ -1147,6 +1234,11 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         assert http("GET", f"{server.url}/debug/timeline")[0] == 401
         auth = {"Authorization": "Bearer sesame"}
         assert http("POST", url, {"prompt": "x", "max_tokens": 2}, auth)[0] == 200
+        # Anthropic's clients send x-api-key; its errors are Anthropic's shape on /v1/messages
+        anthropic_body = {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+        assert http("POST", f"{server.url}/v1/messages", anthropic_body, {"x-api-key": "sesame"})[0] == 200
+        status, body, _ = http("POST", f"{server.url}/v1/messages", anthropic_body, {"x-api-key": "open"})
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
         results = []
         threads = [threading.Thread(target=lambda: results.append(http(
             "POST", url, {"prompt": "x", "max_tokens": 200, "ignore_eos": True}, auth))) for _ in range(4)]

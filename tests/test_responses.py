@@ -128,7 +128,7 @@ def test_a_named_call_streams_its_arguments_and_a_cut_answer_is_incomplete():
 def test_an_error_mid_stream_fails_the_response():
     b = ResponseBuilder(_request(), "m")
     b.add({"content": "Hi"}, 1)
-    b.error("the coordinator restarted", 503, None)
+    b.error(503, "the coordinator restarted")
     error, failed = b.take()[-2:]
     assert (error["type"], error["code"], error["message"]) == ("error", "503", "the coordinator restarted")
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
@@ -152,6 +152,6 @@ def test_responses_and_events_are_the_openai_sdks_types():
         for event in b.take():
             events.validate_python(event)
     b = ResponseBuilder(_request(), "m")
-    b.error("boom", 500, None)
+    b.error(500, "boom")
     for event in b.take():
         events.validate_python(event)

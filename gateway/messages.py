@@ -1,0 +1,293 @@
+"""Anthropic's Messages API (POST /v1/messages), as vLLM and llama.cpp's server serve it, on the chat
+machinery: clients written for Anthropic's SDK (and tools built on it) reach the model unchanged.
+
+A request becomes a chat completion request (`chat_request`): `system` a system message; each
+message's text blocks its content; an assistant's `tool_use` blocks its tool calls (their `input`
+as JSON arguments); a user's `tool_result` blocks tool messages, before the user's text; earlier
+`thinking` blocks dropped (chat templates drop earlier thoughts); `tools` ({name, description,
+input_schema}) function tools; `tool_choice` auto, any (chat's required), tool (a named function)
+or none, `disable_parallel_tool_use` parallel_tool_calls false; `thinking` enabled (or adaptive) or
+disabled the template's `enable_thinking` (Qwen3) and `thinking` (DeepSeek-V3.1, Granite) variables;
+`output_config`'s `format` (a JSON schema) a response_format and its `effort` the template's
+`reasoning_effort`; `stop_sequences` stop strings; `max_tokens` max_completion_tokens; the sampling
+fields older clients send (temperature, top_p, top_k) as they are. The chat path checks, renders and
+runs it, and its answer (the thought a --reasoning-parser finds, the text, the tool calls) becomes
+content blocks in the order they came (`MessageBuilder`): `thinking`, `text` and `tool_use`, with the
+events of a streamed message as the answer streams.
+
+Refused with a 400 rather than ignored: content other than text (images, documents), server tools
+(web search, code execution, ...), `container` and `mcp_servers`. `thinking.budget_tokens` is taken
+and not enforced (Anthropic's is a target, not a limit); thinking blocks carry an empty signature.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import msgspec
+
+_ROLES = ("user", "assistant")
+
+
+class MessagesError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    messages: list[Any]
+    max_tokens: int
+    model: str | None = None
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    # not supported: refused where given
+    container: Any = None
+    mcp_servers: Any = None
+
+
+def chat_request(body: MessagesRequest) -> dict[str, Any]:
+    """The chat completion request (as its JSON fields) that answers `body`; MessagesError names the
+    field at fault."""
+    for name in ("container", "mcp_servers"):
+        if getattr(body, name) is not None:
+            raise MessagesError(f"{name} is not supported by this server", name)
+    messages = [{"role": "system", "content": _system(body.system)}] if body.system is not None else []
+    for message in body.messages:
+        messages += _messages(message)
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
+                            "max_completion_tokens": body.max_tokens, "temperature": body.temperature,
+                            "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
+    if body.tools:
+        chat["tools"] = [_tool(t) for t in body.tools]
+    if body.tool_choice is not None:
+        chat["tool_choice"], parallel = _tool_choice(body.tool_choice)
+        if parallel is False:
+            chat["parallel_tool_calls"] = False
+    kwargs: dict[str, Any] = {}
+    if body.thinking is not None:
+        kind = body.thinking.get("type")
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise MessagesError("thinking must be {type: enabled, budget_tokens}, {type: adaptive} or {type: disabled}",
+                                "thinking")
+        kwargs.update(enable_thinking=kind != "disabled", thinking=kind != "disabled")
+    config = body.output_config or {}
+    if config.get("effort") is not None:
+        kwargs["reasoning_effort"] = config["effort"]
+    if config.get("format") is not None:
+        fmt = config["format"]
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise MessagesError("output_config.format must be {type: json_schema, schema}", "output_config")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": fmt["schema"]}}
+    chat["chat_template_kwargs"] = kwargs or None
+    return {k: v for k, v in chat.items() if v is not None}
+
+
+def _system(system: Any) -> str:
+    if isinstance(system, str):
+        return system
+    return "\n".join(_block_text(b, "system") for b in system)
+
+
+def _block_text(block: Any, param: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        raise MessagesError(f"content blocks of type {kind!r} are not supported here by this server (text only)",
+                            param)
+    return block["text"]
+
+
+def _messages(message: Any) -> list[dict]:
+    """One Anthropic message as chat messages: a user's tool results are tool messages (before its text)."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str) or role not in _ROLES:
+        raise MessagesError("each message is {role: user or assistant, content}", "messages")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise MessagesError("a message's content must be a string or a list of content blocks", "messages")
+    texts, calls, results = [], [], []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # (an earlier thought: chat templates leave those out)
+        if kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise MessagesError("a tool_use block needs an id and a name", "messages")
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise MessagesError("a tool_result block needs the tool_use_id it answers", "messages")
+            given = block.get("content")
+            text = given if isinstance(given, str) else "\n".join(_block_text(b, "messages") for b in given or [])
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        else:
+            texts.append(_block_text(block, "messages"))
+    out = list(results)
+    if texts or calls or not results:
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else (None if calls else "")}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def _tool(tool: Any) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise MessagesError(f"tools of type {kind!r} are not supported by this server (custom tools: name, "
+                            f"description, input_schema)", "tools")
+    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: dict) -> tuple[Any, bool | None]:
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise MessagesError("tool_choice must be {type: auto}, {type: any}, {type: tool, name} or {type: none}",
+                        "tool_choice")
+
+
+def error_body(kind_of_status: int, message: str) -> dict:
+    """Anthropic's error object for an HTTP status."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+            503: "overloaded_error"}.get(kind_of_status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class MessageBuilder:
+    """One message's content blocks as its answer comes (`add`: a chat delta's reasoning, content and
+    tool-call entries), and the events a stream sends for them (`take`). A streamed message and a whole
+    one are built alike."""
+
+    def __init__(self, model: str, prompt_tokens: int):
+        self.id, self.model = f"msg_{uuid.uuid4().hex}", model
+        self.content: list[dict] = []
+        self.open: dict | None = None  # the block being written (thinking, text, tool_use), if any
+        self.calls: dict[int, dict] = {}  # tool-call entries' index -> their tool_use block
+        self.arguments: dict[int, str] = {}  # a tool_use block's place -> its input's JSON so far
+        self.events: list[dict] = []
+        self.started = False
+        self.prompt_tokens = prompt_tokens
+
+    def take(self) -> list[dict]:
+        """The events since the last take (message_start first)."""
+        if not self.started:
+            self.started = True
+            self.events.insert(0, {"type": "message_start", "message": self.message(None, None, usage={
+                "input_tokens": self.prompt_tokens, "output_tokens": 0})})
+        out, self.events = self.events, []
+        return out
+
+    def add(self, delta: dict, tokens: int = 0, thinking: bool = False) -> None:
+        """A chat delta of the answer (its `reasoning`, `content` and `tool_calls`); tokens and thinking, as
+        ResponseBuilder takes them, count nothing here (Anthropic's usage has no thinking tokens)."""
+        if delta.get("reasoning"):
+            self._text("thinking", delta["reasoning"])
+        if delta.get("content"):
+            self._text("text", delta["content"])
+        for entry in delta.get("tool_calls") or ():
+            fn = entry.get("function") or {}
+            if "id" in entry:  # a call begins (named: its arguments follow; auto, required: they are whole)
+                self._close()
+                block = {"type": "tool_use", "id": entry["id"], "name": fn.get("name", ""), "input": {}}
+                self.calls[entry.get("index", 0)] = self.open = block
+                self._start(block)
+                self.arguments[len(self.content) - 1] = ""
+            block = self.calls[entry.get("index", 0)]
+            if fn.get("arguments"):
+                index = self.content.index(block)
+                self.arguments[index] += fn["arguments"]
+                self._event("content_block_delta", index=index,
+                            delta={"type": "input_json_delta", "partial_json": fn["arguments"]})
+
+    def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+               stop_string: str | None = None) -> dict:
+        """The whole message, once the answer has ended (its last events sent with it). stop_string: the
+        stop sequence that ended it, if one did."""
+        self._close()
+        if finish_reason == "length":
+            reason = "max_tokens"
+        elif self.calls:
+            reason = "tool_use"
+        elif stop_string is not None:
+            reason = "stop_sequence"
+        else:
+            reason = "end_turn"
+        usage = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+                 "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+        self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop_string}, usage=usage)
+        self._event("message_stop")
+        return self.message(reason, stop_string, usage)
+
+    def error(self, status: int, message: str, param: str | None = None, code: Any = None) -> None:
+        """An error mid-stream: Anthropic's error event."""
+        self._event("error", **{k: v for k, v in error_body(status, message).items() if k != "type"})
+
+    def message(self, reason: str | None, stop_string: str | None, usage: dict) -> dict:
+        content = []
+        for index, block in enumerate(self.content if reason is not None else ()):
+            if block["type"] == "tool_use":
+                block = {**block, "input": _input(self.arguments[index])}
+            content.append(dict(block))
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": reason, "stop_sequence": stop_string, "usage": usage}
+
+    # -- blocks and their events -----------------------------------------------------------
+
+    def _event(self, kind: str, **fields) -> None:
+        self.events.append({"type": kind, **fields})
+
+    def _start(self, block: dict) -> None:
+        self.content.append(block)
+        self._event("content_block_start", index=len(self.content) - 1, content_block=dict(block))
+
+    def _text(self, kind: str, piece: str) -> None:
+        """A piece of the thought (thinking) or of the answer's text (text), into the open block of that
+        kind or a new one."""
+        if self.open is None or self.open["type"] != kind:
+            self._close()
+            self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            self._start(self.open)
+        self.open[kind] += piece
+        delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else \
+            {"type": "text_delta", "text": piece}
+        self._event("content_block_delta", index=self.content.index(self.open), delta=delta)
+
+    def _close(self) -> None:
+        """The open block is done (another block or the end follows)."""
+        block, self.open = self.open, None
+        if block is not None:
+            self._event("content_block_stop", index=self.content.index(block))
+
+
+def _input(arguments: str) -> dict:
+    """A tool_use block's input: its arguments' object ({} where they were cut short, not yet JSON)."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

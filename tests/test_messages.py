@@ -1,0 +1,142 @@
+"""Anthropic's Messages API's pieces (gateway/messages.py): a request as the chat request that answers
+it, and a chat answer as content blocks and stream events. Through the gateway: tests/test_gateway.py."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from gateway.messages import MessageBuilder, MessagesError, MessagesRequest, chat_request
+
+
+def _request(**fields) -> MessagesRequest:
+    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields},
+                           type=MessagesRequest)
+
+
+def test_a_request_becomes_the_chat_request_that_answers_it():
+    chat = chat_request(_request(
+        model="m", system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        max_tokens=9, temperature=0.5, top_p=0.9, top_k=4, stream=True, stop_sequences=["\n\n"],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}, {"name": "g"}],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                  {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "Hmm.", "signature": "x"},
+                      {"type": "text", "text": "Checking."},
+                      {"type": "tool_use", "id": "t1", "name": "f", "input": {"city": "Paris"}},
+                      {"type": "tool_use", "id": "t2", "name": "g", "input": {}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                      {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "3"}]},
+                      {"type": "text", "text": "Thanks."}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3"}]}]))
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+            {"id": "t2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "t2", "content": "3"},
+        {"role": "user", "content": "Thanks."},
+        {"role": "tool", "tool_call_id": "t3", "content": ""}]
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "description": "d"}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True, "thinking": True}
+    assert (chat["max_completion_tokens"], chat["temperature"], chat["top_p"], chat["top_k"], chat["stop"],
+            chat["stream"], chat["model"]) == (9, 0.5, 0.9, 4, ["\n\n"], True, "m")
+    assert chat_request(_request(tool_choice={"type": "tool", "name": "f"}))["tool_choice"] == {
+        "type": "function", "function": {"name": "f"}}
+    assert chat_request(_request(thinking={"type": "disabled"}))["chat_template_kwargs"]["enable_thinking"] is False
+    config = chat_request(_request(output_config={"effort": "low", "format": {"type": "json_schema", "schema": {
+        "type": "object"}}}))
+    assert config["chat_template_kwargs"] == {"reasoning_effort": "low"}
+    assert config["response_format"] == {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object"}}}
+    assert "chat_template_kwargs" not in chat_request(_request())
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"container": "c"}, "container"), ({"mcp_servers": []}, "mcp_servers"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice"), ({"thinking": {"type": "deep"}}, "thinking"),
+    ({"output_config": {"format": {"type": "yaml"}}}, "output_config"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages"),
+    ({"system": [{"type": "image"}]}, "system"),
+])
+def test_what_cannot_be_served_is_an_error_naming_its_field(fields, param):
+    with pytest.raises(MessagesError) as e:
+        chat_request(_request(**fields))
+    assert e.value.param == param
+
+
+def test_an_answer_becomes_content_blocks_in_the_order_it_came_with_their_events():
+    b = MessageBuilder("m", prompt_tokens=7)
+    b.add({"reasoning": "Hmm"})
+    b.add({"reasoning": ", yes."})
+    b.add({"content": "Sure"})
+    b.add({"content": "."})
+    b.add({"tool_calls": [{"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                          {"index": 1, "id": "b", "type": "function",
+                           "function": {"name": "g", "arguments": '{"x": 1}'}}]})
+    message = b.finish("stop", 7, output_tokens=5, cached_tokens=4)
+    events = b.take()
+    assert message["content"] == [{"type": "thinking", "thinking": "Hmm, yes.", "signature": ""},
+                                  {"type": "text", "text": "Sure."},
+                                  {"type": "tool_use", "id": "a", "name": "f", "input": {}},
+                                  {"type": "tool_use", "id": "b", "name": "g", "input": {"x": 1}}]
+    assert (message["stop_reason"], message["stop_sequence"], message["role"], message["type"]) == (
+        "tool_use", None, "assistant", "message")
+    assert message["usage"] == {"input_tokens": 3, "output_tokens": 5, "cache_read_input_tokens": 4,
+                                "cache_creation_input_tokens": 0}
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[0]["message"]["content"] == [] and events[0]["message"]["stop_reason"] is None
+    # blocks one after the other: each starts, takes its deltas and stops before the next starts
+    order = [(e["type"], e["index"]) for e in events if "index" in e]
+    opened = [i for kind, i in order if kind == "content_block_start"]
+    assert opened == [0, 1, 2, 3]
+    for i in opened:
+        at = [k for k, (_, j) in enumerate(order) if j == i]
+        assert at == list(range(at[0], at[-1] + 1))
+        assert order[at[0]][0] == "content_block_start" and order[at[-1]][0] == "content_block_stop"
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == [{"type": "thinking_delta", "thinking": "Hmm"}, {"type": "thinking_delta", "thinking": ", yes."},
+                      {"type": "text_delta", "text": "Sure"}, {"type": "text_delta", "text": "."},
+                      {"type": "input_json_delta", "partial_json": "{}"},
+                      {"type": "input_json_delta", "partial_json": '{"x": 1}'}]
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2]["usage"]["output_tokens"] == 5
+
+
+@pytest.mark.parametrize("finish, stop, want", [("length", None, "max_tokens"), ("stop", "\n\n", "stop_sequence"),
+                                                ("stop", None, "end_turn")])
+def test_the_stop_reason_says_why_the_answer_ended(finish, stop, want):
+    b = MessageBuilder("m", 3)
+    b.add({"content": "Hi"})
+    message = b.finish(finish, 3, 1, 0, stop)
+    assert (message["stop_reason"], message["stop_sequence"]) == (want, stop)
+    assert b.take()[-2]["delta"] == {"stop_reason": want, "stop_sequence": stop}
+
+
+def test_a_named_call_streams_its_input_and_a_cut_one_has_an_empty_input():
+    b = MessageBuilder("m", 3)
+    b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a'}}]})
+    b.add({"tool_calls": [{"index": 0, "function": {"arguments": '": 1'}}]})
+    message = b.finish("length", 3, 3, 0)
+    assert message["content"] == [{"type": "tool_use", "id": "c", "name": "f", "input": {}}]
+    assert message["stop_reason"] == "max_tokens"
+    partial = "".join(e["delta"]["partial_json"] for e in b.take() if e["type"] == "content_block_delta")
+    assert partial == '{"a": 1'
+    assert json.loads(partial + "}") == {"a": 1}
