@@ -9,7 +9,9 @@ input_schema}) function tools; `tool_choice` auto, any (chat's required), tool (
 or none, `disable_parallel_tool_use` parallel_tool_calls false; `thinking` enabled (or adaptive) or
 disabled the template's `enable_thinking` (Qwen3) and `thinking` (DeepSeek-V3.1, Granite) variables;
 `output_config`'s `format` (a JSON schema) a response_format and its `effort` the template's
-`reasoning_effort`; `stop_sequences` stop strings; `max_tokens` max_completion_tokens; the sampling
+`reasoning_effort`; `stop_sequences` stop strings; `max_tokens` max_completion_tokens (lowered, where the context
+leaves less, to what it leaves: stop_reason model_context_window_exceeded where the answer meets
+it); an assistant's text as the last message a prefill the answer continues; the sampling
 fields older clients send (temperature, top_p, top_k) as they are. The chat path checks, renders and
 runs it, and its answer (the thought a --reasoning-parser finds, the text, the tool calls) becomes
 content blocks in the order they came (`MessageBuilder`): `thinking`, `text` and `tool_use`, with the
@@ -27,6 +29,8 @@ import uuid
 from typing import Any
 
 import msgspec
+
+from gateway.tools import call_pieces
 
 _ROLES = ("user", "assistant")
 
@@ -66,6 +70,8 @@ def chat_request(body: MessagesRequest) -> dict[str, Any]:
     messages = [{"role": "system", "content": _system(body.system)}] if body.system is not None else []
     for message in body.messages:
         messages += _messages(message)
+    # an assistant's text last is a prefill: the answer goes on from it (as Anthropic's does)
+    prefill = bool(messages) and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
                             "max_completion_tokens": body.max_tokens, "temperature": body.temperature,
                             "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences}
@@ -91,6 +97,8 @@ def chat_request(body: MessagesRequest) -> dict[str, Any]:
             raise MessagesError("output_config.format must be {type: json_schema, schema}", "output_config")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": fmt["schema"]}}
     chat["chat_template_kwargs"] = kwargs or None
+    if prefill:
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     return {k: v for k, v in chat.items() if v is not None}
 
 
@@ -132,6 +140,8 @@ def _messages(message: Any) -> list[dict]:
             if not isinstance(block.get("tool_use_id"), str):
                 raise MessagesError("a tool_result block needs the tool_use_id it answers", "messages")
             given = block.get("content")
+            if given is not None and not isinstance(given, (str, list)):
+                raise MessagesError("a tool_result's content is a string or a list of text blocks", "messages")
             text = given if isinstance(given, str) else "\n".join(_block_text(b, "messages") for b in given or [])
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
@@ -169,6 +179,10 @@ def _tool_choice(choice: dict) -> tuple[Any, bool | None]:
                         "tool_choice")
 
 
+# the chat request's fields a 400 may name -> this API's names for them
+FIELDS = {"max_completion_tokens": "max_tokens", "response_format": "output_config", "stop": "stop_sequences"}
+
+
 def error_body(kind_of_status: int, message: str) -> dict:
     """Anthropic's error object for an HTTP status."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -180,17 +194,19 @@ def error_body(kind_of_status: int, message: str) -> dict:
 class MessageBuilder:
     """One message's content blocks as its answer comes (`add`: a chat delta's reasoning, content and
     tool-call entries), and the events a stream sends for them (`take`). A streamed message and a whole
-    one are built alike."""
+    one are built alike. capped: the answer's max_tokens was lowered to what the context leaves, so an
+    answer cut there ends for the context window, not for max_tokens."""
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, capped: bool = False):
         self.id, self.model = f"msg_{uuid.uuid4().hex}", model
         self.content: list[dict] = []
-        self.open: dict | None = None  # the block being written (thinking, text, tool_use), if any
-        self.calls: dict[int, dict] = {}  # tool-call entries' index -> their tool_use block
+        self.open: int | None = None  # the place of the block being written (thinking, text, tool_use), if any
+        self.calls: dict[int, int] = {}  # tool-call entries' index -> their tool_use block's place
         self.arguments: dict[int, str] = {}  # a tool_use block's place -> its input's JSON so far
+        self.sent: dict[int, int] = {}  # ... -> how much of it has streamed (leading whitespace waits)
         self.events: list[dict] = []
         self.started = False
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.capped = prompt_tokens, capped
 
     def take(self) -> list[dict]:
         """The events since the last take (message_start first)."""
@@ -208,20 +224,19 @@ class MessageBuilder:
             self._text("thinking", delta["reasoning"])
         if delta.get("content"):
             self._text("text", delta["content"])
-        for entry in delta.get("tool_calls") or ():
-            fn = entry.get("function") or {}
-            if "id" in entry:  # a call begins (named: its arguments follow; auto, required: they are whole)
+        for index, begins, piece in call_pieces(delta.get("tool_calls")):
+            if begins is not None:  # (named: its arguments follow; auto, required: they are whole)
                 self._close()
-                block = {"type": "tool_use", "id": entry["id"], "name": fn.get("name", ""), "input": {}}
-                self.calls[entry.get("index", 0)] = self.open = block
-                self._start(block)
-                self.arguments[len(self.content) - 1] = ""
-            block = self.calls[entry.get("index", 0)]
-            if fn.get("arguments"):
-                index = self.content.index(block)
-                self.arguments[index] += fn["arguments"]
-                self._event("content_block_delta", index=index,
-                            delta={"type": "input_json_delta", "partial_json": fn["arguments"]})
+                self.calls[index] = self.open = self._start({"type": "tool_use", "id": begins[0], "name": begins[1],
+                                                             "input": {}})
+                self.arguments[self.open], self.sent[self.open] = "", 0
+            at = self.calls[index]
+            self.arguments[at] += piece
+            shown = self.arguments[at].lstrip()  # (a partial JSON reader takes no lone whitespace)
+            if len(shown) > self.sent[at]:
+                self._event("content_block_delta", index=at,
+                            delta={"type": "input_json_delta", "partial_json": shown[self.sent[at]:]})
+                self.sent[at] = len(shown)
 
     def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                stop_string: str | None = None) -> dict:
@@ -229,13 +244,14 @@ class MessageBuilder:
         stop sequence that ended it, if one did."""
         self._close()
         if finish_reason == "length":
-            reason = "max_tokens"
-        elif self.calls:
-            reason = "tool_use"
+            reason = "model_context_window_exceeded" if self.capped else "max_tokens"
         elif stop_string is not None:
             reason = "stop_sequence"
+        elif self.calls:
+            reason = "tool_use"
         else:
             reason = "end_turn"
+        stop_string = stop_string if reason == "stop_sequence" else None
         usage = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
                  "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
         self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop_string}, usage=usage)
@@ -260,28 +276,29 @@ class MessageBuilder:
     def _event(self, kind: str, **fields) -> None:
         self.events.append({"type": kind, **fields})
 
-    def _start(self, block: dict) -> None:
+    def _start(self, block: dict) -> int:
+        """A new block: its place."""
         self.content.append(block)
         self._event("content_block_start", index=len(self.content) - 1, content_block=dict(block))
+        return len(self.content) - 1
 
     def _text(self, kind: str, piece: str) -> None:
         """A piece of the thought (thinking) or of the answer's text (text), into the open block of that
         kind or a new one."""
-        if self.open is None or self.open["type"] != kind:
+        if self.open is None or self.content[self.open]["type"] != kind:
             self._close()
-            self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
-                {"type": "text", "text": ""}
-            self._start(self.open)
-        self.open[kind] += piece
+            self.open = self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else
+                                    {"type": "text", "text": ""})
+        self.content[self.open][kind] += piece
         delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else \
             {"type": "text_delta", "text": piece}
-        self._event("content_block_delta", index=self.content.index(self.open), delta=delta)
+        self._event("content_block_delta", index=self.open, delta=delta)
 
     def _close(self) -> None:
         """The open block is done (another block or the end follows)."""
-        block, self.open = self.open, None
-        if block is not None:
-            self._event("content_block_stop", index=self.content.index(block))
+        at, self.open = self.open, None
+        if at is not None:
+            self._event("content_block_stop", index=at)
 
 
 def _input(arguments: str) -> dict:

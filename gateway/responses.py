@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.tools import call_pieces
+
 # the input item types read, and the content part types taken as text (an assistant's earlier answer
 # comes back as output_text; refusal text as refusal)
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
@@ -223,19 +225,17 @@ class ResponseBuilder:
             self._text("reasoning", delta["reasoning"])
         if delta.get("content"):
             self._text("message", delta["content"])
-        for entry in delta.get("tool_calls") or ():
-            fn = entry.get("function") or {}
-            if "id" in entry:  # a call begins (named: its arguments follow; auto, required: they are whole)
+        for index, begins, piece in call_pieces(delta.get("tool_calls")):
+            if begins is not None:  # (named: its arguments follow; auto, required: they are whole)
                 self._close()
-                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": entry["id"],
-                        "name": fn.get("name", ""), "arguments": ""}
-                self.calls[entry.get("index", 0)] = item
-                self._add_item(item)
-            item = self.calls[entry.get("index", 0)]
-            if fn.get("arguments"):
-                item["arguments"] += fn["arguments"]
+                self.calls[index] = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                                     "call_id": begins[0], "name": begins[1], "arguments": ""}
+                self._add_item(self.calls[index])
+            item = self.calls[index]
+            if piece:
+                item["arguments"] += piece
                 self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=self.output.index(item), delta=fn["arguments"])
+                            output_index=self.output.index(item), delta=piece)
 
     def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                stop_string: str | None = None) -> dict:

@@ -407,36 +407,38 @@ class Gateway:
         """OpenAI's Responses API: the request as a chat completion's (gateway/responses.py), its answer as
         output items."""
         body = await self._parse(request, ResponsesRequest)
-        try:
-            fields = responses_api.chat_request(body)
-        except responses_api.ResponsesError as e:
-            raise HTTPError(400, str(e), e.param) from None
-        try:
-            chat = msgspec.convert(fields, type=ChatCompletionRequest)
-            ids, params, mode, thinking = self._chat_job(chat)
-        except msgspec.ValidationError as e:
-            raise HTTPError(400, f"invalid request: {e}") from None
-        except HTTPError as e:  # (named as this API names the field)
-            e.param = responses_api.FIELDS.get(e.param, e.param)
-            raise
+        chat, ids, params, mode, thinking = self._as_chat(responses_api, body)
         return await self._serve(request, chat, "resp", [ids], params, chat=True, tools=mode, thinking=thinking,
                                  builder=ResponseBuilder(body, self.model_name))
 
     async def messages(self, request):
         """Anthropic's Messages API: the request as a chat completion's (gateway/messages.py), its answer as
-        content blocks; errors in Anthropic's shape (the middleware's `_refusal`)."""
+        content blocks; errors in Anthropic's shape (the middleware's `_refusal`). Its max_tokens, which
+        Anthropic's clients always send and often large, is lowered to what the context leaves."""
         body = await self._parse(request, MessagesRequest)
+        if body.max_tokens < 1:
+            raise HTTPError(400, "max_tokens must be at least 1", "max_tokens")
+        chat, ids, params, mode, thinking = self._as_chat(messages_api, msgspec.structs.replace(body, max_tokens=None))
+        # (without max_tokens, the chat path gives the context's rest, or less: generation_config's cap)
+        params = [msgspec.structs.replace(params[0], max_tokens=min(params[0].max_tokens, body.max_tokens))]
+        capped = self.max_model_len - len(ids) < body.max_tokens
+        return await self._serve(request, chat, "msg", [ids], params, chat=True, tools=mode, thinking=thinking,
+                                 builder=MessageBuilder(self.model_name, len(ids), capped=capped))
+
+    def _as_chat(self, api, body):
+        """Another API's request (gateway/responses.py's, gateway/messages.py's) as the chat request that
+        answers it, checked: (the chat request, prompt, sampling parameters, tool calling, reasoning); a
+        400 names the field as that API does."""
         try:
-            fields = messages_api.chat_request(body)
-        except messages_api.MessagesError as e:
+            chat = msgspec.convert(api.chat_request(body), type=ChatCompletionRequest)
+            return (chat, *self._chat_job(chat))
+        except (responses_api.ResponsesError, messages_api.MessagesError) as e:
             raise HTTPError(400, str(e), e.param) from None
-        try:
-            chat = msgspec.convert(fields, type=ChatCompletionRequest)
-            ids, params, mode, thinking = self._chat_job(chat)
         except msgspec.ValidationError as e:
             raise HTTPError(400, f"invalid request: {e}") from None
-        return await self._serve(request, chat, "msg", [ids], params, chat=True, tools=mode, thinking=thinking,
-                                 builder=MessageBuilder(self.model_name, len(ids)))
+        except HTTPError as e:
+            e.param = api.FIELDS.get(e.param, e.param)
+            raise
 
     def _chat_job(self, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams], ToolMode | None,
                                                                ReasoningMode | None]:
@@ -948,6 +950,7 @@ class Gateway:
             else:
                 delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
                 builder.add(delta, payload.tokens, inside)
+                builder.take()  # (a stream's events, which a whole answer does not send)
         return web.json_response(response)
 
     async def _build_stream(self, request, builder: ResponseBuilder | MessageBuilder, rid, jobs, shown,

@@ -26,7 +26,7 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # a constrained call's JSON takes at most one space where JSON allows whitespace, and no newline: a
 # model cannot pad a call until max_tokens (vLLM allows any; a function's schema may say otherwise in
@@ -195,11 +195,16 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
 
 def _arguments(c: Any) -> tuple[str, str]:
     """(name, arguments as JSON text) of a call written as {"name": ..., "arguments" or "parameters": {...}}
-    (an object without either is not a call: a JSON answer that has a "name", say)."""
+    (an object without either is not a call: a JSON answer that has a "name", say). Arguments are an
+    object, or a string of one (a string that is not is no call: clients parse arguments as an object)."""
     if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
         raise ValueError("a call without a name")
     arguments = c["arguments"] if "arguments" in c else c["parameters"]
-    return c["name"], arguments if isinstance(arguments, str) else _json(arguments)
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError("a call's arguments are an object")
+    return c["name"], _json(arguments)
 
 
 def _json(value: Any) -> str:
@@ -373,6 +378,15 @@ class ToolStream:
         if not calls:
             return self.text[self.sent:], []
         return "", calls
+
+
+def call_pieces(entries: list[dict] | None) -> Iterator[tuple[int, tuple[str, str] | None, str]]:
+    """A chat delta's tool-call entries (`ToolStream`'s, as streamed) as (the call's index, (id, name) where
+    the call begins with the entry, the piece of its arguments the entry carries)."""
+    for entry in entries or ():
+        fn = entry.get("function") or {}
+        yield entry.get("index", 0), (entry["id"], fn.get("name", "")) if "id" in entry else None, \
+            fn.get("arguments") or ""
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -495,7 +495,8 @@ class GatewaySettings(MeshSecurity):
                                    "same path)")
     served_model_name: str | None = flag(None, "the model name clients use (default: the checkpoint "
                                                "directory's name)")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1/* (or set MOEMESH_API_KEY)")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on "
+                                     "/v1/* (or set MOEMESH_API_KEY)")
     api_key_file: str | None = flag(None, "accept any of the API keys in this file (one a line; # comments), with "
                                           "--api-key's", metavar="FILE")
     ssl_certfile: str | None = flag(None, "serve HTTPS with this certificate chain (PEM)", metavar="FILE")

@@ -807,6 +807,16 @@ def test_anthropic_messages_answer_as_chat_completions_do(server, client):
         assert "".join(stream.text_stream) == want
         final = stream.get_final_message()
     assert [(b.type, b.text) for b in final.content] == [("text", want)] and final.stop_reason == m.stop_reason
+    # an assistant's text last is a prefill the answer continues, as the chat's continue_final_message
+    prefilled = client.chat.completions.create(
+        model="tiny-mixtral", messages=[*messages, {"role": "assistant", "content": "The"}], max_completion_tokens=10,
+        temperature=0, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    m = claude.messages.create(**{**kw, "messages": [*kw["messages"], {"role": "assistant", "content": "The"}]})
+    assert m.content[0].text == prefilled.choices[0].message.content
+    # a max_tokens past the context (as Anthropic's clients send) is lowered to what it leaves, not refused
+    with claude.messages.stream(**{**kw, "max_tokens": 100_000}) as stream:  # (the SDK streams one that large)
+        long = stream.get_final_message()
+    assert long.stop_reason in ("end_turn", "model_context_window_exceeded") and long.content[0].text.startswith(want)
     stop = want.strip()[2:5]  # (a stop sequence inside the answer: it ends there, and is named)
     cut = claude.messages.create(stop_sequences=[stop], **kw)
     assert (cut.content[0].text, cut.stop_reason, cut.stop_sequence) == (want[:want.find(stop)], "stop_sequence", stop)

@@ -60,6 +60,9 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     assert config["response_format"] == {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
         "type": "object"}}}
     assert "chat_template_kwargs" not in chat_request(_request())
+    prefill = chat_request(_request(messages=[{"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "{"}]))
+    assert (prefill["continue_final_message"], prefill["add_generation_prompt"]) == (True, False)
+    assert "continue_final_message" not in chat  # (a conversation that ends with a tool's result)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -74,6 +77,8 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages"),
     ({"system": [{"type": "image"}]}, "system"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+     "messages"),
 ])
 def test_what_cannot_be_served_is_an_error_naming_its_field(fields, param):
     with pytest.raises(MessagesError) as e:
@@ -120,14 +125,38 @@ def test_an_answer_becomes_content_blocks_in_the_order_it_came_with_their_events
     assert events[-2]["usage"]["output_tokens"] == 5
 
 
-@pytest.mark.parametrize("finish, stop, want", [("length", None, "max_tokens"), ("stop", "\n\n", "stop_sequence"),
-                                                ("stop", None, "end_turn")])
-def test_the_stop_reason_says_why_the_answer_ended(finish, stop, want):
-    b = MessageBuilder("m", 3)
+@pytest.mark.parametrize("finish, stop, call, capped, want", [
+    ("length", None, False, False, "max_tokens"), ("length", None, False, True, "model_context_window_exceeded"),
+    ("stop", "\n\n", False, False, "stop_sequence"), ("stop", "END", True, False, "stop_sequence"),
+    ("stop", None, True, False, "tool_use"), ("stop", None, False, False, "end_turn")])
+def test_the_stop_reason_says_why_the_answer_ended(finish, stop, call, capped, want):
+    b = MessageBuilder("m", 3, capped=capped)
     b.add({"content": "Hi"})
+    if call:
+        b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
     message = b.finish(finish, 3, 1, 0, stop)
-    assert (message["stop_reason"], message["stop_sequence"]) == (want, stop)
-    assert b.take()[-2]["delta"] == {"stop_reason": want, "stop_sequence": stop}
+    named = stop if want == "stop_sequence" else None  # (a stop sequence is named only where it is the reason)
+    assert (message["stop_reason"], message["stop_sequence"]) == (want, named)
+    assert b.take()[-2]["delta"] == {"stop_reason": want, "stop_sequence": named}
+
+
+def test_blocks_alike_are_told_apart_and_a_calls_leading_whitespace_waits():
+    b = MessageBuilder("m", 3)
+    b.add({"reasoning": "a"})
+    b.add({"content": "b"})
+    b.add({"reasoning": "a"})  # (a second thought, equal to the first: its own block)
+    b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": " "}}]})
+    b.add({"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]})
+    b.add({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]})
+    message = b.finish("stop", 3, 6, 0)
+    events = b.take()
+    assert [(e["type"], e.get("index")) for e in events if e["type"].startswith("content_block_st")] == [
+        ("content_block_start", 0), ("content_block_stop", 0), ("content_block_start", 1),
+        ("content_block_stop", 1), ("content_block_start", 2), ("content_block_stop", 2),
+        ("content_block_start", 3), ("content_block_stop", 3)]
+    assert [e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta"] == [
+        '{"x"', ": 1}"]
+    assert message["content"][3]["input"] == {"x": 1}
 
 
 def test_a_named_call_streams_its_input_and_a_cut_one_has_an_empty_input():
