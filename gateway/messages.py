@@ -61,6 +61,11 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     mcp_servers: Any = None
 
 
+class CountTokensRequest(MessagesRequest, kw_only=True):
+    """POST /v1/messages/count_tokens: a message request without max_tokens."""
+    max_tokens: int = 1
+
+
 def chat_request(body: MessagesRequest) -> dict[str, Any]:
     """The chat completion request (as its JSON fields) that answers `body`; MessagesError names the
     field at fault."""

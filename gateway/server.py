@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP gateway (aiohttp on uvloop).
 
     POST /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's)
-         (streaming as server-sent events, or not)
+         (streaming as server-sent events, or not); /v1/messages/count_tokens
     GET  /v1/models, /health (alive: serving or recovering), /ready (serving), /version, /metrics
     GET  /debug/timeline   (the pipeline's recent steps, stage by stage: a Perfetto / chrome://tracing file)
     POST /tokenize, /detokenize; GET /tokenizer_info   (the shapes lm-eval's local-completions uses)
@@ -243,6 +243,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)  # (a served name may hold a slash)
         app.router.add_get("/health", self.health)
@@ -424,6 +425,21 @@ class Gateway:
         capped = self.max_model_len - len(ids) < body.max_tokens
         return await self._serve(request, chat, "msg", [ids], params, chat=True, tools=mode, thinking=thinking,
                                  builder=MessageBuilder(self.model_name, len(ids), capped=capped))
+
+    async def count_tokens(self, request):
+        """Anthropic's token count of a message request: its prompt's tokens, as /v1/messages renders it
+        (Anthropic's clients ask before they send a long conversation)."""
+        body = await self._parse(request, messages_api.CountTokensRequest)
+        self._check_model(body.model)
+        try:
+            chat = msgspec.convert(messages_api.chat_request(body), type=ChatCompletionRequest)
+        except messages_api.MessagesError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        except msgspec.ValidationError as e:
+            raise HTTPError(400, f"invalid request: {e}") from None
+        ids = self._chat_prompt(chat.messages, chat.add_generation_prompt, chat.chat_template_kwargs or {},
+                                chat.continue_final_message, chat.add_special_tokens, self._tools(chat.tools))
+        return web.json_response({"input_tokens": len(ids)})
 
     def _as_chat(self, api, body):
         """Another API's request (gateway/responses.py's, gateway/messages.py's) as the chat request that
@@ -1251,7 +1267,7 @@ def _finish(builder: ResponseBuilder | MessageBuilder, jobs, choice: Choice) -> 
 
 def _refusal(path: str, e: HTTPError) -> web.Response:
     """An error as the API at `path` shapes it: Anthropic's for /v1/messages, OpenAI's elsewhere."""
-    if path == "/v1/messages":
+    if path in ("/v1/messages", "/v1/messages/count_tokens"):
         return web.json_response(messages_api.error_body(e.status, e.message), status=e.status, headers=e.headers)
     return e.response()
 

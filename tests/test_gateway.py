@@ -803,6 +803,8 @@ def test_anthropic_messages_answer_as_chat_completions_do(server, client):
     assert m.stop_reason == ("max_tokens" if reason == "length" else "end_turn") and m.role == "assistant"
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert m.usage.output_tokens == chat.usage.completion_tokens
+    counted = claude.messages.count_tokens(model="tiny-mixtral", system="Be brief.", messages=kw["messages"])
+    assert counted.input_tokens == chat.usage.prompt_tokens
     with claude.messages.stream(**kw) as stream:
         assert "".join(stream.text_stream) == want
         final = stream.get_final_message()
