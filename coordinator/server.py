@@ -19,6 +19,11 @@ With tensor parallelism every worker is told to exit and is replaced (fresh rend
 Only if no replacement is Ready within `--recovery-timeout` does the pipeline go down: every
 request ends with an error (503) and new ones are refused, so nothing hangs. A lost worker before
 the pipeline first serves takes it down at once.
+
+A stop (SIGTERM: `docker stop`, a pod's deletion, systemd) drains: new requests are refused (503,
+and the status says `stopping`, so gateways refuse them first and /ready turns false), the requests
+in flight run to their end for up to `--drain-timeout` seconds, and then the coordinator ends, its
+workers told to exit. A second SIGTERM ends it at once.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 
@@ -145,6 +152,8 @@ class Coordinator:
         self._computed_at: dict[int, float] = {}  # step in flight -> when the last stage said it had computed it
         self._stalled_until = 0.0  # until then no message counts as lost (this process just stalled)
         self._recovery_started = 0.0
+        self.stopping = False  # a stop (SIGTERM) drains: no new requests, the ones in flight finish
+        self.drained = asyncio.Event()
 
     @property
     def serving(self) -> bool:
@@ -164,6 +173,11 @@ class Coordinator:
             self.ctx.destroy(linger=0)
             raise
         self.addresses = {"workers": f"tcp://{cfg.host}:{worker_port}", "clients": f"tcp://{cfg.host}:{client_port}"}
+        # SIGTERM drains from here on (before the announcement: a launcher may stop it as soon as it reads it)
+        on_sigterm = threading.current_thread() is threading.main_thread()  # (loop signal handlers: main thread)
+        if on_sigterm:
+            before = signal.getsignal(signal.SIGTERM)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop)
         if announce is not None:  # one line for a launcher to read
             print("MOEMESH_COORDINATOR " + json.dumps(self.addresses), file=announce, flush=True)
         log.info("listening", extra={"fields": self.addresses})
@@ -171,20 +185,49 @@ class Coordinator:
                                                     self._watchdog(), self._lifecycle(), self._ping(),
                                                     self._step_deadline())]
         down = asyncio.ensure_future(self._end_when_down())
+        drained = asyncio.ensure_future(self.drained.wait())
         try:
-            pending = {*tasks, down}
-            while down in pending:  # (the lifecycle task ends once serving; the others run until the end)
+            pending = {*tasks, down, drained}
+            while down in pending and drained in pending:  # (the lifecycle task ends once serving; the others
+                # run until the end)
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
-                    if t is not down and not t.cancelled() and t.exception() is not None:
+                    if t not in (down, drained) and not t.cancelled() and t.exception() is not None:
                         raise t.exception()
         finally:
+            if on_sigterm:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+                if before is not None:  # (the handler of a container's first process, `cli.main`)
+                    signal.signal(signal.SIGTERM, before)
             down.cancel()
+            drained.cancel()
             for t in tasks:
                 t.cancel()
             await self._broadcast(Shutdown())
             self.guard.close()
             self.ctx.destroy(linger=100)
+
+    def stop(self) -> None:
+        """SIGTERM: drain (the module's docstring); a second one ends the process at once."""
+        if self.stopping:
+            os._exit(128 + signal.SIGTERM)
+        self.stopping = True
+        asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        """Refuse new requests, let the ones in flight finish within --drain-timeout, then end `run`."""
+        deadline = time.monotonic() + self.cfg.drain_timeout
+        log.info("stopping on SIGTERM: the requests in flight finish, new ones are refused", extra={"fields": {
+            "requests": self._in_flight(), "seconds": self.cfg.drain_timeout}})
+        while self._in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._in_flight():
+            log.warning("stopping with requests unfinished (--drain-timeout)", extra={"fields": {
+                "requests": self._in_flight()}})
+        self.drained.set()
+
+    def _in_flight(self) -> int:
+        return (len(self.core.requests) if self.core is not None else 0) + len(self.router.held)
 
     async def _end_when_down(self) -> None:
         """A pipeline that went down never comes back in this process (workers that never came, or
@@ -671,6 +714,8 @@ class Coordinator:
         if isinstance(msg, GenerateRequest):
             if self.failure:
                 await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
+            elif self.stopping:
+                await self.router.refuse(identity, msg, "the coordinator is stopping (SIGTERM); retry shortly", 503)
             elif self.waiting() >= self.cfg.max_waiting:
                 await self.router.refuse(identity, msg, f"{self.waiting()} requests are waiting to be scheduled "
                                                         f"(--max-waiting); retry shortly", 429)
@@ -728,7 +773,7 @@ class Coordinator:
             nonce=nonce, protocol=PROTOCOL_VERSION,
             stage_spans=[list(d) for d in self.stage_spans] if timeline else [],
             coordinator_spans=list(loop.spans) if timeline and loop else [],
-            serving=self.serving, num_blocks=core.blocks.num_blocks if core else 0,
+            serving=self.serving and not self.stopping, num_blocks=core.blocks.num_blocks if core else 0,
             num_free_blocks=core.blocks.num_free if core else 0,
             num_running=len(core.scheduler.running) if core else 0,
             num_waiting=self.waiting(),
@@ -741,7 +786,8 @@ class Coordinator:
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
             steps=loop.steps if loop else 0, mlp_handoff_steps=core.handoff_steps if core else 0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
-            schedule_bytes=self.pipeline.schedule_bytes, phase=reg.phase.value, recoveries=self.recoveries,
+            schedule_bytes=self.pipeline.schedule_bytes, phase="stopping" if self.stopping else reg.phase.value,
+            recoveries=self.recoveries,
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started
                                                       if reg.phase is Phase.RECOVERING else 0.0),
             requests_resumed=self.requests_resumed, tokens_recomputed=self.tokens_recomputed,

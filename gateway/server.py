@@ -299,8 +299,9 @@ class Gateway:
         return (self.status.serving or self.status.phase == "recovering") and not self.status.unreached
 
     def _not_serving(self) -> HTTPError:
-        return HTTPError(503, "the pipeline is not serving: "
-                              f"{self.status.failure or self.status.unreached or 'starting'}")
+        starting = "the coordinator is stopping" if self.status.phase == "stopping" else "starting"
+        return HTTPError(503, f"the pipeline is not serving: {self.status.failure or self.status.unreached or starting}",
+                         headers={"Retry-After": "1"})
 
     async def health(self, request):
         """Whether this gateway and its pipeline are alive: 200 while serving or recovering (but not

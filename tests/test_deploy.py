@@ -153,7 +153,8 @@ def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        assert proc.returncode == 128 + signal.SIGTERM, "SIGTERM left the container's first process running"
+        # (a coordinator drains on SIGTERM: with no request in flight it ends at once, status 0)
+        assert proc.returncode == 0, "SIGTERM left the container's first process running"
     finally:
         proc.kill()
         proc.wait()

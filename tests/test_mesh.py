@@ -325,6 +325,46 @@ def test_a_stalled_coordinator_loses_no_output(model):
     assert seconds < 60  # (nothing waited for the 120 s step deadline)
     assert status.num_free_blocks == status.num_blocks
 
+def test_a_stopped_coordinator_lets_its_requests_finish_and_refuses_new_ones(model, reference):
+    """SIGTERM to the coordinator mid-stream (a `docker stop`): the status says stopping, a new request
+    is refused (503), the streams in flight finish with the tokens of an undisturbed run, and then
+    the coordinator ends (status 0), well before --drain-timeout."""
+    import signal
+
+    prompts, params = PROMPTS[:4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), kv_memory=KV, mesh_keys=keys_for(model[0])),
+                            drain_timeout=60.0)
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
+        try:
+            await client.wait_serving(timeout=120)
+            tasks, got = stream_all(client, prompts, [params] * len(prompts))
+            while min(map(len, got)) < 2:
+                await asyncio.sleep(0.005)
+            mesh.procs["coordinator"].send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            status = await client.status()
+            while status.phase != "stopping":
+                status = await client.status()
+            refused = [out async for out in client.generate(prompts[0], params)]
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+            code = await asyncio.to_thread(mesh.procs["coordinator"].wait, 30)
+            return got, status, refused, code, time.monotonic() - stopped
+        finally:
+            await client.close()
+            mesh.stop()
+
+    got, status, refused, code, seconds = run(scenario())
+    assert all(len(t) == 40 for t in got)
+    assert [t[:NEW] for t in got] == reference[:4]  # (greedy: the first tokens are the undisturbed run's)
+    assert status.serving is False and status.phase == "stopping"
+    (out,) = refused
+    assert out.error_status == 503 and "stopping" in out.error
+    assert code == 0 and seconds < 50
+
+
 def test_the_client_hands_over_outputs_in_order_each_token_once():
     """Outputs past a gap wait while the missing ones are asked for again (once per gap); repeats are
     trimmed; an error ends the stream at once; a coordinator that does not count (start -1) is

@@ -74,7 +74,8 @@ def test_the_local_launcher_starts_children_with_what_their_commands_parse_back(
     mesh = LocalMesh.of(engine, worker_timeout=2.0, record="/rec")
     parser = build_parser()
     coord = CoordinatorSettings.from_args(parser.parse_args(["coordinator", *mesh.coordinator.to_argv()]))
-    assert coord == dataclasses.replace(CoordinatorSettings.derive(engine), port=0, client_port=0, worker_timeout=2.0)
+    assert coord == dataclasses.replace(CoordinatorSettings.derive(engine), port=0, client_port=0, worker_timeout=2.0,
+                                        drain_timeout=0.05)  # (a launcher's coordinator: `serve`'s gateway drains)
     w = mesh.worker_settings("tcp://c:1", 1, 0)
     worker = WorkerSettings.from_args(parser.parse_args(["stage-worker", *w.to_argv()]))
     assert worker == w and (worker.record, worker.kv_memory, worker.threads) == ("/rec/pp1-tp0", 1 << 20, 2)

@@ -118,7 +118,10 @@ class LocalMesh:
         if set(changes) - mine:
             raise TypeError(f"neither coordinator nor worker settings have {', '.join(sorted(set(changes) - mine))}")
         pick = lambda c: {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(c)}}  # noqa: E731
-        coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, **pick(CoordinatorSettings)})
+        # (its coordinator drains nothing on SIGTERM: the mesh stops whole, its workers with it, after `serve`'s
+        # gateway has drained the requests)
+        coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, "drain_timeout": 0.05,
+                                                            **pick(CoordinatorSettings)})
         threads = threads_per_worker(engine.threads, engine.pp * engine.tp)
         worker = WorkerSettings.derive(engine, **{"threads": threads, "max_message_bytes": worker_message_limit(engine),
                                                   **pick(WorkerSettings)})
