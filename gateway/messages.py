@@ -211,20 +211,24 @@ class MessageBuilder:
         self.sent: dict[int, int] = {}  # ... -> how much of it has streamed (leading whitespace waits)
         self.events: list[dict] = []
         self.started = False
-        self.prompt_tokens, self.capped = prompt_tokens, capped
+        self.prompt_tokens, self.capped, self.cached_tokens = prompt_tokens, capped, 0
 
     def take(self) -> list[dict]:
         """The events since the last take (message_start first)."""
         if not self.started:
             self.started = True
             self.events.insert(0, {"type": "message_start", "message": self.message(None, None, usage={
-                "input_tokens": self.prompt_tokens, "output_tokens": 0})})
+                "input_tokens": self.prompt_tokens - self.cached_tokens, "output_tokens": 0,
+                "cache_read_input_tokens": self.cached_tokens, "cache_creation_input_tokens": 0})})
         out, self.events = self.events, []
         return out
 
-    def add(self, delta: dict, tokens: int = 0, thinking: bool = False) -> None:
+    def add(self, delta: dict, tokens: int = 0, thinking: bool = False, cached_tokens: int | None = None) -> None:
         """A chat delta of the answer (its `reasoning`, `content` and `tool_calls`); tokens and thinking, as
-        ResponseBuilder takes them, count nothing here (Anthropic's usage has no thinking tokens)."""
+        ResponseBuilder takes them, count nothing here (Anthropic's usage has no thinking tokens);
+        cached_tokens: the prompt tokens the prefix cache held (with the first tokens), for message_start."""
+        if cached_tokens is not None:
+            self.cached_tokens = cached_tokens
         if delta.get("reasoning"):
             self._text("thinking", delta["reasoning"])
         if delta.get("content"):

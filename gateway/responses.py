@@ -216,9 +216,9 @@ class ResponseBuilder:
         out, self.events = self.events, []
         return out
 
-    def add(self, delta: dict, tokens: int = 0, thinking: bool = False) -> None:
+    def add(self, delta: dict, tokens: int = 0, thinking: bool = False, cached_tokens: int | None = None) -> None:
         """A chat delta of the answer (its `reasoning`, `content` and `tool_calls`). tokens: the delta's;
-        thinking: they were (some of them) the thought's."""
+        thinking: they were (some of them) the thought's; cached_tokens (the usage at the end has them)."""
         if thinking:
             self.reasoning_tokens += tokens
         if delta.get("reasoning"):

@@ -107,6 +107,7 @@ class Delta:
     has_tokens: bool
     prompt_logprobs: list | None
     tokens: int = 0  # how many it added
+    cached_tokens: int | None = None  # the first's: prompt tokens the prefix cache held
 
 
 @dataclass
@@ -756,7 +757,8 @@ class Gateway:
                 if choice.detok.stopped:  # a stop string: cut here and end the request
                     choice.finish_reason = "stop"
                 await queue.put((index, "delta", Delta(text, lps, choice.finish_reason, bool(ids),
-                                                       out.prompt_logprobs, len(ids))))
+                                                       out.prompt_logprobs, len(ids),
+                                                       out.num_cached_tokens if out.queue_seconds is not None else None)))
                 if choice.finish_reason is not None:
                     break
             ended = choice.finish_reason
@@ -966,7 +968,7 @@ class Gateway:
                 response = _finish(builder, jobs, payload)
             else:
                 delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
-                builder.add(delta, payload.tokens, inside)
+                builder.add(delta, payload.tokens, inside, payload.cached_tokens)
                 builder.take()  # (a stream's events, which a whole answer does not send)
         return web.json_response(response)
 
@@ -981,14 +983,13 @@ class Gateway:
                 for event in builder.take():
                     await send_raw(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
 
-            await flush()  # (the answer's start)
-            try:
+            try:  # (the answer's start goes with its first tokens, which came before the 200)
                 async for index, kind, payload in events:
                     if kind == "done":
                         _finish(builder, jobs, payload)
                     else:
                         delta, _, inside = self._chat_delta(index, payload, tools, thinking, streams, splits)
-                        builder.add(delta, payload.tokens, inside)
+                        builder.add(delta, payload.tokens, inside, payload.cached_tokens)
                     await flush()
             except HTTPError as e:  # mid-stream: the API's error event
                 builder.error(e.status, e.message, e.param, e.code)

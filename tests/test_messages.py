@@ -88,7 +88,7 @@ def test_what_cannot_be_served_is_an_error_naming_its_field(fields, param):
 
 def test_an_answer_becomes_content_blocks_in_the_order_it_came_with_their_events():
     b = MessageBuilder("m", prompt_tokens=7)
-    b.add({"reasoning": "Hmm"})
+    b.add({"reasoning": "Hmm"}, cached_tokens=4)  # (the first tokens say what the prefix cache held)
     b.add({"reasoning": ", yes."})
     b.add({"content": "Sure"})
     b.add({"content": "."})
@@ -108,6 +108,8 @@ def test_an_answer_becomes_content_blocks_in_the_order_it_came_with_their_events
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert events[0]["message"]["content"] == [] and events[0]["message"]["stop_reason"] is None
+    assert events[0]["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0, "cache_read_input_tokens": 4,
+                                             "cache_creation_input_tokens": 0}  # (as the end's usage splits them)
     # blocks one after the other: each starts, takes its deltas and stops before the next starts
     order = [(e["type"], e["index"]) for e in events if "index" in e]
     opened = [i for kind, i in order if kind == "content_block_start"]
