@@ -205,7 +205,8 @@ class Coordinator:
                 t.cancel()
             await self._broadcast(Shutdown())
             self.guard.close()
-            self.ctx.destroy(linger=100)
+            # (a drained coordinator's last outputs may still be on their way to slow clients: up to 2 s)
+            self.ctx.destroy(linger=2000 if self.stopping else 100)
 
     def stop(self) -> None:
         """SIGTERM: drain (the module's docstring); a second one ends the process at once."""
