@@ -22,7 +22,8 @@ the pipeline first serves takes it down at once.
 
 A stop (SIGTERM: `docker stop`, a pod's deletion, systemd) drains: new requests are refused (503,
 and the status says `stopping`, so gateways refuse them first and /ready turns false), the requests
-in flight run to their end for up to `--drain-timeout` seconds, and then the coordinator ends, its
+in flight run to their end for up to `--drain-timeout` seconds (the rest then end with a 503, so no
+stream waits on a coordinator that is gone), and then the coordinator ends, its
 workers told to exit. A second SIGTERM ends it at once.
 """
 
@@ -61,6 +62,7 @@ from moemesh.protocol import (MAX_KV_BLOCKS, PROTOCOL_VERSION, TIMELINE_SPANS, A
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
+STOPPING = "the coordinator is stopping (SIGTERM)"
 
 LOST_AFTER = 2.0  # seconds a computed step's result may take to arrive before it counts as lost
 STALL = 1.0  # seconds the watchdog may wake late before the delay counts as this process's own stall
@@ -206,7 +208,9 @@ class Coordinator:
             await self._broadcast(Shutdown())
             self.guard.close()
             # (a drained coordinator's last outputs may still be on their way to slow clients: up to 2 s)
-            self.ctx.destroy(linger=2000 if self.stopping else 100)
+            self.clients_sock.setsockopt(zmq.LINGER, 2000 if self.stopping else 100)
+            self.workers_sock.setsockopt(zmq.LINGER, 100)
+            self.ctx.destroy()
 
     def stop(self) -> None:
         """SIGTERM: drain (the module's docstring); a second one ends the process at once."""
@@ -216,15 +220,21 @@ class Coordinator:
         asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        """Refuse new requests, let the ones in flight finish within --drain-timeout, then end `run`."""
+        """Refuse new requests, let the ones in flight finish within --drain-timeout, then end `run`:
+        requests still held (the pipeline not serving yet) are refused at once, and the ones unfinished
+        at the deadline end with a 503, so that no stream waits on a coordinator that is gone."""
         deadline = time.monotonic() + self.cfg.drain_timeout
         log.info("stopping on SIGTERM: the requests in flight finish, new ones are refused", extra={"fields": {
             "requests": self._in_flight(), "seconds": self.cfg.drain_timeout}})
+        for identity, req in self.router.release():
+            await self.router.refuse(identity, req, STOPPING, 503)
         while self._in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self._in_flight():
             log.warning("stopping with requests unfinished (--drain-timeout)", extra={"fields": {
                 "requests": self._in_flight()}})
+            await self.router.deliver(self.core.abort_all(f"{STOPPING}: the request did not finish within "
+                                                          f"--drain-timeout ({self.cfg.drain_timeout:g} s)"))
         self.drained.set()
 
     def _in_flight(self) -> int:
@@ -716,7 +726,7 @@ class Coordinator:
             if self.failure:
                 await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
             elif self.stopping:
-                await self.router.refuse(identity, msg, "the coordinator is stopping (SIGTERM); retry shortly", 503)
+                await self.router.refuse(identity, msg, f"{STOPPING}; retry shortly", 503)
             elif self.waiting() >= self.cfg.max_waiting:
                 await self.router.refuse(identity, msg, f"{self.waiting()} requests are waiting to be scheduled "
                                                         f"(--max-waiting); retry shortly", 429)
@@ -787,7 +797,8 @@ class Coordinator:
             max_model_len=core.scheduler.config.max_model_len if core else 0, failure=self.failure,
             steps=loop.steps if loop else 0, mlp_handoff_steps=core.handoff_steps if core else 0,
             coordinator_step_seconds=(loop.step_seconds if loop else 0.0) + self.pipeline.encode_seconds,
-            schedule_bytes=self.pipeline.schedule_bytes, phase="stopping" if self.stopping else reg.phase.value,
+            schedule_bytes=self.pipeline.schedule_bytes,
+            phase="stopping" if self.stopping and not self.failure else reg.phase.value,
             recoveries=self.recoveries,
             recovery_seconds=self.recovery_seconds + (time.monotonic() - self._recovery_started
                                                       if reg.phase is Phase.RECOVERING else 0.0),

@@ -301,8 +301,9 @@ class Gateway:
 
     def _not_serving(self) -> HTTPError:
         starting = "the coordinator is stopping" if self.status.phase == "stopping" else "starting"
-        return HTTPError(503, f"the pipeline is not serving: {self.status.failure or self.status.unreached or starting}",
-                         headers={"Retry-After": "1"})
+        reason = self.status.failure or self.status.unreached
+        return HTTPError(503, f"the pipeline is not serving: {reason or starting}",
+                         headers=None if reason else {"Retry-After": "1"})  # (soon, unless it is down)
 
     async def health(self, request):
         """Whether this gateway and its pipeline are alive: 200 while serving or recovering (but not

@@ -148,7 +148,7 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     schedule_bytes: int = 0  # encoded size of those schedules (each sent once to every worker)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there
-    phase: str = ""  # the pipeline's: registering | loading | serving | recovering | down
+    phase: str = ""  # the pipeline's: registering | loading | serving | recovering | down; stopping (SIGTERM)
     recoveries: int = 0  # workers lost and the pipeline rebuilt without them
     recovery_seconds: float = 0.0  # spent recovering, in all
     requests_resumed: int = 0  # sequences put back to be recomputed by recoveries

@@ -460,7 +460,7 @@ class CoordinatorSettings(ModelSettings, LayoutSettings, SchedulerSettings, Pipe
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(0, "port for stage workers (0: any free port)", parse=port_int)
     client_port: int = flag(0, "port for gateways and clients (0: any free port)", parse=port_int)
-    drain_timeout: float = flag(8.0, "seconds a stop (SIGTERM) lets the requests in flight finish, refusing new "
+    drain_timeout: float = flag(6.0, "seconds a stop (SIGTERM) lets the requests in flight finish, refusing new "
                                      "ones (503), before the coordinator and its workers end (a mesh serve starts "
                                      "drains at its gateway instead)", parse=positive_float)
 

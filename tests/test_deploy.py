@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,14 @@ def test_every_variable_a_service_sets_is_a_flag_of_its_command(path, monkeypatc
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare as root")
 @pytest.mark.timeout(60)
-def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
+@pytest.mark.parametrize("command, status", [
+    # a coordinator drains on SIGTERM (its own handler): with no request in flight it ends at once, status 0
+    (["coordinator", "--model", str(REPO / "moemesh" / "demo_model"), "--port", "0", "--client-port", "0"], 0),
+    # a command without a handler of its own ends by cli.main's, as SIGTERM's default action would
+    (["stage", "--coordinator", "tcp://127.0.0.1:9", "--pp-rank", "0", "--host", "127.0.0.1", "--threads", "1"],
+     128 + signal.SIGTERM),
+], ids=["coordinator", "stage"])
+def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm(command, status):
     """`docker stop` (a compose service without `init`) and a Kubernetes pod's deletion send SIGTERM
     to the container's first process, and the kernel does not apply SIGTERM's default action to a PID
     namespace's init: without a handler the process would wait out the grace period and be killed."""
@@ -137,24 +145,33 @@ def test_a_mesh_process_that_is_its_containers_first_process_ends_on_sigterm():
         pytest.skip(f"PID namespaces cannot be made here: {probe.stderr.strip()}")
     if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
         pytest.skip("no /proc/PID/task/TID/children here (CONFIG_PROC_CHILDREN)")
-    proc = subprocess.Popen(["unshare", "--pid", "--kill-child", sys.executable, "-m", "moemesh", "coordinator",
-                             "--model", str(REPO / "moemesh" / "demo_model"), "--port", "0", "--client-port", "0"],
+    proc = subprocess.Popen(["unshare", "--pid", "--kill-child", sys.executable, "-m", "moemesh", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
+
+    def children(pid: int) -> list[str]:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
     try:
-        assert proc.stdout.readline().startswith(b"MOEMESH_COORDINATOR "), "the coordinator did not start"
-        # the coordinator: PID 1 inside, unshare's child outside
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(children) == 1
-        nspid = next(line for line in Path(f"/proc/{children[0]}/status").read_text().splitlines()
+        if command[0] == "coordinator":
+            assert proc.stdout.readline().startswith(b"MOEMESH_COORDINATOR "), "the coordinator did not start"
+        # the command: PID 1 inside, unshare's child outside
+        deadline = time.monotonic() + 30
+        while not children(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (first,) = children(proc.pid)
+        nspid = next(line for line in Path(f"/proc/{first}/status").read_text().splitlines()
                      if line.startswith("NSpid:"))
         assert nspid.split()[-1] == "1", nspid  # (its PID in the innermost namespace)
-        os.kill(int(children[0]), signal.SIGTERM)
+        if command[0] == "stage":  # (running its loop: its workers started)
+            while not children(int(first)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert children(int(first)), "the stage started no worker"
+        os.kill(int(first), signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        # (a coordinator drains on SIGTERM: with no request in flight it ends at once, status 0)
-        assert proc.returncode == 0, "SIGTERM left the container's first process running"
+        assert proc.returncode == status, "SIGTERM left the container's first process running"
     finally:
         proc.kill()
         proc.wait()

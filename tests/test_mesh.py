@@ -365,6 +365,42 @@ def test_a_stopped_coordinator_lets_its_requests_finish_and_refuses_new_ones(mod
     assert code == 0 and seconds < 50
 
 
+def test_a_drain_that_runs_out_ends_the_unfinished_requests_with_503(model):
+    """Past --drain-timeout the requests still running end with a 503 that says why, before the
+    coordinator ends: no stream is left waiting on a coordinator that is gone."""
+    import signal
+
+    params = SamplingParams(max_tokens=230, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), kv_memory=KV, mesh_keys=keys_for(model[0])),
+                            drain_timeout=0.1)
+        mesh.start()
+        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
+        try:
+            await client.wait_serving(timeout=120)
+            streams = [client.generate(p, params) for p in PROMPTS[:4]]
+            first = [await s.__anext__() for s in streams]
+            mesh.procs["coordinator"].send_signal(signal.SIGTERM)
+            ends = [await asyncio.wait_for(_last(s), timeout=30) for s in streams]
+            code = await asyncio.to_thread(mesh.procs["coordinator"].wait, 30)
+            return first, ends, code
+        finally:
+            await client.close()
+            mesh.stop()
+
+    first, ends, code = run(scenario())
+    assert all(f.token_ids for f in first) and code == 0
+    assert all(e.error_status == 503 and "--drain-timeout" in e.error for e in ends)
+
+
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
 def test_the_client_hands_over_outputs_in_order_each_token_once():
     """Outputs past a gap wait while the missing ones are asked for again (once per gap); repeats are
     trimmed; an error ends the stream at once; a coordinator that does not count (start -1) is
