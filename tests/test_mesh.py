@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -334,12 +335,7 @@ def test_a_stopped_coordinator_lets_its_requests_finish_and_refuses_new_ones(mod
     prompts, params = PROMPTS[:4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def scenario():
-        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), kv_memory=KV, mesh_keys=keys_for(model[0])),
-                            drain_timeout=60.0)
-        mesh.start()
-        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
-        try:
-            await client.wait_serving(timeout=120)
+        async with _serving_mesh(model, drain_timeout=60.0) as (mesh, client):
             tasks, got = stream_all(client, prompts, [params] * len(prompts))
             while min(map(len, got)) < 2:
                 await asyncio.sleep(0.005)
@@ -352,9 +348,6 @@ def test_a_stopped_coordinator_lets_its_requests_finish_and_refuses_new_ones(mod
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
             code = await asyncio.to_thread(mesh.procs["coordinator"].wait, 30)
             return got, status, refused, code, time.monotonic() - stopped
-        finally:
-            await client.close()
-            mesh.stop()
 
     got, status, refused, code, seconds = run(scenario())
     assert all(len(t) == 40 for t in got)
@@ -373,25 +366,31 @@ def test_a_drain_that_runs_out_ends_the_unfinished_requests_with_503(model):
     params = SamplingParams(max_tokens=230, temperature=0, ignore_eos=True)
 
     async def scenario():
-        mesh = LocalMesh.of(EngineSettings(model=str(model[0]), kv_memory=KV, mesh_keys=keys_for(model[0])),
-                            drain_timeout=0.1)
-        mesh.start()
-        client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
-        try:
-            await client.wait_serving(timeout=120)
+        async with _serving_mesh(model, drain_timeout=0.1) as (mesh, client):
             streams = [client.generate(p, params) for p in PROMPTS[:4]]
             first = [await s.__anext__() for s in streams]
             mesh.procs["coordinator"].send_signal(signal.SIGTERM)
             ends = [await asyncio.wait_for(_last(s), timeout=30) for s in streams]
             code = await asyncio.to_thread(mesh.procs["coordinator"].wait, 30)
             return first, ends, code
-        finally:
-            await client.close()
-            mesh.stop()
 
     first, ends, code = run(scenario())
     assert all(f.token_ids for f in first) and code == 0
     assert all(e.error_status == 503 and "--drain-timeout" in e.error for e in ends)
+
+
+@contextlib.asynccontextmanager
+async def _serving_mesh(model, **changes):
+    """A pp=1 mesh of its own (stopped after) and a client of it, once it serves."""
+    mesh = LocalMesh.of(EngineSettings(model=str(model[0]), kv_memory=KV, mesh_keys=keys_for(model[0])), **changes)
+    mesh.start()
+    client = CoordinatorClient(mesh.client_address, mesh_keys=mesh.coordinator.mesh_keys)
+    try:
+        await client.wait_serving(timeout=120)
+        yield mesh, client
+    finally:
+        await client.close()
+        mesh.stop()
 
 
 async def _last(stream):
