@@ -11,8 +11,8 @@ hands them to templates. What `tool_choice` asks decides how the answer is made 
   of the tools each (one at most with parallel_tool_calls false), which come back as tool calls;
   finish_reason "tool_calls";
 - "auto" (the default when tools are given): the model decides, and the gateway's
-  `--tool-call-parser` reads its calls from the text (PARSERS: the formats of Qwen, Hermes, Mistral
-  and Llama models). Without a parser "auto" is refused (a 400), as vLLM refuses it without
+  `--tool-call-parser` reads its calls from the text (PARSERS: the formats of Qwen, Qwen3-Coder,
+  Hermes, Mistral and Llama models). Without a parser "auto" is refused (a 400), as vLLM refuses it without
   --enable-auto-tool-choice;
 - "none": the tools are rendered, and the answer is text.
 """
@@ -51,6 +51,8 @@ class ToolMode:
     name: str | None = None
     parser: str | None = None
     parallel: bool = True
+    # each function's parameters' JSON schema types, for a parser whose calls write values as text (qwen3_coder)
+    types: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
     def call_id(self) -> str | None:
         """An id for a call (None: OpenAI's kind), as the parser's models take them back (mistral's nine
@@ -97,7 +99,8 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
         if parser is None:
             raise ToolError('"auto" tool choice needs a tool-call parser: start the gateway with --tool-call-parser '
                             '(or give tool_choice "required", "none" or a function)', "tool_choice")
-        return ToolMode("auto", parser=parser, parallel=parallel is not False), None
+        return ToolMode("auto", parser=parser, parallel=parallel is not False,
+                        types=_types(by_name) if PARSERS[parser].typed else ()), None
     if tool_choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
@@ -122,6 +125,22 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
 
 def _parameters(fn: dict) -> dict:
     return fn.get("parameters") or {"type": "object"}
+
+
+def _types(by_name: dict[str, dict]) -> tuple:
+    """Each function's parameters' types ("string", "integer", ...; the first of a list), where the schema
+    says."""
+    out = []
+    for name, fn in by_name.items():
+        properties = _parameters(fn).get("properties")
+        types = []
+        for param, schema in (properties.items() if isinstance(properties, dict) else ()):
+            kind = schema.get("type") if isinstance(schema, dict) else None
+            kind = next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+            if isinstance(kind, str):
+                types.append((param, kind))
+        out.append((name, tuple(types)))
+    return tuple(out)
 
 
 def _shared_definitions(by_name: dict[str, dict]) -> dict:
@@ -183,7 +202,8 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
     if start is None:
         return text, []
     try:
-        calls = [call(name, arguments, mode.call_id()) for name, arguments in parser.read(text[start:])]
+        found = parser.read(text[start:], dict(mode.types)) if parser.typed else parser.read(text[start:])
+        calls = [call(name, arguments, mode.call_id()) for name, arguments in found]
     # (ast.parse of deep nesting: RecursionError, or MemoryError "parser stack overflowed")
     except (ValueError, TypeError, AttributeError, KeyError, SyntaxError, RecursionError, MemoryError):
         calls = []  # (not calls after all: the text is the answer)
@@ -240,6 +260,50 @@ def _mistral(text: str) -> list[tuple[str, str]]:
             raise ValueError("a call's arguments are an object")
         calls.append((name.strip(), _json(parsed)))
     return calls
+
+
+_QWEN3_CODER_CALL = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_QWEN3_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+def _qwen3_coder(text: str, types: dict[str, tuple[tuple[str, str], ...]]) -> list[tuple[str, str]]:
+    """<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call> blocks, as
+    Qwen3-Coder writes calls (XML-like, a value as text): each value is read as its parameter's schema
+    type says (a string kept as written; integer, number, boolean, object, array parsed), or as JSON
+    where the schema says nothing and it is JSON, else as the text."""
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        found = _QWEN3_CODER_CALL.search(block)
+        if found is None:
+            raise ValueError("a call without <function=...>")
+        name, body = found.group(1).strip(), found.group(2)
+        kinds = dict(types.get(name, ()))
+        arguments = {param.strip(): _typed(value, kinds.get(param.strip()))
+                     for param, value in _QWEN3_CODER_PARAMETER.findall(body)}
+        calls.append((name, _json(arguments)))
+    return calls
+
+
+def _typed(value: str, kind: str | None) -> Any:
+    """A qwen3_coder parameter's text as its schema's type (its newlines around it dropped)."""
+    value = value.removeprefix("\n").removesuffix("\n")
+    if kind == "string":
+        return value
+    if value.strip() == "null" and kind in (None, "null"):
+        return None
+    try:
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind == "boolean":
+            if value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            return value
+        return json.loads(value)  # (object, array, or no type said)
+    except ValueError:
+        return value  # (not what the schema says: the text, as written)
 
 
 _JSON = json.JSONDecoder()
@@ -302,6 +366,7 @@ class Parser:
     undecided: re.Pattern | None = None  # an answer's start that may still open calls (held back)
     special: bool = False
     call_id: Callable[[], str | None] = lambda: None
+    typed: bool = False  # read takes the functions' parameter types too (ToolMode.types)
 
     def begin(self, text: str, after: int = 0) -> int | None:
         """Where text's calls begin (searching from `after`), or None where there are none yet."""
@@ -328,6 +393,7 @@ def _starts(opener: str, *tags: str) -> dict[str, re.Pattern]:
 
 PARSERS = {
     "hermes": Parser(_hermes, marker=HERMES_OPEN),
+    "qwen3_coder": Parser(_qwen3_coder, marker=HERMES_OPEN, typed=True),
     "mistral": Parser(_mistral, marker=MISTRAL_CALLS, special=True, call_id=_mistral_id),
     "llama3_json": Parser(_llama3_json, **_starts("{", _LLAMA_TAG)),
     "pythonic": Parser(_pythonic, **_starts("[", _PYTHONIC_TAGS[0])),

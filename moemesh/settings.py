@@ -513,9 +513,10 @@ class GatewaySettings(MeshSecurity):
         choices=("auto", "vllm"))
     tool_call_parser: str | None = flag(
         None, "read the model's tool calls from its text, which tool_choice auto (the default with tools) needs: "
-              "hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), mistral ([TOOL_CALLS] and a JSON list: "
-              "Mixtral-8x22B, Mistral), llama3_json (JSON objects: Llama 3.1-3.3), pythonic ([f(x=1)]: Llama 3.2, 4)",
-        choices=("hermes", "mistral", "llama3_json", "pythonic"))  # (gateway/tools.py's PARSERS)
+              "hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes), qwen3_coder (<tool_call><function=...> "
+              "blocks: Qwen3-Coder), mistral ([TOOL_CALLS] and a JSON list: Mixtral-8x22B, Mistral), llama3_json "
+              "(JSON objects: Llama 3.1-3.3), pythonic ([f(x=1)]: Llama 3.2, 4)",
+        choices=("hermes", "qwen3_coder", "mistral", "llama3_json", "pythonic"))  # (gateway/tools.py's PARSERS)
     reasoning_parser: str | None = flag(
         None, "return a thinking model's thought (<think> ... </think>) apart from its answer, in the chat "
               "message's reasoning and reasoning_content: qwen3 (an answer that opens with <think>; Qwen3), "

@@ -118,6 +118,15 @@ WRITTEN = {
         ('{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),  # (a JSON answer, not a call)
         ('{"name": "f", "parameters": {"x": NaN}}', '{"name": "f", "parameters": {"x": NaN}}', []),  # (not JSON)
     ],
+    "qwen3_coder": [  # (no schema here: a value that is JSON is read as JSON, the rest as text)
+        ("Let me check.\n<tool_call>\n<function=f>\n<parameter=x>\n2\n</parameter>\n<parameter=city>\nSan Jose\n"
+         "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=g>\n</function>\n</tool_call>",
+         "Let me check.\n", [("f", {"x": 2, "city": "San Jose"}), ("g", {})]),
+        ("<tool_call>\n<function=f>\n<parameter=q>\n{\"a\": [1, null]}\n</parameter>\n</function>",  # (cut short)
+         None, [("f", {"q": {"a": [1, None]}})]),
+        ("<tool_call>\n<parameter=x>\n1\n</parameter>\n</tool_call>", "<tool_call>\n<parameter=x>\n1\n"
+         "</parameter>\n</tool_call>", []),  # (no function: not a call)
+    ],
     "pythonic": [
         ('[f(x=2, y="a"), g(z=[1, {"k": None}])]', None, [("f", {"x": 2, "y": "a"}), ("g", {"z": [1, {"k": None}]})]),
         ("<|python_start|>[f()]<|python_end|>", None, [("f", {})]),
@@ -158,6 +167,25 @@ def test_each_parser_reads_its_models_calls_and_leaves_other_text_as_content(par
     assert ToolMode("auto", parser="mistral").keeps_special_tokens
     assert not ToolMode("auto", parser="hermes").keeps_special_tokens
     assert not ToolMode("named", name="f").keeps_special_tokens
+
+
+def test_qwen3_coder_values_are_read_as_their_parameters_types_say():
+    """Qwen3-Coder writes each value as text: the request's schema decides what it is (a string that
+    looks like a number stays a string; an integer, number, boolean or object is parsed), and a value
+    that does not parse as its type is kept as written."""
+    tool = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "zip": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "number"},
+        "pets": {"type": "boolean"}, "guests": {"type": "array"}, "note": {"type": ["string", "null"]},
+        "extra": {"type": "object"}}}}}
+    mode, _ = tool_mode(functions([tool]), None, None, "qwen3_coder")
+    text = ("<tool_call>\n<function=book>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in [
+            ("zip", "02134"), ("nights", "3"), ("price", "99.5"), ("pets", "True"), ("guests", '["a", "b"]'),
+            ("note", "null"), ("extra", "not json"), ("other", "7")]) + "</function>\n</tool_call>")
+    (c,) = read_calls(mode, text)[1]
+    assert json.loads(c["function"]["arguments"]) == {
+        "zip": "02134", "nights": 3, "price": 99.5, "pets": True, "guests": ["a", "b"], "note": "null",
+        "extra": "not json", "other": 7}
 
 
 def test_a_start_that_may_open_calls_is_held_until_it_is_known():
