@@ -262,8 +262,9 @@ def _mistral(text: str) -> list[tuple[str, str]]:
     return calls
 
 
-_QWEN3_CODER_CALL = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_QWEN3_CODER_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+# (names hold no "<": a scan from each opener stops at the next, so a run of openers stays linear)
+_QWEN3_CODER_CALL = re.compile(r"<function=([^<>\n]+)>(.*?)(?:</function>|$)", re.S)
+_QWEN3_CODER_PARAMETER = re.compile(r"<parameter=([^<>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
 def _qwen3_coder(text: str, types: dict[str, tuple[tuple[str, str], ...]]) -> list[tuple[str, str]]:
@@ -285,25 +286,27 @@ def _qwen3_coder(text: str, types: dict[str, tuple[tuple[str, str], ...]]) -> li
 
 
 def _typed(value: str, kind: str | None) -> Any:
-    """A qwen3_coder parameter's text as its schema's type (its newlines around it dropped)."""
+    """A qwen3_coder parameter's text as its schema's type (its newlines around it dropped), or the text
+    as written where it is not one (nor strict JSON: no NaN or Infinity)."""
     value = value.removeprefix("\n").removesuffix("\n")
+    text = value.strip()
     if kind == "string":
         return value
-    if value.strip() == "null" and kind in (None, "null"):
+    if text == "null":
         return None
+    if kind == "boolean":
+        return text.lower() == "true" if text.lower() in ("true", "false") else value
     try:
-        if kind == "integer":
-            return int(value.strip())
-        if kind == "number":
-            number = float(value.strip())
-            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
-        if kind == "boolean":
-            if value.strip().lower() in ("true", "false"):
-                return value.strip().lower() == "true"
-            return value
-        return json.loads(value)  # (object, array, or no type said)
-    except ValueError:
-        return value  # (not what the schema says: the text, as written)
+        parsed = json.loads(text)
+        _json(parsed)
+    except (ValueError, RecursionError):
+        return value
+    numeric = isinstance(parsed, (int, float)) and not isinstance(parsed, bool)
+    if kind == "integer":
+        return parsed if numeric and parsed == int(parsed) and isinstance(parsed, int) else value
+    if kind == "number":
+        return parsed if numeric else value
+    return parsed  # (object, array, or no type said)
 
 
 _JSON = json.JSONDecoder()

@@ -5,6 +5,7 @@ tests/test_gateway.py."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -186,6 +187,17 @@ def test_qwen3_coder_values_are_read_as_their_parameters_types_say():
     assert json.loads(c["function"]["arguments"]) == {
         "zip": "02134", "nights": 3, "price": 99.5, "pets": True, "guests": ["a", "b"], "note": "null",
         "extra": "not json", "other": 7}
+    # not its type, nor strict JSON: kept as text, and the other calls stay calls
+    odd = [("nights", "1_000"), ("price", "NaN"), ("guests", "[1e400]"), ("nights", "2.5"), ("price", "null")]
+    text = "".join(f"<tool_call>\n<function=book>\n<parameter={k}>\n{v}\n</parameter>\n</function>\n</tool_call>"
+                   for k, v in odd)
+    assert [json.loads(c["function"]["arguments"]) for c in read_calls(mode, text)[1]] == [
+        {"nights": "1_000"}, {"price": "NaN"}, {"guests": "[1e400]"}, {"nights": "2.5"}, {"price": None}]
+    flood = "<tool_call><function=f>" + "<parameter=" * 20000  # (a model stuck repeating an opener: linear, not
+    # the quadratic scan of a pattern that crosses "<", which takes minutes here)
+    started = time.monotonic()
+    read_calls(mode, flood)
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_start_that_may_open_calls_is_held_until_it_is_known():
