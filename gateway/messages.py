@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.tools import call_pieces
+from gateway.tools import AnswerParts
 
 _ROLES = ("user", "assistant")
 
@@ -196,11 +196,12 @@ def error_body(kind_of_status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class MessageBuilder:
+class MessageBuilder(AnswerParts):
     """One message's content blocks as its answer comes (`add`: a chat delta's reasoning, content and
     tool-call entries), and the events a stream sends for them (`take`). A streamed message and a whole
     one are built alike. capped: the answer's max_tokens was lowered to what the context leaves, so an
     answer cut there ends for the context window, not for max_tokens."""
+    THOUGHT, TEXT = "thinking", "text"  # (the content blocks' types)
 
     def __init__(self, model: str, prompt_tokens: int, capped: bool = False):
         self.id, self.model = f"msg_{uuid.uuid4().hex}", model
@@ -223,29 +224,22 @@ class MessageBuilder:
         out, self.events = self.events, []
         return out
 
-    def add(self, delta: dict, tokens: int = 0, thinking: bool = False, cached_tokens: int | None = None) -> None:
-        """A chat delta of the answer (its `reasoning`, `content` and `tool_calls`); tokens and thinking, as
-        ResponseBuilder takes them, count nothing here (Anthropic's usage has no thinking tokens);
-        cached_tokens: the prompt tokens the prefix cache held (with the first tokens), for message_start."""
-        if cached_tokens is not None:
+    def _count(self, tokens: int, thinking: bool, cached_tokens: int | None) -> None:
+        if cached_tokens is not None:  # (for message_start; Anthropic's usage has no thinking tokens)
             self.cached_tokens = cached_tokens
-        if delta.get("reasoning"):
-            self._text("thinking", delta["reasoning"])
-        if delta.get("content"):
-            self._text("text", delta["content"])
-        for index, begins, piece in call_pieces(delta.get("tool_calls")):
-            if begins is not None:  # (named: its arguments follow; auto, required: they are whole)
-                self._close()
-                self.calls[index] = self.open = self._start({"type": "tool_use", "id": begins[0], "name": begins[1],
-                                                             "input": {}})
-                self.arguments[self.open], self.sent[self.open] = "", 0
-            at = self.calls[index]
-            self.arguments[at] += piece
-            shown = self.arguments[at].lstrip()  # (a partial JSON reader takes no lone whitespace)
-            if len(shown) > self.sent[at]:
-                self._event("content_block_delta", index=at,
-                            delta={"type": "input_json_delta", "partial_json": shown[self.sent[at]:]})
-                self.sent[at] = len(shown)
+
+    def _begin_call(self, index: int, call_id: str, name: str) -> None:
+        self.calls[index] = self.open = self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}})
+        self.arguments[self.open], self.sent[self.open] = "", 0
+
+    def _arguments(self, index: int, piece: str) -> None:
+        at = self.calls[index]
+        self.arguments[at] += piece
+        shown = self.arguments[at].lstrip()  # (a partial JSON reader takes no lone whitespace)
+        if len(shown) > self.sent[at]:
+            self._event("content_block_delta", index=at,
+                        delta={"type": "input_json_delta", "partial_json": shown[self.sent[at]:]})
+            self.sent[at] = len(shown)
 
     def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                stop_string: str | None = None) -> dict:

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.tools import call_pieces
+from gateway.tools import AnswerParts
 
 # the input item types read, and the content part types taken as text (an assistant's earlier answer
 # comes back as output_text; refusal text as refusal)
@@ -194,10 +194,11 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseBuilder:
+class ResponseBuilder(AnswerParts):
     """One response's output items as its answer comes (`add`: a chat delta's reasoning, content and
     tool-call entries), and the events a stream sends for them (`take`). A streamed response and a
     whole one are built alike."""
+    THOUGHT, TEXT = "reasoning", "message"  # (the output items' types)
 
     def __init__(self, body: ResponsesRequest, model: str):
         self.body, self.model = body, model
@@ -216,26 +217,21 @@ class ResponseBuilder:
         out, self.events = self.events, []
         return out
 
-    def add(self, delta: dict, tokens: int = 0, thinking: bool = False, cached_tokens: int | None = None) -> None:
-        """A chat delta of the answer (its `reasoning`, `content` and `tool_calls`). tokens: the delta's;
-        thinking: they were (some of them) the thought's; cached_tokens (the usage at the end has them)."""
-        if thinking:
+    def _count(self, tokens: int, thinking: bool, cached_tokens: int | None) -> None:
+        if thinking:  # (the usage at the end has the cached tokens)
             self.reasoning_tokens += tokens
-        if delta.get("reasoning"):
-            self._text("reasoning", delta["reasoning"])
-        if delta.get("content"):
-            self._text("message", delta["content"])
-        for index, begins, piece in call_pieces(delta.get("tool_calls")):
-            if begins is not None:  # (named: its arguments follow; auto, required: they are whole)
-                self._close()
-                self.calls[index] = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
-                                     "call_id": begins[0], "name": begins[1], "arguments": ""}
-                self._add_item(self.calls[index])
-            item = self.calls[index]
-            if piece:
-                item["arguments"] += piece
-                self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=self.output.index(item), delta=piece)
+
+    def _begin_call(self, index: int, call_id: str, name: str) -> None:
+        self.calls[index] = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                             "call_id": call_id, "name": name, "arguments": ""}
+        self._add_item(self.calls[index])
+
+    def _arguments(self, index: int, piece: str) -> None:
+        item = self.calls[index]
+        if piece:
+            item["arguments"] += piece
+            self._event("response.function_call_arguments.delta", item_id=item["id"],
+                        output_index=self.output.index(item), delta=piece)
 
     def finish(self, finish_reason: str | None, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                stop_string: str | None = None) -> dict:

@@ -26,7 +26,7 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 # a constrained call's JSON takes at most one space where JSON allows whitespace, and no newline: a
 # model cannot pad a call until max_tokens (vLLM allows any; a function's schema may say otherwise in
@@ -449,13 +449,42 @@ class ToolStream:
         return "", calls
 
 
-def call_pieces(entries: list[dict] | None) -> Iterator[tuple[int, tuple[str, str] | None, str]]:
-    """A chat delta's tool-call entries (`ToolStream`'s, as streamed) as (the call's index, (id, name) where
-    the call begins with the entry, the piece of its arguments the entry carries)."""
-    for entry in entries or ():
-        fn = entry.get("function") or {}
-        yield entry.get("index", 0), (entry["id"], fn.get("name", "")) if "id" in entry else None, \
-            fn.get("arguments") or ""
+class AnswerParts:
+    """A chat answer taken delta by delta (`add`: the thought, the text and the tool calls a streamed chat
+    delta carries) into another API's parts: gateway/responses.py's items, gateway/messages.py's blocks.
+    A subclass says what each part becomes: `_text` (kind THOUGHT or TEXT), `_begin_call`, `_arguments`,
+    `_close` (the part being written is done), and `_count` (the delta's tokens)."""
+    THOUGHT, TEXT = "thought", "text"
+
+    def add(self, delta: dict, tokens: int = 0, thinking: bool = False, cached_tokens: int | None = None) -> None:
+        """A chat delta of the answer. tokens: how many it took; thinking: they were (some of them) the
+        thought's; cached_tokens: with the first tokens, the prompt tokens the prefix cache held."""
+        self._count(tokens, thinking, cached_tokens)
+        if delta.get("reasoning"):
+            self._text(self.THOUGHT, delta["reasoning"])
+        if delta.get("content"):
+            self._text(self.TEXT, delta["content"])
+        for entry in delta.get("tool_calls") or ():
+            fn = entry.get("function") or {}
+            if "id" in entry:  # a call begins (named: its arguments follow; auto, required: they are whole)
+                self._close()
+                self._begin_call(entry.get("index", 0), entry["id"], fn.get("name", ""))
+            self._arguments(entry.get("index", 0), fn.get("arguments") or "")
+
+    def _count(self, tokens: int, thinking: bool, cached_tokens: int | None) -> None:
+        pass
+
+    def _text(self, kind: str, piece: str) -> None:
+        raise NotImplementedError
+
+    def _begin_call(self, index: int, call_id: str, name: str) -> None:
+        raise NotImplementedError
+
+    def _arguments(self, index: int, piece: str) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -396,6 +396,23 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+# a conversation with an earlier call of get_weather and its result
+PARIS_CHAT = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+              {"role": "user", "content": "And tomorrow?"}]
+
+
+def _paris_chat_answers(client) -> tuple:
+    """The chat completion's answers to PARIS_CHAT: get_weather called by name (its tool call), and six
+    tokens of text with tool_choice none (its content), which other APIs' answers are held to."""
+    kw = dict(model="tiny-mixtral", messages=PARIS_CHAT, tools=[WEATHER, CLOCK], temperature=0)
+    named = client.chat.completions.create(max_tokens=80, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}, **kw)
+    plain = client.chat.completions.create(max_tokens=6, tool_choice="none", **kw)
+    (call,) = named.choices[0].message.tool_calls
+    return call, plain.choices[0].message.content
 
 
 @pytest.fixture(scope="module")
@@ -441,11 +458,7 @@ def test_tools_are_rendered_and_called_by_name_required_or_auto(tool_server):
     from transformers import AutoTokenizer
 
     client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-                {"role": "user", "content": "And tomorrow?"}]
+    messages = PARIS_CHAT
     hf_messages = [messages[0], {**messages[1], "content": "", "tool_calls": [{**messages[1]["tool_calls"][0],
                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}}]}, *messages[2:]]
     want = AutoTokenizer.from_pretrained(tool_server.model).apply_chat_template(
@@ -732,20 +745,12 @@ def test_responses_call_tools_and_take_their_outputs_back(tool_server):
     items, render as the chat's assistant tool call and tool message do (the same answer)."""
     client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
     flat = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-                {"role": "user", "content": "And tomorrow?"}]
     items = [{"role": "user", "content": "Weather in Paris?"},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather",
               "arguments": '{"city": "Paris", "days": 1}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
              {"role": "user", "content": "And tomorrow?"}]
-    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
-                                          max_tokens=80, temperature=0, tool_choice={
-                                              "type": "function", "function": {"name": "get_weather"}})
-    (want,) = chat.choices[0].message.tool_calls
+    want, want_text = _paris_chat_answers(client)
     kw = dict(model="tiny-mixtral", input=items, tools=flat, max_output_tokens=80, temperature=0,
               tool_choice={"type": "function", "name": "get_weather"})
     r = client.responses.create(**kw)
@@ -760,9 +765,7 @@ def test_responses_call_tools_and_take_their_outputs_back(tool_server):
         final = stream.get_final_response()
     assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "get_weather", call.arguments)]
     plain = client.responses.create(**{**kw, "tool_choice": "none", "max_output_tokens": 6})
-    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
-                                          max_tokens=6, temperature=0, tool_choice="none")
-    assert plain.output_text == chat.choices[0].message.content  # (the items render as the chat's messages)
+    assert plain.output_text == want_text  # (the items render as the chat's messages)
 
 
 def test_responses_give_the_thought_as_a_reasoning_item(thinking_server):
@@ -838,20 +841,12 @@ def test_anthropic_tool_use_and_results_go_round_as_chat_tool_calls_do(tool_serv
     client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0)
     claude = anthropic.Anthropic(base_url=tool_server.url, api_key="unused", max_retries=0)
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, CLOCK)]
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-                {"role": "user", "content": "And tomorrow?"}]
     blocks = [{"role": "user", "content": "Weather in Paris?"},
               {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
                                                  "input": {"city": "Paris", "days": 1}}]},
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"},
                                            {"type": "text", "text": "And tomorrow?"}]}]
-    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
-                                          max_tokens=80, temperature=0, tool_choice={
-                                              "type": "function", "function": {"name": "get_weather"}})
-    (want,) = chat.choices[0].message.tool_calls
+    want, want_text = _paris_chat_answers(client)
     kw = dict(model="tiny-mixtral", messages=blocks, tools=tools, max_tokens=80, extra_body={"temperature": 0},
               tool_choice={"type": "tool", "name": "get_weather"})
     m = claude.messages.create(**kw)
@@ -862,9 +857,7 @@ def test_anthropic_tool_use_and_results_go_round_as_chat_tool_calls_do(tool_serv
         final = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", use.input)]
     plain = claude.messages.create(**{**kw, "tool_choice": {"type": "none"}, "max_tokens": 6})
-    chat = client.chat.completions.create(model="tiny-mixtral", messages=messages, tools=[WEATHER, CLOCK],
-                                          max_tokens=6, temperature=0, tool_choice="none")
-    assert plain.content[0].text == chat.choices[0].message.content  # (the blocks render as the chat's messages)
+    assert plain.content[0].text == want_text  # (the blocks render as the chat's messages)
 
 
 def test_anthropic_thinking_comes_back_as_a_thinking_block(thinking_server):
