@@ -19,7 +19,7 @@ from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
 from moemesh.layout import MlpHandoff
-from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, TokenLogprobs
+from moemesh.protocol import RequestOutput, SampledToken, Schedule, SeqWork, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 
@@ -124,13 +124,14 @@ class EngineCore:
                 seq.seq_id, item.token_ids, item.context_len, list(new_blocks), item.sample,
                 params=seq.params if first else None, prompt_len=len(seq.prompt_ids) if first else 0,
                 prompt_ids=seq.prompt_ids if first and seq.prompt_logprobs is not None else None,
-                cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None))
+                cached_ids=seq.tokens(0, item.context_len) if first and item.context_len else None,
+                draft=len(item.draft)))
         forget, self._forget = self._forget, []
         handoff = []
         if self.handoff is not None and step.num_steps == 1:
             # the rows the last stage computes logits of: each sampled one, and the prompt positions of
             # a chunk whose prompt logprobs are wanted (as StageExecutor._sample counts them)
-            head_rows = sum(w.sample for w in seqs) + sum(
+            head_rows = sum(w.sample + w.draft for w in seqs) + sum(
                 max(0, min(i.context_len + len(i.token_ids), len(i.seq.prompt_ids) - 1) - i.context_len)
                 for i in step.items if i.seq.prompt_logprobs is not None)
             handoff = self.handoff.choose([len(w.token_ids) for w in seqs], head_rows)
@@ -141,10 +142,16 @@ class EngineCore:
         step = self.in_flight.get(result.step_id)
         if step is None:
             raise ValueError(f"result for step {result.step_id}, which is not in flight")
-        by_seq = {s.seq_id: s for s in result.sampled}
+        by_seq: dict[int, list[SampledToken]] = {}
+        for s in result.sampled:
+            by_seq.setdefault(s.seq_id, []).append(s)
         missing = [item.seq.seq_id for item in step.items if item.sample and item.seq.seq_id not in by_seq]
         if missing:  # refuse before touching any state
             raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
+        if step.num_steps == 1 and (bad := next((item.seq.seq_id for item in step.items if item.sample and not
+                                                 len(by_seq[item.seq.seq_id]) <= 1 + len(item.draft)), None)) is not None:
+            raise ValueError(f"result for step {result.step_id} holds more tokens of sequence {bad} than its "
+                             f"draft allows")
         V = self.vocab_size
         bad = next((t for s in result.sampled for t in (s.token_id, *(a for a, _ in (s.logprobs.top if s.logprobs else ())))
                     if not 0 <= t < V), None)
@@ -159,14 +166,15 @@ class EngineCore:
             return self._process_steps(step, result)
         del self.in_flight[result.step_id]
         sampled = [by_seq[item.seq.seq_id] for item in step.items if item.sample]
-        for item, s in zip((i for i in step.items if i.sample), sampled):
-            if s.logprobs is not None and not item.seq.finished:
+        for item, (s, *_) in zip((i for i in step.items if i.sample), sampled):
+            if s.logprobs is not None and not item.seq.finished:  # (a drafted row reports none)
                 item.seq.logprobs.append(s.logprobs)
         for p in result.prompt_logprobs:
             seq = next((i.seq for i in step.items if i.seq.seq_id == p.seq_id), None)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[p.start:p.start + len(p.logprobs)] = p.logprobs
-        finished = self.scheduler.update(step, [s.token_id for s in sampled])
+        finished = self.scheduler.update(step, [[s.token_id for s in got] if item.draft else got[0].token_id
+                                                for item, got in zip((i for i in step.items if i.sample), sampled)])
         outputs = []
         for item in step.items:
             seq = item.seq

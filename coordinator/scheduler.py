@@ -22,6 +22,12 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   stage feeding each sampled token back itself. Blocks for all of them are taken up front (else it
   is one step); the result is applied step by step, so a sequence that stops early (EOS, a stop
   token) ends where one step at a time would have ended it, its tokens past the stop dropped.
+- Speculative decoding (`ngram`, coordinator/ngram.py): a decode of a sequence that samples greedily
+  with nothing that edits or reports its logits carries up to `num_tokens` draft tokens after its
+  last one, as far as the budget, its blocks, max_tokens and the context allow; the last stage keeps
+  the drafts its argmax agrees with plus the token after them, and the sequence's cache is taken
+  back to what those tokens computed (the K/V of refused drafts is written over later). Drafts stop
+  while more than `max_batch` sequences run: a full batch has no idle bandwidth to verify them with.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from coordinator.block_manager import BlockManager
+from coordinator.ngram import NgramConfig, NgramIndex
 from coordinator.sequence import Sequence, Status
 from moemesh.errors import ConfigError
 
@@ -40,6 +47,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 4096
     num_steps: int = 1  # decode steps one schedule may run (multi-step; a pipeline of one stage)
+    ngram: NgramConfig | None = None  # speculative decoding by prompt lookup
 
     @classmethod
     def for_model(cls, max_num_batched_tokens: int, max_num_seqs: int, requested_len: int | None,
@@ -60,9 +68,12 @@ class ScheduledSeq:
     context_len: int  # tokens already in the cache before it
     sample: bool  # the step reaches the sequence's last token: sample the next one
     admitted: bool = False  # its first chunk since it was admitted (new, or recomputed after preemption)
+    draft: tuple[int, ...] = ()  # speculative tokens after its last one (num_new counts them)
 
     @property
     def token_ids(self) -> list[int]:
+        if self.draft:
+            return [*self.seq.tokens(self.context_len, self.context_len + 1), *self.draft]
         return self.seq.tokens(self.context_len, self.context_len + self.num_new)
 
 
@@ -84,6 +95,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.in_flight: Counter[int] = Counter()  # seq id -> its steps not yet returned
         self.num_preemptions = 0
+        self.num_drafts = 0  # decodes with draft tokens, of steps returned
+        self.num_drafted = 0  # the draft tokens they carried
+        self.num_accepted = 0  # and kept
 
     def add(self, seq: Sequence) -> None:
         need = len(seq.prompt_ids) + seq.params.max_tokens
@@ -107,12 +121,19 @@ class Scheduler:
 
         short = False  # the pool ran out for a running sequence: nobody new is admitted in this step
         block_size = self.blocks.block_size
+        ngram = self.config.ngram
+        drafting = ngram is not None and (ngram.max_batch is None or len(self.running) <= ngram.max_batch)
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
                 break
             pending = seq.num_pending
             if pending == 0 or seq.status is not Status.RUNNING:
                 continue  # awaiting its sampled token, or preempted just now to make room for an older one
+            if pending == 1 and drafting and budget > 1 and (draft := self._draft(seq, budget - 1)):
+                items.append(self._take_draft(seq, draft))
+                scheduled.add(seq.seq_id)
+                budget -= 1 + len(draft)
+                continue
             if pending == 1 and seq.num_computed < len(seq.block_ids) * block_size:
                 items.append(self._take(seq, 1))  # a decode with room in its last block (most steps' rows)
                 scheduled.add(seq.seq_id)
@@ -186,6 +207,37 @@ class Scheduler:
             return k
         return 1
 
+    def _draft(self, seq: Sequence, most: int) -> list[int]:
+        """The draft tokens for a decode of `seq`, at most `most`: none unless it samples greedily with
+        nothing that edits or reports its logits (its argmax alone decides, the same with a draft as
+        without), nor past its max_tokens or the context. Drafts take free blocks only while more
+        are free than sequences run (each may need one for its next token): a guess never costs
+        another sequence its cache."""
+        ngram, p = self.config.ngram, seq.params
+        if not (p.greedy and not p.edits_logits and p.logprobs is None and p.grammar is None
+                and len(seq.output_ids) >= p.min_tokens):
+            return []
+        spare = min(max(0, self.blocks.num_free - len(self.running)), self.blocks.blocks_needed(ngram.num_tokens + 1))
+        room = (len(seq.block_ids) + spare) * self.blocks.block_size - seq.num_computed
+        # the step samples 1 + len(draft) tokens at most, and writes the K/V of positions up to
+        # num_tokens - 1 + len(draft)
+        k = min(ngram.num_tokens, most, p.max_tokens - len(seq.output_ids) - 1,
+                self.config.max_model_len - seq.num_tokens, room - 1)
+        if k <= 0:
+            return []
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(ngram.min_n, ngram.max_n)
+        return seq.ngram.propose(seq.token_ids, k)
+
+    def _take_draft(self, seq: Sequence, draft: list[int]) -> ScheduledSeq:
+        """A decode with draft tokens: blocks for all of them now; the sequence counts its last token
+        as computed (as a decode does) until the result says how many drafts were right."""
+        n = 1 + len(draft)
+        self.blocks.grow(seq, n)
+        item = ScheduledSeq(seq, n, seq.num_computed, sample=True, draft=tuple(draft))
+        seq.num_computed += 1
+        return item
+
     def _take(self, seq: Sequence, n: int, admitted: bool = False) -> ScheduledSeq:
         if seq.num_computed + n > len(seq.block_ids) * self.blocks.block_size:
             self.blocks.grow(seq, n)
@@ -215,14 +267,18 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def update(self, step: Step, sampled: list[int]) -> list[Sequence]:
-        """Records the tokens sampled for the step's sampling rows (in order); returns the
-        sequences that finished."""
+    def update(self, step: Step, sampled: list[int | list[int]]) -> list[Sequence]:
+        """Records the tokens sampled for the step's sampling rows (in order; for a row with a draft,
+        the list of its tokens kept: the drafts its check accepted and the one after them); returns
+        the sequences that finished."""
         finished = []
         tokens = iter(sampled)
         for item in step.items:
             seq = item.seq
             self._returned(seq)
+            if item.draft:
+                self._accept(item, next(tokens), finished)
+                continue
             if not seq.finished:  # its blocks now hold what this step wrote: shareable
                 self.blocks.cache_computed(seq, item.context_len + item.num_new)
             if not item.sample:
@@ -232,6 +288,22 @@ class Scheduler:
                 continue
             self._append(seq, token, finished)
         return finished
+
+    def _accept(self, item: ScheduledSeq, kept: list[int], finished: list[Sequence]) -> None:
+        """A drafted decode's tokens, one by one (a stop among them ends it there); its cache then holds
+        the step's input token and the drafts that were kept."""
+        seq = item.seq
+        if seq.finished:  # aborted while its step was in flight
+            return
+        self.num_drafts += 1
+        self.num_drafted += len(item.draft)
+        self.num_accepted += len(kept) - 1
+        for token in kept:
+            self._append(seq, token, finished)
+            if seq.finished:
+                return
+        seq.num_computed = item.context_len + len(kept)
+        self.blocks.cache_computed(seq, seq.num_computed)
 
     def update_steps(self, step: Step, sampled: list[list[tuple[int, object]]]) -> list[Sequence]:
         """`update` for a step of several decode steps: sampled[j][i], the (token, logprobs or None) of

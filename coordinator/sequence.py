@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from coordinator.ngram import NgramIndex
 from moemesh.protocol import TokenLogprobs
 from moemesh.sampling import SamplingParams
 
@@ -41,6 +42,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
     cache_counted: bool = False  # its first admission went into the cache's query and hit counts
     lookup_memo: tuple | None = None  # ((cache generation, full blocks), hits) of its last lookup
+    ngram: NgramIndex | None = None  # speculative decoding's index of its n-grams (coordinator.ngram)
 
     @property
     def token_ids(self) -> list[int]:

@@ -24,6 +24,7 @@ from typing import Iterator
 import msgspec
 
 from coordinator.core import EngineCore
+from coordinator.ngram import NgramConfig
 from coordinator.scheduler import SchedulerConfig
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
@@ -51,6 +52,19 @@ def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
                           f"--max-in-flight {settings.max_in_flight}")
 
 
+def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
+    """Speculative decoding's settings, checked; None when it is off."""
+    if not settings.num_speculative_tokens:
+        return None
+    lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
+    if lo > hi:
+        raise ConfigError(f"--ngram-prompt-lookup-min {lo} is more than --ngram-prompt-lookup-max {hi}")
+    if settings.num_scheduler_steps > 1:
+        raise ConfigError(f"--num-speculative-tokens and --num-scheduler-steps {settings.num_scheduler_steps} "
+                          f"are two ways to take several tokens a step: choose one")
+    return NgramConfig(settings.num_speculative_tokens, lo, hi, settings.speculative_disable_by_batch_size)
+
+
 def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, pp: int = 1, tp: int = 1,
               handoff: MlpHandoff | None = None) -> EngineCore:
     """The EngineCore of a pipeline of pp stages of tp ranks whose smallest stage pool holds
@@ -59,7 +73,7 @@ def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, 
     config = SchedulerConfig.for_model(settings.max_batched_tokens, settings.max_seqs, settings.max_model_len,
                                        model.max_position_embeddings)
     check_num_steps(settings, pp, tp)
-    config = dataclasses.replace(config, num_steps=settings.num_scheduler_steps)
+    config = dataclasses.replace(config, num_steps=settings.num_scheduler_steps, ngram=ngram_config(settings))
     # a context the KV cache cannot hold could never be served: every request that asks for it would be
     # refused (a chat without max_tokens asks for all of it), so the limit is what the cache holds
     capacity = num_blocks * settings.block_size + 1  # (a sequence's last token is never cached)

@@ -36,6 +36,12 @@ class Metrics:
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Decodes that carried speculative draft tokens "
+                                   "(--num-speculative-tokens)", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens checked",
+                                         labels, registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted",
+                                     labels, registry=r)
         self.recoveries = Gauge("moemesh:recoveries", "Workers lost and the pipeline rebuilt without them", labels,
                                 registry=r)
         self.recovery_seconds = Gauge("moemesh:recovery_seconds", "Seconds spent recovering, in all", labels,
@@ -57,7 +63,7 @@ class Metrics:
         for reason in FINISHED_REASONS:
             self.requests.labels(model, reason)
         self._last_busy: tuple[float, list[float]] | None = None
-        self._last_totals = (0, 0, 0)  # the coordinator's running totals at the last status (see update_from_status)
+        self._last_totals = (0,) * 6  # the coordinator's running totals at the last status (see update_from_status)
         self._instance = None  # the coordinator that reported them
 
     def update_from_status(self, status, now: float) -> None:
@@ -78,11 +84,12 @@ class Metrics:
                 self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
         self._last_busy = (now, list(status.stage_busy_seconds))
         # the coordinator's running totals, as counters: what they rose by since the last status
-        totals = (status.prefix_cache_queries, status.prefix_cache_hits, status.num_preemptions)
+        totals = (status.prefix_cache_queries, status.prefix_cache_hits, status.num_preemptions, status.spec_drafts,
+                  status.spec_draft_tokens, status.spec_accepted_tokens)
         if status.instance != self._instance or any(t < last for t, last in zip(totals, self._last_totals)):
-            self._last_totals = (0, 0, 0)  # a new coordinator counts from zero again
+            self._last_totals = (0,) * len(totals)  # a new coordinator counts from zero again
         self._instance = status.instance
-        for counter, total, last in zip((self.prefix_queries, self.prefix_hits, self.preemptions), totals,
-                                        self._last_totals):
+        for counter, total, last in zip((self.prefix_queries, self.prefix_hits, self.preemptions, self.spec_drafts,
+                                         self.spec_draft_tokens, self.spec_accepted), totals, self._last_totals):
             counter.labels(m).inc(max(0, total - last))
         self._last_totals = totals

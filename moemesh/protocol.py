@@ -37,8 +37,9 @@ class ProtocolError(ValueError):
 # that lost every schedule). 4: schedules may hand a stage's last MLP to the next stage
 # (`Schedule.mlp_handoff`). 5: prompt logprobs carry each token's rank (`TokenLogprobs.rank`). 6: sampling
 # parameters may carry a structured output's grammar (`SamplingParams.grammar`: an older last stage would
-# sample without it). 7: and logit_bias, allowed_token_ids and bad_words (`SamplingParams`).
-PROTOCOL_VERSION = 7
+# sample without it). 7: and logit_bias, allowed_token_ids and bad_words (`SamplingParams`). 8: a decode may
+# carry draft tokens for the last stage to check (`SeqWork.draft`; an older one would sample after the last).
+PROTOCOL_VERSION = 8
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 
@@ -158,6 +159,9 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     mlp_handoff_steps: int = 0  # steps scheduled with an MLP handed to the next stage (Schedule.mlp_handoff)
     instance: str = ""  # random per coordinator process: a new value means a restarted coordinator
     workers_replaced: int = 0  # lost workers whose rank a restarted (or new) process took over
+    spec_drafts: int = 0  # speculative decoding (--num-speculative-tokens): decodes that carried draft tokens
+    spec_draft_tokens: int = 0  # the draft tokens they carried
+    spec_accepted_tokens: int = 0  # of which the last stage kept
     step_resets: int = 0  # pipeline resets because a step was overdue (--step-timeout)
     unreached: str = ""  # a link between stages that never connected (a wrong --advertise-host), named
     protocol: int = 0  # the coordinator's PROTOCOL_VERSION (0: older than the field): a gateway sends what it knows
@@ -281,6 +285,8 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     prompt_len: int = 0
     prompt_ids: list[int] | None = None
     cached_ids: list[int] | None = None
+    draft: int = 0  # speculative decoding: the last `draft` of token_ids are guesses for the last stage to
+    # check (its result holds the tokens it keeps: 1 to draft + 1 for the sequence, in order)
 
 
 class Schedule(msgspec.Struct, tag="schedule", frozen=True):

@@ -16,7 +16,8 @@ The classes, one per process role, share groups of fields by inheritance:
     ModelSettings      model, dtype, quantization, moe_backend      what a stage computes
     LayoutSettings     pp, tp, layer_partition, expert_parallel,     how the model is split
                        no_mlp_handoff
-    SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight, num_scheduler_steps
+    SchedulerSettings  block_size, max_batched_tokens, max_seqs, max_in_flight, num_scheduler_steps,
+                       num_speculative_tokens (and its n-gram lookup)
     WorkerResources    kv_memory, threads, device, ...               what each stage worker may use
     PipelineTimeouts   worker, register, ready, step, recovery       the coordinator's deadlines
     MeshSecurity       mesh_keys, insecure_mesh                      CurveZMQ on the mesh (every mesh process)
@@ -407,6 +408,18 @@ class SchedulerSettings(Settings):
                                        "none waits (vLLM's multi-step scheduling; --pp, --tp and --max-in-flight "
                                        "1): the worker feeds each sampled token back itself, and tokens stream in "
                                        "bursts of up to this many", parse=positive_int)
+    num_speculative_tokens: int = flag(0, "speculative decoding by prompt lookup: draft tokens a greedy request's "
+                                          "decode may carry, copied from where its last tokens occurred before in "
+                                          "its prompt or output; the last stage keeps those its argmax agrees "
+                                          "with, so the output is unchanged and repetitive text takes fewer steps "
+                                          "(0: off)", parse=non_negative_int)
+    ngram_prompt_lookup_max: int = flag(4, "with --num-speculative-tokens: the longest run of last tokens looked "
+                                           "up (tried first)", parse=positive_int)
+    ngram_prompt_lookup_min: int = flag(2, "with --num-speculative-tokens: the shortest run of last tokens "
+                                           "looked up", parse=positive_int)
+    speculative_disable_by_batch_size: int | None = flag(
+        None, "with --num-speculative-tokens: no draft tokens while more than this many requests run (a full "
+              "batch has little idle bandwidth to check guesses with)", parse=positive_int)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, Sampl
 from moemesh.sampling import SamplingParams
 from stage_worker.grammar import Grammars, GrammarState
 from stage_worker.runner import StageRunner, StepInput
-from stage_worker.sampler import SampleRow, TokenEdits, sample, token_logprobs, token_ranks
+from stage_worker.sampler import SampleRow, TokenEdits, greedy_tokens, sample, token_logprobs, token_ranks
 
 
 @dataclass
@@ -64,8 +64,7 @@ class StageExecutor:
         wall, start = time.time(), time.perf_counter()
         handed: list[int] = []  # the hand-offs this stage took part in (its span says so)
         try:
-            step = StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs],
-                             self._apply(sched), [w.sample for w in sched.seqs])
+            step = self._input(sched)
             handoff_in, handoff_out = self._handoff(sched)
             layers = self.runner.model.layer_range
             handed = [layers.start - 1] * handoff_in + [layers.stop - 1] * handoff_out
@@ -90,6 +89,31 @@ class StageExecutor:
         layers = self.runner.model.layer_range
         return layers.start - 1 in sched.mlp_handoff, not self.is_last and layers.stop - 1 in sched.mlp_handoff
 
+    def _input(self, sched: Schedule) -> StepInput:
+        """The step's tokens, positions and block tables. A decode with draft tokens runs as one decode row
+        per token, each at its own position over the same table: every row's K/V is written before any
+        row attends (stage_worker/layers/attention.py, the fused kernels' decoder layer), so row j sees
+        the tokens before it and itself, as a prefill chunk's causal mask lets it, and a step of decodes
+        with drafts stays a decode step (the fused path's, not the op-by-op one of prefill chunks). The
+        rows are the same, in the same order, either way."""
+        tables = self._apply(sched)
+        if not any(w.draft for w in sched.seqs):
+            return StepInput([w.token_ids for w in sched.seqs], [w.context_len for w in sched.seqs], tables,
+                             [w.sample for w in sched.seqs])
+        tokens, contexts, rows_tables, sample = [], [], [], []
+        for w, table in zip(sched.seqs, tables):
+            if w.draft:
+                tokens += [[t] for t in w.token_ids]
+                contexts += range(w.context_len, w.context_len + len(w.token_ids))
+                rows_tables += [table] * len(w.token_ids)
+                sample += [True] * len(w.token_ids)
+            else:
+                tokens.append(w.token_ids)
+                contexts.append(w.context_len)
+                rows_tables.append(table)
+                sample.append(w.sample)
+        return StepInput(tokens, contexts, rows_tables, sample)
+
     def _apply(self, sched: Schedule) -> list[list[int]]:
         """Forgets the sequences that ended; the step's block tables, brought up to date."""
         for seq_id in sched.forget:
@@ -98,6 +122,7 @@ class StageExecutor:
 
     def _sample(self, sched: Schedule, step: StepInput, stream, handoff_in: bool = False) -> StepResult:
         sample_rows, prompt_rows = [], []  # (row, seq) / (row, seq, position predicted)
+        drafted: list[tuple[int, SeqWork]] = []  # (first of its 1 + draft rows, a decode with draft tokens)
         row = 0
         for w in sched.seqs:
             st = self._fed(sched, w)
@@ -105,21 +130,47 @@ class StageExecutor:
                 for q in range(w.context_len, min(w.context_len + len(w.token_ids), st.prompt_len - 1)):
                     prompt_rows.append((row + q - w.context_len, w.seq_id, q + 1))
             row += len(w.token_ids)
-            if w.sample:
+            if w.draft:
+                if not (w.sample and w.draft < len(w.token_ids) and self._plain_greedy(st)):
+                    raise ValueError(f"step {sched.step_id}: sequence {w.seq_id}'s {w.draft} draft tokens need a "
+                                     f"decode that samples greedily with no logit edited or reported")
+                drafted.append((row - 1 - w.draft, w))
+            elif w.sample:
                 sample_rows.append((row - 1, w.seq_id))
+        draft_rows = [r + i for r, w in drafted for i in range(w.draft + 1)]
         if not prompt_rows and self.runner.model.can_screen and all(
                 self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows):
-            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows], greedy=True,
-                                         handoff_in=handoff_in).tolist()
-            return StepResult(sched.step_id, [SampledToken(seq_id, t) for (_, seq_id), t in zip(sample_rows, tokens)],
+            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows] + draft_rows,
+                                         greedy=True, handoff_in=handoff_in).tolist()
+            sampled = [SampledToken(seq_id, t) for (_, seq_id), t in zip(sample_rows, tokens)]
+            return StepResult(sched.step_id, sampled + self._verify(drafted, tokens[len(sample_rows):]),
                               busy_seconds=self.busy_seconds)
         logits = self.runner.execute(step, stream, handoff_in=handoff_in,
-                                     logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows])
+                                     logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows] + draft_rows)
+        n, m = len(sample_rows), len(sample_rows) + len(prompt_rows)
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
-        tokens, logprobs = sample(logits[:len(sample_rows)], rows, self.eos_token_ids, self.generator)
+        tokens, logprobs = sample(logits[:n], rows, self.eos_token_ids, self.generator)
         sampled = [SampledToken(seq_id, t, lp) for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
-        return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[len(sample_rows):], prompt_rows),
+        if drafted:
+            sampled += self._verify(drafted, greedy_tokens(logits[m:]).tolist())
+        return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[n:m], prompt_rows),
                           busy_seconds=self.busy_seconds)
+
+    def _verify(self, drafted: list[tuple[int, SeqWork]], greedy: list[int]) -> list[SampledToken]:
+        """The tokens each drafted decode keeps, from the greedy tokens of its 1 + draft rows in order:
+        row i's token is what follows its input and the first i drafts, so the tokens hold while each
+        agrees with the draft token after it, and the first that does not (or the one after the last
+        draft) ends them. The sequence's state here is cut back to the tokens its cache now holds."""
+        out, at = [], 0
+        for _, w in drafted:
+            mine, at = greedy[at:at + w.draft + 1], at + w.draft + 1
+            guesses = w.token_ids[len(w.token_ids) - w.draft:]
+            kept = 1
+            while kept <= w.draft and mine[kept - 1] == guesses[kept - 1]:
+                kept += 1
+            out += [SampledToken(w.seq_id, t) for t in mine[:kept]]
+            del self.seqs[w.seq_id].tokens[w.context_len + kept:]
+        return out
 
     def _fed(self, sched: Schedule, w: SeqWork) -> SeqState:
         """The sequence's sampling state with this step's tokens fed (created on admission)."""

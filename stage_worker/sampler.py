@@ -107,7 +107,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
             left = _ban(logits, i, banned, left, V)
         if p.has_penalties:
             _apply_penalties(logits[i], r, V)
-    tokens = _greedy(logits)
+    tokens = greedy_tokens(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
@@ -132,7 +132,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     return token_list, logprobs
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] long: the first maximum of each row (torch's max, faster than argmax on CPU;
     the native kernels' one pass over the rows where they are built)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1] > 0:

@@ -73,14 +73,17 @@ def test_prefill_logits_match(reference):
         assert rel_err(all_logits(engine, prompt), hf_logits(reference.hf, prompt)) < 1e-4
 
 
-@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step", "full-head", "screened-head",
-                                    "screened-head-onednn", "screened-multi-step", "screened-multi-step-onednn"])
+@pytest.mark.parametrize("layout", ["default", "chunked", "small-blocks", "multi-step", "speculative", "full-head",
+                                    "screened-head", "screened-head-onednn", "screened-multi-step",
+                                    "screened-multi-step-onednn"])
 def test_greedy_matches_transformers(reference, layout, monkeypatch):
     cfg = {
         "default": dict(block_size=16, num_kv_blocks=64),
         "chunked": dict(block_size=16, num_kv_blocks=64, max_batched_tokens=7),  # prompts in chunks
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
         "multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),  # decodes in bursts of 5
+        # decodes with up to 3 draft tokens from prompt lookup (any earlier occurrence of the last token)
+        "speculative": dict(block_size=4, num_kv_blocks=200, num_speculative_tokens=3, ngram_prompt_lookup_min=1),
         # greedy tokens from every float32 logit, or through the lm_head's screen (kernels/cpu_gemm.py
         # ScreenedHead: its copy multiplied by these kernels or by torch's matmul), whichever this CPU
         # would pick
@@ -105,6 +108,8 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    if layout == "speculative":
+        assert engine.scheduler.num_drafted > 0
     if layout == "full-head" or screened:
         assert engine.stages[-1].runner.model.can_screen == screened
         assert bool(calls) == screened  # (the bursts of several steps screen inside mm_greedy_decode)

@@ -186,6 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per schedule (as serve's flag; 1: a schedule per step)")
     m.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     m.add_argument("--json", action="store_true", help="one JSON line per (impl, batch)")
+    spb = bsub.add_parser("speculative", help="decode speed with prompt-lookup drafts (--num-speculative-tokens) "
+                                              "against the same engine without them, on text prompts")
+    spb.add_argument("--model", required=True)
+    spb.add_argument("--prompts", default=None, help="JSON lines, each with a \"text\" (default: the repository's "
+                                                     "eval/demo/heldout.jsonl)")
+    spb.add_argument("--batch", type=positive_int_list, default=[1, 8])
+    spb.add_argument("--prompt-len", type=positive_int, default=256, help="tokens of each text the prompt keeps")
+    spb.add_argument("--new", type=positive_int, default=128, help="tokens generated per prompt")
+    spb.add_argument("--num-speculative-tokens", type=positive_int_list, default=[2, 3, 4],
+                     help="draft lengths measured, each against no drafts")
+    spb.add_argument("--lookup-min", type=positive_int, default=EngineSettings.ngram_prompt_lookup_min,
+                     help="as serve's --ngram-prompt-lookup-min")
+    spb.add_argument("--lookup-max", type=positive_int, default=EngineSettings.ngram_prompt_lookup_max,
+                     help="as serve's --ngram-prompt-lookup-max")
+    spb.add_argument("--threads", type=threads_int, default=1)
+    spb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    spb.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
+    spb.add_argument("--repeats", type=positive_int, default=3, help="runs of each figure; the best is printed")
+    spb.add_argument("--json", action="store_true", help="one JSON line per (batch, draft length)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")
     tb.add_argument("--model", required=True)
     tb.add_argument("--pp", type=positive_int_list, default=[1, 2], help="pipeline stages of each layout, e.g. 1,2")
@@ -448,6 +467,10 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: li
             from moemesh.entrypoints.bench.throughput import run_throughput_bench
 
             return run_throughput_bench(args)
+        if args.command == "bench" and args.bench == "speculative":
+            from moemesh.entrypoints.bench.speculative import run_speculative_bench
+
+            return run_speculative_bench(args)
         if args.command == "bench" and args.bench == "model":
             from moemesh.entrypoints.bench.model import run_model_bench
 

@@ -1,0 +1,103 @@
+"""`moemesh bench speculative`: what prompt-lookup drafts (--num-speculative-tokens) buy on a text
+workload, against the same engine without them, in one process.
+
+The prompts are the first --prompt-len tokens of the texts in --prompts (JSON lines with a "text";
+by default eval/demo/heldout.jsonl, Python source the demo model did not train on), tokenized by the
+model's tokenizer. For each batch size the in-process engine without drafts, then with each
+--num-speculative-tokens value, prefills the batch's prompts in one step and decodes --new greedy
+tokens for each; each figure is the best of --repeats runs. Every run's tokens must equal the
+baseline's: the command fails where they do not. Printed per (batch, k): decode tokens/s, its ratio
+to the baseline's, the share of draft tokens kept, and tokens per decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from moemesh.entrypoints.engine import LLMEngine
+from moemesh.errors import CLIError
+from moemesh.sampling import SamplingParams
+from moemesh.settings import EngineSettings
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "eval" / "demo" / "heldout.jsonl"
+
+
+def load_prompts(path: str | None, model: str, n: int, prompt_len: int) -> list[list[int]]:
+    from moemesh.tokenizer import TextTokenizer
+
+    file = Path(path) if path else DEFAULT_PROMPTS
+    if not file.is_file():
+        raise CLIError(f"--prompts {file}: no such file (JSON lines, each with a \"text\")")
+    texts = []
+    with open(file, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    texts.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise CLIError(f"--prompts {file}, line {i}: not a JSON object with a \"text\"") from None
+    tok = TextTokenizer(model)
+    prompts = [ids[:prompt_len] for ids in (tok.encode(t) for t in texts) if len(ids) >= prompt_len]
+    if len(prompts) < n:
+        raise CLIError(f"--prompts {file}: {len(prompts)} texts of at least {prompt_len} tokens, and the largest "
+                       f"--batch needs {n}")
+    return prompts[:n]
+
+
+def decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, int, int]:
+    """-> (each prompt's tokens, seconds decoding after every prompt has its first token, tokens made
+    then, steps then)."""
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    made, steps = sum(len(s.output_ids) for s in seqs), engine.loop.steps
+    t = time.perf_counter()
+    while engine.core.has_work():
+        engine.step()
+    seconds = time.perf_counter() - t
+    return ([s.output_ids for s in seqs], seconds, sum(len(s.output_ids) for s in seqs) - made,
+            engine.loop.steps - steps)
+
+
+def run_speculative_bench(args) -> int:
+    if args.new < 2:
+        raise CLIError("--new must be at least 2 (decode steps are what is measured)")
+    torch.set_num_threads(args.threads)
+    biggest = max(args.batch)
+    prompts = load_prompts(args.prompts, args.model, biggest, args.prompt_len)
+    baseline: dict[int, tuple[list[list[int]], float]] = {}
+    for k in [0, *args.num_speculative_tokens]:
+        engine = LLMEngine(EngineSettings(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                          max_seqs=biggest, max_batched_tokens=max(512, biggest * args.prompt_len),
+                                          num_kv_blocks=biggest * -(-(args.prompt_len + args.new) // 16) + biggest,
+                                          num_speculative_tokens=k, ngram_prompt_lookup_min=args.lookup_min,
+                                          ngram_prompt_lookup_max=args.lookup_max), progress=None)
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+        for batch in args.batch:
+            best, stats = 0.0, None
+            for _ in range(args.repeats):
+                s = engine.scheduler
+                drafted, accepted = s.num_drafted, s.num_accepted
+                tokens, seconds, made, steps = decode(engine, prompts[:batch], args.new)
+                if k == 0:
+                    baseline.setdefault(batch, (tokens, 0.0))
+                elif tokens != baseline[batch][0]:
+                    raise CLIError(f"batch {batch}, --num-speculative-tokens {k}: the tokens differ from the run "
+                                   f"without drafts")
+                if made / seconds > best:
+                    best = made / seconds
+                    stats = (s.num_accepted - accepted, s.num_drafted - drafted, made / steps)
+            if k == 0:
+                baseline[batch] = (baseline[batch][0], best)
+            row = {"model": Path(args.model).name, "batch": batch, "num_speculative_tokens": k,
+                   "tok_per_s": round(best, 1), "vs_baseline": round(best / baseline[batch][1], 3),
+                   "acceptance": round(stats[0] / stats[1], 3) if stats[1] else None,
+                   "tokens_per_step": round(stats[2] / batch, 2)}
+            print(json.dumps(row) if args.json else "  ".join(f"{key}={v}" for key, v in row.items()), flush=True)
+        del engine
+    return 0
