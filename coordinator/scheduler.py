@@ -227,7 +227,7 @@ class Scheduler:
             return []
         if seq.ngram is None:
             seq.ngram = NgramIndex(ngram.min_n, ngram.max_n)
-        return seq.ngram.propose(seq.token_ids, k)
+        return seq.ngram.propose(seq, k)
 
     def _take_draft(self, seq: Sequence, draft: list[int]) -> ScheduledSeq:
         """A decode with draft tokens: blocks for all of them now; the sequence counts its last token

@@ -417,9 +417,10 @@ class SchedulerSettings(Settings):
                                            "up (tried first)", parse=positive_int)
     ngram_prompt_lookup_min: int = flag(2, "with --num-speculative-tokens: the shortest run of last tokens "
                                            "looked up", parse=positive_int)
-    speculative_disable_by_batch_size: int | None = flag(
-        None, "with --num-speculative-tokens: no draft tokens while more than this many requests run (a full "
-              "batch has little idle bandwidth to check guesses with)", parse=positive_int)
+    speculative_disable_by_batch_size: int = flag(
+        4, "with --num-speculative-tokens: no draft tokens while more than this many requests run (a larger "
+           "batch has less idle bandwidth to check guesses with: on this project's CPU drafts paid up to 4 "
+           "sequences and lost from 16, docs/benchmarks.md)", parse=positive_int)
 
 
 @dataclass(frozen=True)

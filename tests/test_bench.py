@@ -224,3 +224,19 @@ def test_bench_throughput_takes_the_quantization_and_measures_the_partition_for_
               "--new", "3", "--layer-partition", "auto:4:3", "--quantization", "int8"])
     assert seen.value.args[0].quantization == "int8"
     assert [(k["quantization"], k["rows"], k["context"], k["prompt_len"]) for k in asked] == [("int8", 3, 5, 4)]
+
+
+def test_bench_speculative_compares_drafts_with_none_on_the_same_prompts(capsys, tmp_path):
+    demo = "moemesh/demo_model"
+    assert main(["bench", "speculative", "--model", demo, "--batch", "1,2", "--prompt-len", "48", "--new", "12",
+                 "--num-speculative-tokens", "2", "--repeats", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["batch"], r["num_speculative_tokens"]) for r in rows] == [(1, 0), (2, 0), (1, 2), (2, 2)]
+    assert all(r["tok_per_s"] > 0 and r["vs_baseline"] > 0 for r in rows)
+    assert rows[0]["vs_baseline"] == 1.0 and rows[0]["acceptance"] is None
+    assert any(r["acceptance"] is not None and r["tokens_per_step"] > 1 for r in rows[2:])  # (source repeats itself)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"words": "no text"}\n')
+    with pytest.raises(SystemExit):
+        main(["bench", "speculative", "--model", demo, "--prompts", str(bad)])
+    assert "line 1: not a JSON object with a \"text\" or a \"prompt\"" in capsys.readouterr().err

@@ -113,7 +113,8 @@ async def generate_all(mesh: LocalMesh, prompts, params):
 @pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=2), dict(pp=4),
                                     dict(pp=2, layer_partition=(1, 3), max_batched_tokens=8),
                                     dict(pp=1, num_scheduler_steps=4),
-                                    dict(pp=2, num_speculative_tokens=3, ngram_prompt_lookup_min=1)],
+                                    dict(pp=2, num_speculative_tokens=3, ngram_prompt_lookup_min=1,
+                                         speculative_disable_by_batch_size=16)],
                          ids=["pp1", "pp2", "pp4", "pp2-uneven-chunked", "pp1-multi-step", "pp2-speculative"])
 def test_greedy_through_the_mesh_matches_in_process_and_transformers(model, reference, layout):
     results, status = run(generate_all(mesh_for(model[0], **layout), PROMPTS, GREEDY))

@@ -83,7 +83,8 @@ def test_greedy_matches_transformers(reference, layout, monkeypatch):
         "small-blocks": dict(block_size=2, num_kv_blocks=400),
         "multi-step": dict(block_size=4, num_kv_blocks=200, num_scheduler_steps=5),  # decodes in bursts of 5
         # decodes with up to 3 draft tokens from prompt lookup (any earlier occurrence of the last token)
-        "speculative": dict(block_size=4, num_kv_blocks=200, num_speculative_tokens=3, ngram_prompt_lookup_min=1),
+        "speculative": dict(block_size=4, num_kv_blocks=200, num_speculative_tokens=3, ngram_prompt_lookup_min=1,
+                            speculative_disable_by_batch_size=8),
         # greedy tokens from every float32 logit, or through the lm_head's screen (kernels/cpu_gemm.py
         # ScreenedHead: its copy multiplied by these kernels or by torch's matmul), whichever this CPU
         # would pick

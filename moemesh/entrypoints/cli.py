@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     spb = bsub.add_parser("speculative", help="decode speed with prompt-lookup drafts (--num-speculative-tokens) "
                                               "against the same engine without them, on text prompts")
     spb.add_argument("--model", required=True)
-    spb.add_argument("--prompts", default=None, help="JSON lines, each with a \"text\" (default: the repository's "
-                                                     "eval/demo/heldout.jsonl)")
+    spb.add_argument("--prompts", default=None, help="JSON lines, each with a \"text\" or a \"prompt\" (default: the "
+                                                     "repository's eval/demo/heldout.jsonl)")
     spb.add_argument("--batch", type=positive_int_list, default=[1, 8])
     spb.add_argument("--prompt-len", type=positive_int, default=256, help="tokens of each text the prompt keeps")
     spb.add_argument("--new", type=positive_int, default=128, help="tokens generated per prompt")

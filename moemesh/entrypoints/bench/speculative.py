@@ -1,10 +1,12 @@
 """`moemesh bench speculative`: what prompt-lookup drafts (--num-speculative-tokens) buy on a text
 workload, against the same engine without them, in one process.
 
-The prompts are the first --prompt-len tokens of the texts in --prompts (JSON lines with a "text";
+The prompts are windows of --prompt-len tokens of the texts in --prompts (JSON lines with a "text"
+or a "prompt"; the first window of each text, then the second of each, and so on;
 by default eval/demo/heldout.jsonl, Python source the demo model did not train on), tokenized by the
 model's tokenizer. For each batch size the in-process engine without drafts, then with each
---num-speculative-tokens value, prefills the batch's prompts in one step and decodes --new greedy
+--num-speculative-tokens value (drafting at every batch size measured), prefills the batch's prompts
+in one step and decodes --new greedy
 tokens for each; each figure is the best of --repeats runs. Every run's tokens must equal the
 baseline's: the command fails where they do not. Printed per (batch, k): decode tokens/s, its ratio
 to the baseline's, the share of draft tokens kept, and tokens per decode step.
@@ -31,20 +33,25 @@ def load_prompts(path: str | None, model: str, n: int, prompt_len: int) -> list[
 
     file = Path(path) if path else DEFAULT_PROMPTS
     if not file.is_file():
-        raise CLIError(f"--prompts {file}: no such file (JSON lines, each with a \"text\")")
+        raise CLIError(f"--prompts {file}: no such file (JSON lines, each with a \"text\" or a \"prompt\")")
     texts = []
     with open(file, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    texts.append(json.loads(line)["text"])
+                    row = json.loads(line)
+                    texts.append(row["text"] if "text" in row else row["prompt"])
                 except (ValueError, KeyError, TypeError):
-                    raise CLIError(f"--prompts {file}, line {i}: not a JSON object with a \"text\"") from None
+                    raise CLIError(f"--prompts {file}, line {i}: not a JSON object with a \"text\" or a "
+                                   f"\"prompt\"") from None
     tok = TextTokenizer(model)
-    prompts = [ids[:prompt_len] for ids in (tok.encode(t) for t in texts) if len(ids) >= prompt_len]
+    # each text cut into windows of prompt_len tokens; the first window of every text, then the second...
+    windows = [[ids[i:i + prompt_len] for i in range(0, len(ids) - prompt_len + 1, prompt_len)]
+               for ids in (tok.encode(t) for t in texts)]
+    prompts = [w[r] for r in range(max(map(len, windows), default=0)) for w in windows if r < len(w)]
     if len(prompts) < n:
-        raise CLIError(f"--prompts {file}: {len(prompts)} texts of at least {prompt_len} tokens, and the largest "
-                       f"--batch needs {n}")
+        raise CLIError(f"--prompts {file}: {len(prompts)} windows of {prompt_len} tokens in its texts, and the "
+                       f"largest --batch needs {n}")
     return prompts[:n]
 
 
@@ -76,7 +83,8 @@ def run_speculative_bench(args) -> int:
                                           max_seqs=biggest, max_batched_tokens=max(512, biggest * args.prompt_len),
                                           num_kv_blocks=biggest * -(-(args.prompt_len + args.new) // 16) + biggest,
                                           num_speculative_tokens=k, ngram_prompt_lookup_min=args.lookup_min,
-                                          ngram_prompt_lookup_max=args.lookup_max), progress=None)
+                                          ngram_prompt_lookup_max=args.lookup_max,
+                                          speculative_disable_by_batch_size=biggest), progress=None)
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         for batch in args.batch:
             best, stats = 0.0, None
