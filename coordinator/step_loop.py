@@ -39,19 +39,6 @@ def in_flight_limit(settings: SchedulerSettings, pp: int) -> int:
     return settings.max_in_flight or pp
 
 
-def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
-    """Several decode steps per schedule need a stage that embeds the tokens it samples and is the
-    only rank to sample them (a pipeline of one stage of one rank), and a step that holds every
-    running sequence (one microbatch in flight)."""
-    n = settings.num_scheduler_steps
-    if n > 1 and (pp > 1 or tp > 1):
-        raise ConfigError(f"--num-scheduler-steps {n} needs a pipeline of one stage of one rank (--pp 1 --tp 1), "
-                          f"not --pp {pp} --tp {tp}")
-    if n > 1 and in_flight_limit(settings, pp) > 1:
-        raise ConfigError(f"--num-scheduler-steps {n} runs one microbatch of every sequence: it cannot take "
-                          f"--max-in-flight {settings.max_in_flight}")
-
-
 def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     """Speculative decoding's settings, checked; None when it is off."""
     if not settings.num_speculative_tokens:
@@ -63,6 +50,21 @@ def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
         raise ConfigError(f"--num-speculative-tokens and --num-scheduler-steps {settings.num_scheduler_steps} "
                           f"are two ways to take several tokens a step: choose one")
     return NgramConfig(settings.num_speculative_tokens, lo, hi, settings.speculative_disable_by_batch_size)
+
+
+def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:
+    """Several decode steps per schedule need a stage that embeds the tokens it samples and is the
+    only rank to sample them (a pipeline of one stage of one rank), and a step that holds every
+    running sequence (one microbatch in flight). Speculative decoding's settings are checked here too
+    (`ngram_config`): every command that starts an engine or a coordinator calls this first."""
+    n = settings.num_scheduler_steps
+    if n > 1 and (pp > 1 or tp > 1):
+        raise ConfigError(f"--num-scheduler-steps {n} needs a pipeline of one stage of one rank (--pp 1 --tp 1), "
+                          f"not --pp {pp} --tp {tp}")
+    if n > 1 and in_flight_limit(settings, pp) > 1:
+        raise ConfigError(f"--num-scheduler-steps {n} runs one microbatch of every sequence: it cannot take "
+                          f"--max-in-flight {settings.max_in_flight}")
+    ngram_config(settings)  # (and the drafts' settings, before any process starts)
 
 
 def make_core(settings: SchedulerSettings, model: ModelConfig, num_blocks: int, pp: int = 1, tp: int = 1,

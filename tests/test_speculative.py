@@ -341,3 +341,27 @@ def test_the_settings_refuse_what_cannot_work(model_dir):
     with pytest.raises(ConfigError, match="--num-speculative-tokens and --num-scheduler-steps"):
         LLMEngine(EngineSettings(model=str(model_dir), num_speculative_tokens=2, num_scheduler_steps=4),
                   progress=False)
+
+
+def test_the_gateway_counts_drafts_as_vllm_does_and_a_new_coordinator_from_zero():
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import Metrics
+    from moemesh.protocol import StatusReply
+
+    def status(instance, drafts, tokens, accepted):
+        return StatusReply(True, 8, 8, 0, 0, 0, [0.0], [0.0], 1.0, 0, instance=instance, spec_drafts=drafts,
+                           spec_draft_tokens=tokens, spec_accepted_tokens=accepted)
+
+    def counted(m):
+        text = generate_latest(m.registry).decode()
+        return [float(next(line.split()[-1] for line in text.splitlines()
+                           if line.startswith(f"vllm:spec_decode_num_{name}_total{{")))
+                for name in ("drafts", "draft_tokens", "accepted_tokens")]
+
+    m = Metrics("m")
+    m.update_from_status(status("a", 2, 6, 3), 1.0)
+    m.update_from_status(status("a", 5, 15, 9), 2.0)
+    assert counted(m) == [5, 15, 9]
+    m.update_from_status(status("b", 1, 3, 1), 3.0)  # a restarted coordinator counts from zero again
+    assert counted(m) == [6, 18, 10]
