@@ -45,6 +45,12 @@ class Ended:
         return len(self.output_ids) + sum(1 + len(lp.top) for lp in self.logprobs or ())
 
 
+def _kept(draft: tuple[int, ...], got: list[SampledToken]) -> bool:
+    """Whether a sampling row's tokens in a result are what its step can give: one token, or for a decode
+    with a draft, the draft tokens the last stage kept (a prefix of the draft) and one after them."""
+    return 1 <= len(got) <= 1 + len(draft) and all(s.token_id == d for s, d in zip(got[:-1], draft))
+
+
 class EngineCore:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  eos_token_ids: tuple[int, ...], vocab_size: int, prefix_caching: bool = False,
@@ -136,7 +142,8 @@ class EngineCore:
                 for i in step.items if i.seq.prompt_logprobs is not None)
             # (a decode with drafts is a decode: its rows run as decode rows, and a step of decodes hands
             # no MLP over)
-            handoff = self.handoff.choose([1 if w.draft else len(w.token_ids) for w in seqs], head_rows)
+            decodes = all(w.draft or len(w.token_ids) == 1 for w in seqs)
+            handoff = [] if decodes else self.handoff.choose([len(w.token_ids) for w in seqs], head_rows)
             self.handoff_steps += bool(handoff)
         return Schedule(step_id, seqs, forget, num_steps=step.num_steps, mlp_handoff=handoff)
 
@@ -151,9 +158,9 @@ class EngineCore:
         if missing:  # refuse before touching any state
             raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
         if step.num_steps == 1 and (bad := next((item.seq.seq_id for item in step.items if item.sample and not
-                                                 len(by_seq[item.seq.seq_id]) <= 1 + len(item.draft)), None)) is not None:
-            raise ValueError(f"result for step {result.step_id} holds more tokens of sequence {bad} than its "
-                             f"draft allows")
+                                                 _kept(item.draft, by_seq[item.seq.seq_id])), None)) is not None:
+            raise ValueError(f"result for step {result.step_id} holds tokens of sequence {bad} that its draft does not "
+                             f"allow (one, or the draft tokens kept and one after them)")
         V = self.vocab_size
         bad = next((t for s in result.sampled for t in (s.token_id, *(a for a, _ in (s.logprobs.top if s.logprobs else ())))
                     if not 0 <= t < V), None)

@@ -123,13 +123,16 @@ class Scheduler:
         block_size = self.blocks.block_size
         ngram = self.config.ngram
         drafting = ngram is not None and (ngram.max_batch is None or len(self.running) <= ngram.max_batch)
+        # (drafts leave a token of the budget to each running sequence after them with one to compute)
+        behind = sum(s.num_pending > 0 for s in self.running) if drafting else 0
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
                 break
             pending = seq.num_pending
+            behind -= pending > 0
             if pending == 0 or seq.status is not Status.RUNNING:
                 continue  # awaiting its sampled token, or preempted just now to make room for an older one
-            if pending == 1 and drafting and budget > 1 and (draft := self._draft(seq, budget - 1)):
+            if pending == 1 and drafting and budget > 1 + behind and (draft := self._draft(seq, budget - 1 - behind)):
                 items.append(self._take_draft(seq, draft))
                 scheduled.add(seq.seq_id)
                 budget -= 1 + len(draft)
@@ -295,15 +298,22 @@ class Scheduler:
         seq = item.seq
         if seq.finished:  # aborted while its step was in flight
             return
+        reason, n = None, 0
+        for token in kept:
+            seq.output_ids.append(token)
+            n += 1
+            if reason := self._stop_reason(seq):
+                break
         self.num_drafts += 1
         self.num_drafted += len(item.draft)
-        self.num_accepted += len(kept) - 1
-        for token in kept:
-            self._append(seq, token, finished)
-            if seq.finished:
-                return
-        seq.num_computed = item.context_len + len(kept)
+        self.num_accepted += n - 1
+        # its blocks now hold the K/V of the input token and the n - 1 drafts kept: shareable, also where
+        # the sequence ends here (its blocks go back to the pool with their hashes)
+        seq.num_computed = item.context_len + n
         self.blocks.cache_computed(seq, seq.num_computed)
+        if reason:
+            self.finish(seq, reason)
+            finished.append(seq)
 
     def update_steps(self, step: Step, sampled: list[list[tuple[int, object]]]) -> list[Sequence]:
         """`update` for a step of several decode steps: sampled[j][i], the (token, logprobs or None) of

@@ -411,8 +411,9 @@ class SchedulerSettings(Settings):
     num_speculative_tokens: int = flag(0, "speculative decoding by prompt lookup: draft tokens a greedy request's "
                                           "decode may carry, copied from where its last tokens occurred before in "
                                           "its prompt or output; the last stage keeps those its argmax agrees "
-                                          "with, so the output is unchanged and repetitive text takes fewer steps "
-                                          "(0: off)", parse=non_negative_int)
+                                          "with, so repetitive text takes fewer steps to the same output (in "
+                                          "float32; in bfloat16 or int8 a step's extra rows can tip a near-tie, "
+                                          "as a larger batch can) (0: off)", parse=non_negative_int)
     ngram_prompt_lookup_max: int = flag(4, "with --num-speculative-tokens: the longest run of last tokens looked "
                                            "up (tried first)", parse=positive_int)
     ngram_prompt_lookup_min: int = flag(2, "with --num-speculative-tokens: the shortest run of last tokens "

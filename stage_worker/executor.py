@@ -131,19 +131,22 @@ class StageExecutor:
                     prompt_rows.append((row + q - w.context_len, w.seq_id, q + 1))
             row += len(w.token_ids)
             if w.draft:
-                if not (w.sample and w.draft < len(w.token_ids) and self._plain_greedy(st)):
+                if not (w.sample and w.draft == len(w.token_ids) - 1 and self._plain_greedy(st)):
                     raise ValueError(f"step {sched.step_id}: sequence {w.seq_id}'s {w.draft} draft tokens need a "
-                                     f"decode that samples greedily with no logit edited or reported")
+                                     f"decode of its last token and them that samples greedily with no logit edited "
+                                     f"or reported")
                 drafted.append((row - 1 - w.draft, w))
             elif w.sample:
                 sample_rows.append((row - 1, w.seq_id))
         draft_rows = [r + i for r, w in drafted for i in range(w.draft + 1)]
         if not prompt_rows and self.runner.model.can_screen and all(
                 self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows):
-            tokens = self.runner.execute(step, stream, logit_rows=[r for r, _ in sample_rows] + draft_rows,
-                                         greedy=True, handoff_in=handoff_in).tolist()
-            sampled = [SampledToken(seq_id, t) for (_, seq_id), t in zip(sample_rows, tokens)]
-            return StepResult(sched.step_id, sampled + self._verify(drafted, tokens[len(sample_rows):]),
+            # the rows in the batch's order (a step of decodes, every row sampled, takes the fused head)
+            rows = sorted([r for r, _ in sample_rows] + draft_rows)
+            by_row = dict(zip(rows, self.runner.execute(step, stream, logit_rows=rows, greedy=True,
+                                                        handoff_in=handoff_in).tolist()))
+            sampled = [SampledToken(seq_id, by_row[r]) for r, seq_id in sample_rows]
+            return StepResult(sched.step_id, sampled + self._verify(drafted, [by_row[r] for r in draft_rows]),
                               busy_seconds=self.busy_seconds)
         logits = self.runner.execute(step, stream, handoff_in=handoff_in,
                                      logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows] + draft_rows)
@@ -160,7 +163,8 @@ class StageExecutor:
         """The tokens each drafted decode keeps, from the greedy tokens of its 1 + draft rows in order:
         row i's token is what follows its input and the first i drafts, so the tokens hold while each
         agrees with the draft token after it, and the first that does not (or the one after the last
-        draft) ends them. The sequence's state here is cut back to the tokens its cache now holds."""
+        draft) ends them. (The sequence's tokens here keep the refused drafts until its next step, whose
+        context length cuts them, as it cuts any tokens past it: `_fed`.)"""
         out, at = [], 0
         for _, w in drafted:
             mine, at = greedy[at:at + w.draft + 1], at + w.draft + 1
@@ -169,7 +173,6 @@ class StageExecutor:
             while kept <= w.draft and mine[kept - 1] == guesses[kept - 1]:
                 kept += 1
             out += [SampledToken(w.seq_id, t) for t in mine[:kept]]
-            del self.seqs[w.seq_id].tokens[w.context_len + kept:]
         return out
 
     def _fed(self, sched: Schedule, w: SeqWork) -> SeqState:

@@ -224,15 +224,18 @@ def test_a_sequence_aborted_while_its_draft_is_in_flight_takes_none_of_it():
     assert core.blocks.num_free == core.blocks.num_blocks
 
 
-def test_a_result_with_more_tokens_than_the_draft_allows_is_refused_untouched():
+def test_a_result_the_draft_does_not_allow_is_refused_untouched():
     core = make_core(k=2)
     seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=10, temperature=0))
     stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2]})
     core.process_result(stage(core.next_schedule()))
     sched = core.next_schedule()
     assert sched.seqs[0].draft == 2
-    with pytest.raises(ValueError, match="more tokens of sequence"):
+    with pytest.raises(ValueError, match="tokens of sequence 0 that its draft does not allow"):
         core.process_result(StepResult(sched.step_id, [SampledToken(seq.seq_id, 2)] * 4))
+    assert sched.step_id in core.in_flight and seq.output_ids == [2]
+    with pytest.raises(ValueError, match="that its draft does not allow"):  # a token kept that the draft lacks
+        core.process_result(StepResult(sched.step_id, [SampledToken(seq.seq_id, 2), SampledToken(seq.seq_id, 1)]))
     assert sched.step_id in core.in_flight and seq.output_ids == [2]
     core.process_result(stage(sched))
     assert seq.output_ids == [2, 1, 2, 1]
@@ -326,12 +329,33 @@ def test_whatever_the_drafts_the_tokens_are_the_models(model_dir, guess, monkeyp
         assert eng.loop.steps == 1 + 6
 
 
-def test_prefix_caching_shares_what_drafted_steps_computed(model_dir):
-    eng = engine(model_dir, 3)
+def test_blocks_drafted_steps_filled_serve_later_prompts_as_they_would_without(model_dir):
+    """Prompts that run on into what a first run generated: their blocks past the first prompts were
+    filled by drafted steps (refused drafts' K/V written, then written over), and a prefix cache that
+    hashed a block before its K/V were the kept tokens' would give other tokens here."""
+    eng = engine(model_dir, 3)  # (4-token blocks)
     first = generate(eng, GREEDY)
-    again = generate(eng, GREEDY)  # (each prompt's blocks found in the cache now)
-    assert first == again == generate(engine(model_dir, 0), GREEDY)
-    assert eng.blocks.hits > 0
+    longer = [p + out[:13] for p, (out, _, _) in zip(PROMPTS, first)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    hits = eng.blocks.hits
+    got = [o.token_ids for o in eng.generate(longer, params)]
+    assert got == [o.token_ids for o in engine(model_dir, 0, no_prefix_caching=True).generate(longer, params)]
+    assert eng.blocks.hits - hits > sum(len(p) // 4 * 4 for p in PROMPTS)  # (blocks of generated tokens hit)
+
+
+def test_a_stop_among_the_kept_tokens_leaves_their_blocks_in_the_cache():
+    core = EngineCore(SchedulerConfig(64, 16, 512, ngram=NgramConfig(3, 1, 3)), 64, 2, (EOS,), VOCAB,
+                      prefix_caching=True)
+    seq = core.add("a", [5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[9]))
+    stage = Oracle({seq.seq_id: [7, 8, 9, 1]})
+    core.process_result(stage(core.next_schedule()))  # the prefill (positions 0..6): 7
+    sched = core.next_schedule()
+    assert sched.seqs[0].draft == 3 and sched.seqs[0].token_ids == [7, 8, 9, 5]
+    core.process_result(stage(sched))  # keeps 8, then the stop token 9: the sequence ends there
+    assert seq.finish_reason == "stop" and seq.output_ids == [7, 8, 9]
+    # positions 0..8 computed (the prompt, 7 and the kept 8): four full 2-token blocks for the next request
+    nxt = core.add("b", [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 1], SamplingParams(max_tokens=1, temperature=0))
+    assert len(core.blocks.lookup(nxt)) == 4
 
 
 def test_the_settings_refuse_what_cannot_work(model_dir):
@@ -365,3 +389,17 @@ def test_the_gateway_counts_drafts_as_vllm_does_and_a_new_coordinator_from_zero(
     assert counted(m) == [5, 15, 9]
     m.update_from_status(status("b", 1, 3, 1), 3.0)  # a restarted coordinator counts from zero again
     assert counted(m) == [6, 18, 10]
+
+
+def test_drafts_leave_a_token_of_the_budget_to_each_decode_after_them():
+    import dataclasses
+
+    core = make_core(k=3)
+    a = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=10, temperature=0))
+    b = core.add("b", [3, 4, 3, 4, 3], SamplingParams(max_tokens=10, temperature=0))
+    c = core.add("c", [5, 6, 5, 6, 5], SamplingParams(max_tokens=10, temperature=0))
+    stage = Oracle({a.seq_id: [2, 1] * 5, b.seq_id: [4, 3] * 5, c.seq_id: [6, 5] * 5})
+    core.process_result(stage(core.next_schedule()))  # the three prefills
+    core.scheduler.config = dataclasses.replace(core.scheduler.config, max_num_batched_tokens=4)
+    sched = core.next_schedule()
+    assert [(w.seq_id, w.draft) for w in sched.seqs] == [(a.seq_id, 1), (b.seq_id, 0), (c.seq_id, 0)]

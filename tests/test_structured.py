@@ -140,6 +140,20 @@ def test_constraints_hold_through_preemption_and_multi_step_schedules(model, ora
         assert (engine.scheduler.num_preemptions > 0) == ("num_kv_blocks" in cfg)  # (the pool is small on purpose)
 
 
+def test_constrained_rows_beside_decodes_with_drafts_keep_their_tokens(model, oracle):
+    """Speculative decoding drafts for plain greedy rows only: constrained rows in the same steps decode
+    one token a step, masked as before, and the greedy rows keep their own tokens."""
+    name_prompt = [(name, prompt) for name in ("json", "regex") for prompt in PROMPTS[:2]]
+    params = [SamplingParams(max_tokens=24, temperature=0, grammar=grammar_of(CASES[name][0]))
+              for name, _ in name_prompt]
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = [o.token_ids for o in _engine(model).generate(PROMPTS, [plain] * len(PROMPTS))]
+    engine = _engine(model, num_speculative_tokens=3, ngram_prompt_lookup_min=1, speculative_disable_by_batch_size=64)
+    outs = engine.generate([p for _, p in name_prompt] + PROMPTS, params + [plain] * len(PROMPTS))
+    assert [o.token_ids for o in outs] == [oracle(p, sp.grammar, 24) for (_, p), sp in zip(name_prompt, params)] + free
+    assert engine.scheduler.num_drafted > 0
+
+
 def test_sampled_answers_follow_their_constraint(model):
     engine = _engine(model)
     for name, (fields, check) in CASES.items():

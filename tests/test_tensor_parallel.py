@@ -37,13 +37,16 @@ def run_layout(path, **layout):
     assert status.num_free_blocks == status.num_blocks
     assert (status.mlp_handoff_steps > 0) == (layout.get("layer_partition") == (3, 1))
     assert [t for t, _ in again] == [t for t, _ in results] and status.prefix_cache_hits >= 16
+    assert (status.spec_draft_tokens > 0) == bool(layout.get("num_speculative_tokens"))
     return [t for t, _ in results]
 
 
 # (3, 1): the prompt step hands the third layer's MLP, sliced over the ranks as the first stage slices it,
 # to the last stage (the MLP hand-off)
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2), dict(tp=2, pp=2, layer_partition=(3, 1))],
-                         ids=["tp2", "tp2-pp2", "tp2-pp2-handoff"])
+# speculative: every rank of the last stage checks the drafts (greedy: all of them alike)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2), dict(tp=2, pp=2, layer_partition=(3, 1)),
+                                    dict(tp=2, pp=2, num_speculative_tokens=3, ngram_prompt_lookup_min=1)],
+                         ids=["tp2", "tp2-pp2", "tp2-pp2-handoff", "tp2-pp2-speculative"])
 def test_greedy_parity_with_transformers(checkpoint, layout):
     arch, path, reference = checkpoint
     assert run_layout(path, **layout) == reference

@@ -7,8 +7,9 @@ by default eval/demo/heldout.jsonl, Python source the demo model did not train o
 model's tokenizer. For each batch size the in-process engine without drafts, then with each
 --num-speculative-tokens value (drafting at every batch size measured), prefills the batch's prompts
 in one step and decodes --new greedy
-tokens for each; each figure is the best of --repeats runs. Every run's tokens must equal the
-baseline's: the command fails where they do not. Printed per (batch, k): decode tokens/s, its ratio
+tokens for each; each figure is the best of --repeats runs. In float32 every run's tokens must equal
+the baseline's (the command fails where they do not); in bfloat16 or int8 a step's rows can tip a
+near-tie (kernels/README.md), and each row says how many sequences kept the baseline's tokens. Printed per (batch, k): decode tokens/s, its ratio
 to the baseline's, the share of draft tokens kept, and tokens per decode step.
 """
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from moemesh.config import ModelConfig, resolve_dtype
+from moemesh.entrypoints.bench.throughput import check_lengths
 from moemesh.entrypoints.engine import LLMEngine
 from moemesh.errors import CLIError
 from moemesh.sampling import SamplingParams
@@ -44,6 +47,8 @@ def load_prompts(path: str | None, model: str, n: int, prompt_len: int) -> list[
                 except (ValueError, KeyError, TypeError):
                     raise CLIError(f"--prompts {file}, line {i}: not a JSON object with a \"text\" or a "
                                    f"\"prompt\"") from None
+    if not all(isinstance(t, str) for t in texts):
+        raise CLIError(f"--prompts {file}: a \"text\" or \"prompt\" that is not a string")
     tok = TextTokenizer(model)
     # each text cut into windows of prompt_len tokens; the first window of every text, then the second...
     windows = [[ids[i:i + prompt_len] for i in range(0, len(ids) - prompt_len + 1, prompt_len)]
@@ -74,12 +79,18 @@ def decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[list[
 def run_speculative_bench(args) -> int:
     if args.new < 2:
         raise CLIError("--new must be at least 2 (decode steps are what is measured)")
+    if args.lookup_min > args.lookup_max:
+        raise CLIError(f"--lookup-min {args.lookup_min} is more than --lookup-max {args.lookup_max}")
     torch.set_num_threads(args.threads)
+    mc = ModelConfig.from_dir(args.model)
+    check_lengths(mc, args.prompt_len, args.new)
+    dtype = resolve_dtype(args.dtype, mc)
+    exact = dtype == "float32" and not args.quantization  # (see the module)
     biggest = max(args.batch)
     prompts = load_prompts(args.prompts, args.model, biggest, args.prompt_len)
     baseline: dict[int, tuple[list[list[int]], float]] = {}
     for k in [0, *args.num_speculative_tokens]:
-        engine = LLMEngine(EngineSettings(model=args.model, dtype=args.dtype, quantization=args.quantization,
+        engine = LLMEngine(EngineSettings(model=args.model, dtype=dtype, quantization=args.quantization,
                                           max_seqs=biggest, max_batched_tokens=max(512, biggest * args.prompt_len),
                                           num_kv_blocks=biggest * -(-(args.prompt_len + args.new) // 16) + biggest,
                                           num_speculative_tokens=k, ngram_prompt_lookup_min=args.lookup_min,
@@ -94,18 +105,21 @@ def run_speculative_bench(args) -> int:
                 tokens, seconds, made, steps = decode(engine, prompts[:batch], args.new)
                 if k == 0:
                     baseline.setdefault(batch, (tokens, 0.0))
-                elif tokens != baseline[batch][0]:
-                    raise CLIError(f"batch {batch}, --num-speculative-tokens {k}: the tokens differ from the run "
-                                   f"without drafts")
+                same = sum(a == b for a, b in zip(tokens, baseline[batch][0]))
+                if same < batch and exact:
+                    raise CLIError(f"batch {batch}, --num-speculative-tokens {k}: the tokens of {batch - same} "
+                                   f"sequences differ from the run without drafts")
                 if made / seconds > best:
                     best = made / seconds
-                    stats = (s.num_accepted - accepted, s.num_drafted - drafted, made / steps)
+                    stats = (s.num_accepted - accepted, s.num_drafted - drafted, made / steps, same)
             if k == 0:
                 baseline[batch] = (baseline[batch][0], best)
             row = {"model": Path(args.model).name, "batch": batch, "num_speculative_tokens": k,
                    "tok_per_s": round(best, 1), "vs_baseline": round(best / baseline[batch][1], 3),
                    "acceptance": round(stats[0] / stats[1], 3) if stats[1] else None,
-                   "tokens_per_step": round(stats[2] / batch, 2)}
+                   "tokens_per_step": round(stats[2] / batch, 2),
+                   # (below float32 a step's rows can tip a near-tie: kernels/README.md)
+                   **({} if exact else {"same_tokens": f"{stats[3]}/{batch}"})}
             print(json.dumps(row) if args.json else "  ".join(f"{key}={v}" for key, v in row.items()), flush=True)
         del engine
     return 0
