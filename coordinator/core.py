@@ -140,10 +140,9 @@ class EngineCore:
             head_rows = sum(w.sample + w.draft for w in seqs) + sum(
                 max(0, min(i.context_len + len(i.token_ids), len(i.seq.prompt_ids) - 1) - i.context_len)
                 for i in step.items if i.seq.prompt_logprobs is not None)
-            # (a decode with drafts is a decode: its rows run as decode rows, and a step of decodes hands
-            # no MLP over)
-            decodes = all(w.draft or len(w.token_ids) == 1 for w in seqs)
-            handoff = [] if decodes else self.handoff.choose([len(w.token_ids) for w in seqs], head_rows)
+            # (a decode with drafts counts as a decode: its rows run as decode rows, and a step of decodes
+            # hands no MLP over; in a step with prompt chunks its drafts' rows are left out of the cost)
+            handoff = self.handoff.choose([1 if w.draft else len(w.token_ids) for w in seqs], head_rows)
             self.handoff_steps += bool(handoff)
         return Schedule(step_id, seqs, forget, num_steps=step.num_steps, mlp_handoff=handoff)
 

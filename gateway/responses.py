@@ -10,17 +10,27 @@ thoughts), function `tools` and `tool_choice` in chat's shape, `text.format` a r
 `reasoning` item, a `message` with one `output_text`, `function_call` items, in the order they came
 (`ResponseBuilder`), with the events of a streamed response as the answer streams.
 
-Not served, and refused with a 400 naming the field rather than ignored: responses kept for later
-(`previous_response_id`, `background`; a response's `store` is false: this server keeps none),
-`include`, `truncation: auto`, `top_logprobs`, `max_tool_calls`, tools other than functions, and input
-other than text (images, files, audio).
+Responses are kept (`store`, true unless the request says false, as OpenAI's) in this gateway's
+memory (`ResponseStore`: the newest --max-stored-responses, and at most STORE_CHARS characters of
+them; none with 0): `GET /v1/responses/{id}`, its `input_items`, `DELETE`, and a later request's
+`previous_response_id`, which continues that response's conversation (its input and output, and those
+of the responses it continued; not its instructions, as OpenAI's). They are not shared between
+gateways, nor kept across a restart: behind several gateways a client that chains responses needs to
+reach the same one (or sends the conversation as input).
+
+Not served, and refused with a 400 naming the field rather than ignored: `background`, `include`,
+`truncation: auto`, `top_logprobs`, `max_tool_calls`, tools other than functions, and input other than
+text (images, files, audio).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -58,9 +68,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool = True  # (asked for or not, nothing is kept: the response says store false)
-    # not supported: refused where given (`_refuse_unsupported`)
+    store: bool = True  # kept for GET /v1/responses/{id} and previous_response_id (where the gateway keeps any)
     previous_response_id: str | None = None
+    # not supported: refused where given (`_refuse_unsupported`)
     background: bool = False
     include: list[str] | None = None
     truncation: str | None = None
@@ -69,13 +79,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
-    why = {"previous_response_id": "this server keeps no responses: send the conversation as input",
-           "background": "background responses are not supported by this server",
+    why = {"background": "background responses are not supported by this server",
            "include": "include is not supported by this server",
            "truncation": "truncation auto is not supported by this server (a prompt too long is refused)",
            "top_logprobs": "top_logprobs is not supported by this server's responses",
            "max_tool_calls": "max_tool_calls is not supported by this server"}
-    given = {"previous_response_id": body.previous_response_id is not None, "background": body.background,
+    given = {"background": body.background,
              "include": bool(body.include), "truncation": body.truncation not in (None, "disabled"),
              "top_logprobs": bool(body.top_logprobs), "max_tool_calls": body.max_tool_calls is not None}
     for name, on in given.items():
@@ -83,12 +92,12 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
             raise ResponsesError(why[name], name)
 
 
-def chat_request(body: ResponsesRequest) -> dict[str, Any]:
-    """The chat completion request (as its JSON fields) that answers `body`; ResponsesError names the
-    field at fault."""
+def chat_request(body: ResponsesRequest, previous: Stored | None = None) -> dict[str, Any]:
+    """The chat completion request (as its JSON fields) that answers `body`, continuing the conversation
+    of `previous` (its previous_response_id's) where given; ResponsesError names the field at fault."""
     _refuse_unsupported(body)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    messages += _messages(body.input)
+    messages += (previous.messages if previous is not None else []) + _messages(body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
                             "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
                             "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls, "user": body.user}
@@ -194,14 +203,92 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# -- kept responses -------------------------------------------------------------------------------
+
+STORE_CHARS = 64 << 20  # characters of JSON the kept responses may hold in all (the oldest go first)
+
+
+@dataclass(frozen=True)
+class Stored:
+    response: dict  # as it was answered
+    input_items: list[dict]  # its input, as items with ids (GET .../input_items)
+    messages: list[dict]  # its conversation as chat messages: those it continued, its input, its output
+    size: int  # characters of JSON, counted against STORE_CHARS
+
+
+class ResponseStore:
+    """The newest `max_responses` responses (and at most `max_chars` characters of them), by id."""
+
+    def __init__(self, max_responses: int, max_chars: int = STORE_CHARS):
+        self.max_responses, self.max_chars = max_responses, max_chars
+        self.kept: OrderedDict[str, Stored] = OrderedDict()
+        self.chars = 0
+
+    def get(self, response_id: str) -> Stored | None:
+        return self.kept.get(response_id)
+
+    def put(self, body: ResponsesRequest, previous: Stored | None, response: dict) -> None:
+        """Keeps a finished response (and what continuing it needs) if its request asked for it."""
+        if not (body.store and self.max_responses):
+            return
+        items = _input_items(body.input)
+        messages = (previous.messages if previous is not None else []) + _messages(body.input) + \
+            _messages(response["output"])
+        size = sum(len(json.dumps(x)) for x in (response, items, messages))
+        if size > self.max_chars:
+            return  # (one too big to keep: not at the cost of all the others)
+        self.kept[response["id"]] = Stored(response, items, messages, size)
+        self.chars += size
+        while len(self.kept) > self.max_responses or self.chars > self.max_chars:
+            self.chars -= self.kept.popitem(last=False)[1].size
+
+    def delete(self, response_id: str) -> bool:
+        stored = self.kept.pop(response_id, None)
+        if stored is not None:
+            self.chars -= stored.size
+        return stored is not None
+
+
+def _input_items(given: str | list[Any]) -> list[dict]:
+    """A request's input as OpenAI lists it back: items, each with an id."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+    items = []
+    for item in given:
+        item = {"type": "message", **item} if "type" not in item else dict(item)
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        item.setdefault("id", _id({"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                                   "reasoning": "rs"}.get(item["type"], "item")))
+        items.append(item)
+    return items
+
+
+def input_items_page(stored: Stored, limit: int, order: str, after: str | None) -> dict:
+    """GET /v1/responses/{id}/input_items: a page of `limit` items in `order` (desc: newest first, OpenAI's
+    default), after the item `after`; ValueError for an `after` not among them."""
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ValueError(f"no input item {after!r} in this response")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
 class ResponseBuilder(AnswerParts):
     """One response's output items as its answer comes (`add`: a chat delta's reasoning, content and
     tool-call entries), and the events a stream sends for them (`take`). A streamed response and a
     whole one are built alike."""
     THOUGHT, TEXT = "reasoning", "message"  # (the output items' types)
 
-    def __init__(self, body: ResponsesRequest, model: str):
-        self.body, self.model = body, model
+    def __init__(self, body: ResponsesRequest, model: str, store: ResponseStore | None = None,
+                 previous: Stored | None = None):
+        """store: where the finished response is kept, if its request asks (None: nowhere); previous: the
+        response its previous_response_id names."""
+        self.body, self.model, self.store, self.previous = body, model, store, previous
         self.id, self.created = _id("resp"), int(time.time())
         self.output: list[dict] = []
         self.open: dict | None = None  # the item text is going into (reasoning, message), if any
@@ -250,6 +337,8 @@ class ResponseBuilder(AnswerParts):
         status = "incomplete" if incomplete else "completed"
         response = self.response(status, usage)
         self._event(f"response.{status}", response=response)
+        if self.store is not None:
+            self.store.put(self.body, self.previous, response)
         return response
 
     def error(self, status: int, message: str, param: str | None = None, code: Any = None) -> None:
@@ -273,8 +362,9 @@ class ResponseBuilder(AnswerParts):
             "tools": list(body.tools or []), "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
             "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning,
-            "metadata": body.metadata or {}, "user": body.user, "store": False, "background": False,
-            "previous_response_id": None, "truncation": "disabled", "usage": usage}
+            "metadata": body.metadata or {}, "user": body.user,
+            "store": bool(body.store and self.store is not None and self.store.max_responses), "background": False,
+            "previous_response_id": body.previous_response_id, "truncation": "disabled", "usage": usage}
 
     # -- items and their events ------------------------------------------------------------
 

@@ -174,6 +174,7 @@ class Gateway:
         if self.defaults:
             log.info("request defaults from the model's generation_config.json", extra={"fields": self.defaults})
         self.metrics = Metrics(self.model_name)
+        self.responses_store = responses_api.ResponseStore(self.cfg.max_stored_responses)
         self.created = int(time.time())
         self._stopping = False
         self._poller = asyncio.ensure_future(self._poll_status())
@@ -243,6 +244,9 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
@@ -411,9 +415,59 @@ class Gateway:
         """OpenAI's Responses API: the request as a chat completion's (gateway/responses.py), its answer as
         output items."""
         body = await self._parse(request, ResponsesRequest)
-        chat, ids, params, mode, thinking = self._as_chat(responses_api, body)
+        previous = None
+        if body.previous_response_id is not None:
+            previous = self.responses_store.get(body.previous_response_id)
+            if previous is None:
+                kept = "" if self.cfg.max_stored_responses else " (this gateway keeps none: --max-stored-responses 0)"
+                raise HTTPError(400, f"previous response with id {body.previous_response_id!r} not found{kept}",
+                                "previous_response_id", code="previous_response_not_found")
+        chat, ids, params, mode, thinking = self._as_chat(responses_api, body, previous=previous)
         return await self._serve(request, chat, "resp", [ids], params, chat=True, tools=mode, thinking=thinking,
-                                 builder=ResponseBuilder(body, self.model_name))
+                                 builder=ResponseBuilder(body, self.model_name, self.responses_store, previous))
+
+    def _stored(self, request) -> responses_api.Stored:
+        rid = request.match_info["response_id"]
+        stored = self.responses_store.get(rid)
+        if stored is None:
+            raise HTTPError(404, f"response with id {rid!r} not found (this gateway keeps the last "
+                                 f"{self.cfg.max_stored_responses} it answered with store true)")
+        return stored
+
+    async def stored_response(self, request):
+        """GET /v1/responses/{id}: a response this gateway kept (whole: only a background response, which this
+        server does not run, streams again)."""
+        stored = self._stored(request)
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise HTTPError(400, "only background responses can be streamed again; this server runs none", "stream")
+        if any(k.startswith("include") for k in request.query):
+            raise HTTPError(400, "include is not supported by this server", "include")
+        return web.json_response(stored.response)
+
+    async def delete_response(self, request):
+        """DELETE /v1/responses/{id}: forgets a kept response (a later previous_response_id naming it is a 400)."""
+        rid = self._stored(request).response["id"]
+        self.responses_store.delete(rid)
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+    async def response_input_items(self, request):
+        """GET /v1/responses/{id}/input_items: the kept response's input items, a page at a time (limit 1-100,
+        20 by default; order desc, the default, or asc; after an item id)."""
+        stored = self._stored(request)
+        q = request.query
+        try:
+            limit = int(q.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise HTTPError(400, "limit must be an integer from 1 to 100", "limit")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise HTTPError(400, "order must be asc or desc", "order")
+        try:
+            return web.json_response(responses_api.input_items_page(stored, limit, order, q.get("after")))
+        except ValueError as e:
+            raise HTTPError(400, str(e), "after") from None
 
     async def messages(self, request):
         """Anthropic's Messages API: the request as a chat completion's (gateway/messages.py), its answer as
@@ -444,12 +498,12 @@ class Gateway:
                                 chat.continue_final_message, chat.add_special_tokens, self._tools(chat.tools))
         return web.json_response({"input_tokens": len(ids)})
 
-    def _as_chat(self, api, body):
+    def _as_chat(self, api, body, **context):
         """Another API's request (gateway/responses.py's, gateway/messages.py's) as the chat request that
         answers it, checked: (the chat request, prompt, sampling parameters, tool calling, reasoning); a
         400 names the field as that API does."""
         try:
-            chat = msgspec.convert(api.chat_request(body), type=ChatCompletionRequest)
+            chat = msgspec.convert(api.chat_request(body, **context), type=ChatCompletionRequest)
             return (chat, *self._chat_job(chat))
         except (responses_api.ResponsesError, messages_api.MessagesError) as e:
             raise HTTPError(400, str(e), e.param) from None

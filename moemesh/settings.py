@@ -520,6 +520,10 @@ class GatewaySettings(MeshSecurity):
     ssl_certfile: str | None = flag(None, "serve HTTPS with this certificate chain (PEM)", metavar="FILE")
     ssl_keyfile: str | None = flag(None, "the private key of --ssl-certfile (PEM), if not in that file",
                                    metavar="FILE")
+    max_stored_responses: int = flag(1024, "responses (POST /v1/responses with store true, OpenAI's default) kept in "
+                                           "this gateway's memory for GET /v1/responses/ID and previous_response_id: "
+                                           "the newest this many, at most 64 MiB of them (0: none)",
+                                     parse=non_negative_int)
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
     generation_config: str = flag(
         "auto", "auto: requests that do not set temperature, top_p, top_k, min_p or repetition_penalty get the "

@@ -712,7 +712,7 @@ def test_responses_answer_as_chat_completions_do(client):
         assert [item.type for item in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
         assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens,
                                                                  chat.usage.completion_tokens)
-        assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.store is False
+        assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.store is True
     developer = client.responses.create(input=[{"role": "developer", "content": "Be brief."},
                                                {"role": "user", "content": "Name a colour."}],
                                         **{**kw, "instructions": None})
@@ -737,6 +737,40 @@ def test_responses_answer_as_chat_completions_do(client):
                          "text")]:
         status, raw, _ = http("POST", url, {"model": "tiny-mixtral", "input": "hi", **body})
         assert status == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
+
+
+def test_responses_are_kept_continued_listed_and_deleted(client):
+    """A response is kept (store, OpenAI's default): retrieved as it was answered, continued by a later
+    request's previous_response_id as the whole conversation sent as input is answered, its input items
+    listed; one with store false is not kept, and a deleted one is gone."""
+    kw = dict(model="tiny-mixtral", max_output_tokens=6, temperature=0)
+    first = client.responses.create(input="Name a colour.", instructions="Be brief.", **kw)
+    assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(input="And another?", previous_response_id=first.id, instructions="Be terse.",
+                                     **kw)
+    whole = client.responses.create(input=[
+        {"role": "user", "content": "Name a colour."},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "And another?"}], instructions="Be terse.", store=False, **kw)
+    assert (second.output_text, second.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+    assert second.previous_response_id == first.id and whole.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    (item,) = client.responses.input_items.list(second.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "And another?")
+    events, last = _response_events(client, input="Name a colour.", instructions="Be brief.", **kw)  # (kept too)
+    assert client.responses.retrieve(last.id).output_text == last.output_text == first.output_text
+    assert client.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="More?", previous_response_id=first.id, **kw)
+    assert e.value.body["param"] == "previous_response_id" and "not found" in e.value.body["message"]
+    url = client.base_url.__str__().replace("/v1/", f"/v1/responses/{second.id}")
+    for query, param in [("/input_items?limit=0", "limit"), ("/input_items?order=up", "order"),
+                         ("/input_items?after=msg_x", "after"), ("?stream=true", "stream")]:
+        status, raw, _ = http("GET", url + query)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, (query, raw)
 
 
 def test_responses_call_tools_and_take_their_outputs_back(tool_server):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.responses import ResponseBuilder, ResponsesError, ResponsesRequest, chat_request
+from gateway.responses import (ResponseBuilder, ResponsesError, ResponsesRequest, ResponseStore, chat_request,
+                                input_items_page)
 
 
 def _request(**fields) -> ResponsesRequest:
@@ -53,7 +54,7 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"previous_response_id": "r"}, "previous_response_id"), ({"background": True}, "background"),
+    ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"max_tool_calls": 1}, "max_tool_calls"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
@@ -155,3 +156,69 @@ def test_responses_and_events_are_the_openai_sdks_types():
     b.error(500, "boom")
     for event in b.take():
         events.validate_python(event)
+
+
+# -- kept responses ---------------------------------------------------------------------------------
+
+def _answered(kept_in: ResponseStore | None, text: str, previous=None, **fields) -> dict:
+    """A response to `fields` whose answer is `text`, kept in `kept_in` as the gateway keeps it."""
+    body = _request(**fields)
+    builder = ResponseBuilder(body, "m", kept_in, previous)
+    builder.add({"content": text}, 2, False, 0)
+    return builder.finish("stop", 5, 2, 0)
+
+
+def test_a_kept_response_is_continued_as_its_whole_conversation():
+    store = ResponseStore(8)
+    first = _answered(store, "Red.", input="Name a colour.", instructions="Be brief.")
+    assert first["store"] is True and first["previous_response_id"] is None
+    kept = store.get(first["id"])
+    assert kept.response == first
+    assert kept.messages == [{"role": "user", "content": "Name a colour."},
+                             {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]
+    body = _request(input=[{"role": "user", "content": "Another?"}], previous_response_id=first["id"],
+                    instructions="Be terse.")
+    # (the earlier instructions are not carried over, as OpenAI's are not)
+    assert chat_request(body, kept)["messages"] == [{"role": "system", "content": "Be terse."}, *kept.messages,
+                                                    {"role": "user", "content": "Another?"}]
+    second = _answered(store, "Blue.", kept, input=[{"role": "user", "content": "Another?"}],
+                       previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    assert store.get(second["id"]).messages == [*kept.messages, {"role": "user", "content": "Another?"},
+                                                {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]
+
+
+def test_the_store_keeps_the_newest_within_its_bounds_and_what_asks_to_be_kept():
+    store = ResponseStore(2)
+    ids = [_answered(store, f"a{i}", input=f"q{i}")["id"] for i in range(3)]
+    assert [store.get(i) is not None for i in ids] == [False, True, True]
+    unkept = _answered(store, "x", input="q", store=False)
+    assert unkept["store"] is False and store.get(unkept["id"]) is None
+    assert _answered(ResponseStore(0), "x", input="q")["store"] is False
+    assert _answered(None, "x", input="q")["store"] is False
+    small = ResponseStore(8, max_chars=3000)
+    ids = [_answered(small, "a" * 300, input="q" * 300)["id"] for _ in range(4)]
+    assert small.chars <= 3000 and small.get(ids[-1]) is not None and small.get(ids[0]) is None
+    assert store.delete(ids[-1]) is False  # (kept in the other store)
+    newest = next(reversed(store.kept))
+    assert store.delete(newest) is True and store.get(newest) is None and store.delete(newest) is False
+
+
+def test_input_items_come_back_with_ids_a_page_at_a_time():
+    store = ResponseStore(8)
+    r = _answered(store, "ok", input=[{"role": "user", "content": "one"},
+                                     {"type": "message", "role": "assistant", "content": "two"},
+                                     {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                     {"type": "function_call_output", "call_id": "c", "output": "three"}])
+    kept = store.get(r["id"])
+    assert [i["type"] for i in kept.input_items] == ["message", "message", "function_call", "function_call_output"]
+    assert kept.input_items[0]["content"] == [{"type": "input_text", "text": "one"}]
+    assert all(i["id"] for i in kept.input_items) and len({i["id"] for i in kept.input_items}) == 4
+    page = input_items_page(kept, 3, "desc", None)  # (newest first, OpenAI's default)
+    assert [i["type"] for i in page["data"]] == ["function_call_output", "function_call", "message"]
+    assert page["has_more"] and page["last_id"] == kept.input_items[1]["id"]
+    rest = input_items_page(kept, 3, "desc", page["last_id"])
+    assert rest["data"] == [kept.input_items[0]] and not rest["has_more"]
+    assert input_items_page(kept, 20, "asc", None)["data"] == kept.input_items
+    with pytest.raises(ValueError, match="no input item"):
+        input_items_page(kept, 3, "asc", "msg_nope")

@@ -21,7 +21,7 @@ ODD = {  # a value unlike the default for every flag
     "ngram_prompt_lookup_max": 6, "ngram_prompt_lookup_min": 3, "speculative_disable_by_batch_size": 12, "kv_memory": 12345, "threads": 3, "host": "0.0.0.0", "port": 6000,
     "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0, "recovery_timeout": 7.0,
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
-    "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5,
+    "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5, "max_stored_responses": 7,
     "num_kv_blocks": 77, "coordinator_timeout": 4.5, "no_huge_pages": True, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
     "mesh_keys": "/keys", "insecure_mesh": True, "max_message_bytes": 4096, "api_key_file": "/ak",
     "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "max_waiting": 9, "stream_timeout": 3.5, "drain_timeout": 0.25, "step_timeout": 33.0,
