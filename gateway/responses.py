@@ -232,9 +232,10 @@ class ResponseStore:
         if not (body.store and self.max_responses):
             return
         items = _input_items(body.input)
-        messages = (previous.messages if previous is not None else []) + _messages(body.input) + \
-            _messages(response["output"])
-        size = sum(len(json.dumps(x)) for x in (response, items, messages))
+        own = _messages(body.input) + _messages(response["output"])
+        messages = (previous.messages if previous is not None else []) + own
+        # (a chain's earlier messages are the same objects as its earlier responses': each counts its own)
+        size = sum(len(json.dumps(x, ensure_ascii=False)) for x in (response, items, own))
         if size > self.max_chars:
             return  # (one too big to keep: not at the cost of all the others)
         self.kept[response["id"]] = Stored(response, items, messages, size)
@@ -250,16 +251,22 @@ class ResponseStore:
 
 
 def _input_items(given: str | list[Any]) -> list[dict]:
-    """A request's input as OpenAI lists it back: items, each with an id."""
+    """A request's input as OpenAI lists it back: items, each with an id and a status, an assistant's text
+    as output_text parts and the others' as input_text (the SDK's ResponseItem types)."""
     if isinstance(given, str):
-        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+        given = [{"type": "message", "role": "user", "content": given}]
     items = []
     for item in given:
         item = {"type": "message", **item} if "type" not in item else dict(item)
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        if item["type"] == "message":
+            content = item.get("content")
+            texts = [content] if isinstance(content, str) else [p.get("text", p.get("refusal", "")) for p in content]
+            item["content"] = [{"type": "output_text", "text": t, "annotations": []} if item["role"] == "assistant"
+                               else {"type": "input_text", "text": t} for t in texts]
         item.setdefault("id", _id({"message": "msg", "function_call": "fc", "function_call_output": "fco",
                                    "reasoning": "rs"}.get(item["type"], "item")))
+        if item["type"] != "reasoning":
+            item.setdefault("status", "completed")
         items.append(item)
     return items
 

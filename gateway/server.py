@@ -455,6 +455,8 @@ class Gateway:
         20 by default; order desc, the default, or asc; after an item id)."""
         stored = self._stored(request)
         q = request.query
+        if any(k.startswith("include") for k in q):
+            raise HTTPError(400, "include is not supported by this server", "include")
         try:
             limit = int(q.get("limit", 20))
         except ValueError:

@@ -522,7 +522,7 @@ class GatewaySettings(MeshSecurity):
                                    metavar="FILE")
     max_stored_responses: int = flag(1024, "responses (POST /v1/responses with store true, OpenAI's default) kept in "
                                            "this gateway's memory for GET /v1/responses/ID and previous_response_id: "
-                                           "the newest this many, at most 64 MiB of them (0: none)",
+                                           "the newest this many, holding at most 64 Mi characters of JSON (0: none)",
                                      parse=non_negative_int)
     max_pending: int = flag(1024, "requests in flight before 429", parse=positive_int)
     generation_config: str = flag(

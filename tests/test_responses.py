@@ -222,3 +222,35 @@ def test_input_items_come_back_with_ids_a_page_at_a_time():
     assert input_items_page(kept, 20, "asc", None)["data"] == kept.input_items
     with pytest.raises(ValueError, match="no input item"):
         input_items_page(kept, 3, "asc", "msg_nope")
+
+
+def test_kept_input_items_are_the_openai_sdks_types():
+    import pydantic
+    from openai.types.responses import ResponseItem
+
+    store = ResponseStore(8)
+    r = _answered(store, "ok", input=[
+        {"role": "user", "content": "one"}, {"role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+        {"type": "message", "role": "assistant", "content": "two"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "three"}]},
+        {"role": "user", "content": [{"type": "text", "text": "four"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "five"}])
+    kept = store.get(r["id"]).input_items
+    adapter = pydantic.TypeAdapter(ResponseItem)
+    for item in kept:
+        adapter.validate_python(item, strict=False)
+    assert [i["content"][0]["type"] for i in kept[:5]] == ["input_text", "input_text", "output_text", "output_text",
+                                                           "input_text"]
+    assert _answered(store, "ok", input="hi") and store.get(next(reversed(store.kept))).input_items[0]["content"] == \
+        [{"type": "input_text", "text": "hi"}]
+
+
+def test_a_chain_counts_each_responses_own_part_against_the_bound():
+    store = ResponseStore(1000, max_chars=200_000)
+    previous = None
+    for i in range(60):  # (a chain of 60 turns of ~1,000 characters: ~120,000 in all, each turn counted once)
+        r = _answered(store, "b" * 500, previous, input="a" * 500,
+                      **({"previous_response_id": previous.response["id"]} if previous else {}))
+        previous = store.get(r["id"])
+    assert len(store.kept) == 60 and store.chars < 200_000
