@@ -211,13 +211,15 @@ class Scheduler:
         return 1
 
     def _draft(self, seq: Sequence, most: int) -> list[int]:
-        """The draft tokens for a decode of `seq`, at most `most`: none unless it samples greedily with
-        nothing that edits or reports its logits (its argmax alone decides, the same with a draft as
-        without), nor past its max_tokens or the context. Drafts take free blocks only while more
+        """The draft tokens for a decode of `seq`, at most `most`: none unless it samples greedily (its
+        argmax alone decides, the same with a draft as without) or without a seed (each token kept is
+        drawn from what its row gives it: StageExecutor), with nothing that edits or reports its
+        logits, nor past its max_tokens or the context. Drafts take free blocks only while more
         are free than sequences run (each may need one for its next token): a guess never costs
         another sequence its cache."""
         ngram, p = self.config.ngram, seq.params
-        if not (p.greedy and not p.edits_logits and p.logprobs is None and p.grammar is None
+        # (as StageExecutor._plain: a seeded sequence draws by token index, which drafts would change)
+        if not ((p.greedy or p.seed is None) and not p.edits_logits and p.logprobs is None and p.grammar is None
                 and len(seq.output_ids) >= p.min_tokens):
             return []
         spare = min(max(0, self.blocks.num_free - len(self.running)), self.blocks.blocks_needed(ngram.num_tokens + 1))

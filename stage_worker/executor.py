@@ -20,7 +20,8 @@ from moemesh.protocol import (TIMELINE_SPANS, BlockTables, PromptLogprobs, Sampl
 from moemesh.sampling import SamplingParams
 from stage_worker.grammar import Grammars, GrammarState
 from stage_worker.runner import StageRunner, StepInput
-from stage_worker.sampler import SampleRow, TokenEdits, greedy_tokens, sample, token_logprobs, token_ranks
+from stage_worker.sampler import (SampleRow, TokenEdits, greedy_tokens, sample, token_logprobs, token_ranks,
+                                  verify_sampled)
 
 
 @dataclass
@@ -131,16 +132,17 @@ class StageExecutor:
                     prompt_rows.append((row + q - w.context_len, w.seq_id, q + 1))
             row += len(w.token_ids)
             if w.draft:
-                if not (w.sample and w.draft == len(w.token_ids) - 1 and self._plain_greedy(st)):
+                if not (w.sample and w.draft == len(w.token_ids) - 1 and self._plain(st)):
                     raise ValueError(f"step {sched.step_id}: sequence {w.seq_id}'s {w.draft} draft tokens need a "
-                                     f"decode of its last token and them that samples greedily with no logit edited "
-                                     f"or reported")
+                                     f"decode of its last token and them that samples greedily or without a seed, "
+                                     f"with no logit edited or reported")
                 drafted.append((row - 1 - w.draft, w))
             elif w.sample:
                 sample_rows.append((row - 1, w.seq_id))
         draft_rows = [r + i for r, w in drafted for i in range(w.draft + 1)]
         if not prompt_rows and self.runner.model.can_screen and all(
-                self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows):
+                self._plain_greedy(self.seqs[seq_id]) for _, seq_id in sample_rows) and all(
+                self.seqs[w.seq_id].params.greedy for _, w in drafted):
             # the rows in the batch's order (a step of decodes, every row sampled, takes the fused head)
             rows = sorted([r for r, _ in sample_rows] + draft_rows)
             by_row = dict(zip(rows, self.runner.execute(step, stream, logit_rows=rows, greedy=True,
@@ -155,20 +157,32 @@ class StageExecutor:
         tokens, logprobs = sample(logits[:n], rows, self.eos_token_ids, self.generator)
         sampled = [SampledToken(seq_id, t, lp) for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
         if drafted:
-            sampled += self._verify(drafted, greedy_tokens(logits[m:]).tolist())
+            sampled += self._verify(drafted, logits[m:])
         return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[n:m], prompt_rows),
                           busy_seconds=self.busy_seconds)
 
-    def _verify(self, drafted: list[tuple[int, SeqWork]], greedy: list[int]) -> list[SampledToken]:
-        """The tokens each drafted decode keeps, from the greedy tokens of its 1 + draft rows in order:
-        row i's token is what follows its input and the first i drafts, so the tokens hold while each
-        agrees with the draft token after it, and the first that does not (or the one after the last
-        draft) ends them. (The sequence's tokens here keep the refused drafts until its next step, whose
-        context length cuts them, as it cuts any tokens past it: `_fed`.)"""
+    def _verify(self, drafted: list[tuple[int, SeqWork]], rows: list[int] | torch.Tensor) -> list[SampledToken]:
+        """The tokens each drafted decode keeps, from its 1 + draft rows in order (their greedy tokens,
+        or their logits [rows, V]): row i is what follows its input and the first i drafts. A greedy
+        sequence keeps tokens while each agrees with the draft token after it, and the first that does
+        not (or the one after the last draft) ends them; a sampled one keeps each draft token with the
+        probability its row gives it (`verify_sampled`). (The sequence's tokens here keep the refused
+        drafts until its next step, whose context length cuts them, as it cuts any tokens past it:
+        `_fed`.)"""
         out, at = [], 0
+        greedy = rows if isinstance(rows, list) else None
+        if greedy is None and any(self.seqs[w.seq_id].params.greedy for _, w in drafted):
+            greedy = greedy_tokens(rows).tolist()
         for _, w in drafted:
-            mine, at = greedy[at:at + w.draft + 1], at + w.draft + 1
+            n = w.draft + 1
             guesses = w.token_ids[len(w.token_ids) - w.draft:]
+            params = self.seqs[w.seq_id].params
+            if not params.greedy:
+                kept = verify_sampled(rows[at:at + n], params, guesses, self.generator)
+                out += [SampledToken(w.seq_id, t) for t in kept]
+                at += n
+                continue
+            mine, at = greedy[at:at + n], at + n
             kept = 1
             while kept <= w.draft and mine[kept - 1] == guesses[kept - 1]:
                 kept += 1
@@ -224,6 +238,15 @@ class StageExecutor:
                                             [True] * n), None)
             sampled += result.sampled
         return StepResult(sched.step_id, sampled, busy_seconds=self.busy_seconds)
+
+    @staticmethod
+    def _plain(st: SeqState) -> bool:
+        """What a decode with draft tokens needs (the coordinator's `Scheduler._draft` asks the same): the
+        sequence samples greedily, or without a seed (a seeded one draws by token index, which drafts
+        would change), with no logit edited or reported and min_tokens met."""
+        p = st.params
+        return ((p.greedy or p.seed is None) and not p.edits_logits and p.logprobs is None and p.grammar is None
+                and len(st.tokens) - st.prompt_len >= p.min_tokens)
 
     @staticmethod
     def _plain_greedy(st: SeqState) -> bool:

@@ -132,6 +132,34 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
     return token_list, logprobs
 
 
+def verify_sampled(logits: torch.Tensor, params: SamplingParams, draft: list[int],
+                   generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling's check of draft tokens proposed with certainty (prompt lookup): logits
+    [k + 1, V], row i's distribution p_i (temperature, top-k, top-p, min-p as `sample` applies them)
+    after the sequence's tokens and draft[:i]. Draft token i is kept with probability p_i(draft[i]);
+    the first refused is replaced by a draw from p_i without it (renormalized), and after k kept a
+    token is drawn from p_k. Each token so made is distributed as sampling it from p_i would be (the
+    standard rejection scheme with a draft distribution that puts all its mass on the draft token).
+    -> the tokens kept: 1 to k + 1."""
+    probs = _filtered_probs(logits, [params] * logits.shape[0])
+    kept = []
+    for i, d in enumerate(draft):
+        if torch.rand((), generator=generator, device=probs.device) < probs[i, d]:
+            kept.append(d)
+            continue
+        rest = probs[i].clone()
+        rest[d] = 0
+        kept.append(_draw(rest, generator))
+        return kept
+    kept.append(_draw(probs[len(draft)], generator))
+    return kept
+
+
+def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the weights p [V] (not normalized): the exponential race, as `sample` draws."""
+    return int((p / torch.empty_like(p).exponential_(generator=generator)).argmax())
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] long: the first maximum of each row (torch's max, faster than argmax on CPU;
     the native kernels' one pass over the rows where they are built)."""

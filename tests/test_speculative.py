@@ -167,8 +167,8 @@ def test_drafts_stay_within_max_tokens_the_context_and_the_budget():
 @pytest.mark.parametrize("params", [dict(temperature=0.7, seed=1), dict(temperature=0, logprobs=1),
                                     dict(temperature=0, repetition_penalty=1.2), dict(temperature=0, logit_bias=((3, 1.0),)),
                                     dict(temperature=0, min_tokens=8)],
-                         ids=["sampled", "logprobs", "penalty", "logit_bias", "min_tokens"])
-def test_only_plain_greedy_decodes_carry_drafts(params):
+                         ids=["seeded", "logprobs", "penalty", "logit_bias", "min_tokens"])
+def test_only_greedy_or_unseeded_decodes_with_nothing_edited_carry_drafts(params):
     core = make_core(k=3)
     seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=8, **params))
     stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2, 1, 2, 1]})
@@ -403,3 +403,55 @@ def test_drafts_leave_a_token_of_the_budget_to_each_decode_after_them():
     core.scheduler.config = dataclasses.replace(core.scheduler.config, max_num_batched_tokens=4)
     sched = core.next_schedule()
     assert [(w.seq_id, w.draft) for w in sched.seqs] == [(a.seq_id, 1), (b.seq_id, 0), (c.seq_id, 0)]
+
+
+
+def test_a_sampled_row_unseeded_takes_drafts_too():
+    core = make_core(k=3)
+    seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9))
+    stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2, 1]})
+    assert drive(core, stage)["a"] == [2, 1, 2, 1, 2, 1] and any(g for _, g in stage.drafts)
+
+
+# -- speculative sampling's check ---------------------------------------------------------------
+
+def _frequencies(logits, params, draft, n=20000):
+    import collections
+
+    import torch
+
+    from stage_worker.sampler import verify_sampled
+
+    g = torch.Generator().manual_seed(0)
+    return collections.Counter(tuple(verify_sampled(logits, params, draft, g)) for _ in range(n)), n
+
+
+def test_each_token_a_check_keeps_is_drawn_as_sampling_it_would_be():
+    import torch
+
+    p0, p1 = [0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]
+    logits = torch.tensor([p0, p1]).clamp_min(1e-12).log()
+    counts, n = _frequencies(logits, SamplingParams(temperature=1.0), [1])
+    first = {t: sum(c for ks, c in counts.items() if ks[0] == t) / n for t in range(4)}
+    # the first token is p0's whether the draft (1) is kept or replaced: 1 kept with p0(1); else 0 or 2
+    assert all(abs(first[t] - p0[t]) < 0.015 for t in range(4)), first
+    assert all(len(ks) == 2 for ks in counts if ks[0] == 1) and all(len(ks) == 1 for ks in counts if ks[0] != 1)
+    kept = sum(c for ks, c in counts.items() if len(ks) == 2)
+    second = {t: counts.get((1, t), 0) / kept for t in range(4)}  # after the kept draft: p1's
+    assert all(abs(second[t] - p1[t]) < 0.03 for t in range(4)), second
+
+
+def test_the_check_samples_from_the_filtered_distribution():
+    import torch
+
+    logits = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25] * 4]).clamp_min(1e-12).log()
+    # top_k 2 leaves 0.625 / 0.375 of tokens 0 and 1: a draft of 2 is never kept
+    counts, n = _frequencies(logits, SamplingParams(temperature=1.0, top_k=2), [2], n=8000)
+    assert set(counts) <= {(0,), (1,)} and abs(counts[(0,)] / n - 0.625) < 0.025
+
+
+def test_unseeded_sampled_requests_take_drafts_and_end_as_asked(model_dir):
+    eng = engine(model_dir, 3)
+    out = generate(eng, SamplingParams(max_tokens=24, temperature=0.05, ignore_eos=True))
+    assert all(len(tokens) == 24 and reason == "length" for tokens, reason, _ in out)
+    assert eng.scheduler.num_drafted > 0 and eng.scheduler.num_accepted > 0

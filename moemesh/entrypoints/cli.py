@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     spb.add_argument("--threads", type=threads_int, default=1)
     spb.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     spb.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
+    spb.add_argument("--temperature", type=_temperature, default=0.0,
+                     help="sample at this temperature (0: greedy, every run's tokens checked against the baseline's)")
     spb.add_argument("--repeats", type=positive_int, default=3, help="runs of each figure; the best is printed")
     spb.add_argument("--json", action="store_true", help="one JSON line per (batch, draft length)")
     tb = bsub.add_parser("throughput", help="offline throughput of the mesh per layout, vs the in-process engine")
@@ -308,6 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--plot", default=None, help="write a latency-vs-throughput plot (PNG)")
     _log_level_anywhere(parser)
     return parser
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 2:  # (OpenAI's range)
+        raise ValueError
+    return value
+
+
+_temperature.__name__ = "temperature (0 to 2)"
 
 
 def _log_level_anywhere(parser: argparse.ArgumentParser) -> None:

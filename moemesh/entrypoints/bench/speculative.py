@@ -9,7 +9,9 @@ model's tokenizer. For each batch size the in-process engine without drafts, the
 in one step and decodes --new greedy
 tokens for each; each figure is the best of --repeats runs. In float32 every run's tokens must equal
 the baseline's (the command fails where they do not); in bfloat16 or int8 a step's rows can tip a
-near-tie (kernels/README.md), and each row says how many sequences kept the baseline's tokens. Printed per (batch, k): decode tokens/s, its ratio
+near-tie (kernels/README.md), and each row says how many sequences kept the baseline's tokens. With
+--temperature above 0 the requests sample (no seed: drafts are checked by speculative sampling), and
+tokens are not compared. Printed per (batch, k): decode tokens/s, its ratio
 to the baseline's, the share of draft tokens kept, and tokens per decode step.
 """
 
@@ -60,10 +62,11 @@ def load_prompts(path: str | None, model: str, n: int, prompt_len: int) -> list[
     return prompts[:n]
 
 
-def decode(engine: LLMEngine, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, int, int]:
+def decode(engine: LLMEngine, prompts: list[list[int]], new: int, temperature: float = 0.0) \
+        -> tuple[list[list[int]], float, int, int]:
     """-> (each prompt's tokens, seconds decoding after every prompt has its first token, tokens made
     then, steps then)."""
-    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new, temperature=temperature, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()
@@ -85,7 +88,7 @@ def run_speculative_bench(args) -> int:
     mc = ModelConfig.from_dir(args.model)
     check_lengths(mc, args.prompt_len, args.new)
     dtype = resolve_dtype(args.dtype, mc)
-    exact = dtype == "float32" and not args.quantization  # (see the module)
+    exact = dtype == "float32" and not args.quantization and args.temperature == 0  # (see the module)
     biggest = max(args.batch)
     prompts = load_prompts(args.prompts, args.model, biggest, args.prompt_len)
     baseline: dict[int, tuple[list[list[int]], float]] = {}
@@ -102,7 +105,7 @@ def run_speculative_bench(args) -> int:
             for _ in range(args.repeats):
                 s = engine.scheduler
                 drafted, accepted = s.num_drafted, s.num_accepted
-                tokens, seconds, made, steps = decode(engine, prompts[:batch], args.new)
+                tokens, seconds, made, steps = decode(engine, prompts[:batch], args.new, args.temperature)
                 if k == 0:
                     baseline.setdefault(batch, (tokens, 0.0))
                 same = sum(a == b for a, b in zip(tokens, baseline[batch][0]))
@@ -119,7 +122,8 @@ def run_speculative_bench(args) -> int:
                    "acceptance": round(stats[0] / stats[1], 3) if stats[1] else None,
                    "tokens_per_step": round(stats[2] / batch, 2),
                    # (below float32 a step's rows can tip a near-tie: kernels/README.md)
-                   **({} if exact else {"same_tokens": f"{stats[3]}/{batch}"})}
+                   **({} if exact or args.temperature else {"same_tokens": f"{stats[3]}/{batch}"}),
+                   **({"temperature": args.temperature} if args.temperature else {})}
             print(json.dumps(row) if args.json else "  ".join(f"{key}={v}" for key, v in row.items()), flush=True)
         del engine
     return 0
