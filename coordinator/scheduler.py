@@ -41,6 +41,27 @@ from coordinator.sequence import Sequence, Status
 from moemesh.errors import ConfigError
 
 
+# A draft token is worth its row while the chance that it is kept (every one before it kept too) is at least
+# DRAFT_WORTH: on this project's CPU a decode row more costs 0.2-0.3 of a one-row step (docs/benchmarks.md).
+# Each sequence's chance per token is what its drafts so far say, the older ones counting DRAFT_DECAY
+# less a draft.
+DRAFT_WORTH = 0.3
+DRAFT_DECAY = 0.9
+
+
+DRAFT_PROBE = 8  # decodes between drafts of one token where drafts are not worth their rows
+
+
+def _draft_length(most: int, rate: float) -> int:
+    """Draft tokens worth their rows where each is kept with chance `rate` if the one before it was: as
+    many as keep rate^i at least DRAFT_WORTH (0 where even the first is not)."""
+    k, chance = 0, rate
+    while k < most and chance >= DRAFT_WORTH:
+        chance *= rate
+        k += 1
+    return k
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step
@@ -218,6 +239,9 @@ class Scheduler:
         are free than sequences run (each may need one for its next token): a guess never costs
         another sequence its cache."""
         ngram, p = self.config.ngram, seq.params
+        if seq.draft_pause:  # its last drafts were all refused: a few plain decodes first
+            seq.draft_pause -= 1
+            return []
         # (as StageExecutor._plain: a seeded sequence draws by token index, which drafts would change)
         if not ((p.greedy or p.seed is None) and not p.edits_logits and p.logprobs is None and p.grammar is None
                 and len(seq.output_ids) >= p.min_tokens):
@@ -226,8 +250,10 @@ class Scheduler:
         room = (len(seq.block_ids) + spare) * self.blocks.block_size - seq.num_computed
         # the step samples 1 + len(draft) tokens at most, and writes the K/V of positions up to
         # num_tokens - 1 + len(draft)
-        k = min(ngram.num_tokens, most, p.max_tokens - len(seq.output_ids) - 1,
-                self.config.max_model_len - seq.num_tokens, room - 1)
+        k = _draft_length(ngram.num_tokens, seq.draft_kept / seq.draft_checked)
+        if k == 0:  # not worth its rows: one token, now and then, to learn whether that has changed
+            k, seq.draft_pause = 1, DRAFT_PROBE
+        k = min(k, most, p.max_tokens - len(seq.output_ids) - 1, self.config.max_model_len - seq.num_tokens, room - 1)
         if k <= 0:
             return []
         if seq.ngram is None:
@@ -309,6 +335,14 @@ class Scheduler:
         self.num_drafts += 1
         self.num_drafted += len(item.draft)
         self.num_accepted += n - 1
+        # the sequence's record: each draft token checked (those kept, and the one refused) and kept
+        checked = min(len(item.draft), n)
+        seq.draft_checked = DRAFT_DECAY * seq.draft_checked + checked
+        seq.draft_kept = DRAFT_DECAY * seq.draft_kept + n - 1
+        # drafts refused whole, time after time, pause it for 1, 2, 4 ... 16 decodes: where the text stops
+        # repeating itself (or samples far from it) its steps stop paying for rows that are not kept
+        seq.draft_misses = seq.draft_misses + 1 if n == 1 else 0
+        seq.draft_pause = min(16, 1 << (seq.draft_misses - 1)) if seq.draft_misses else 0
         # its blocks now hold the K/V of the input token and the n - 1 drafts kept: shareable, also where
         # the sequence ends here (its blocks go back to the pool with their hashes)
         seq.num_computed = item.context_len + n

@@ -43,6 +43,12 @@ class Sequence:
     cache_counted: bool = False  # its first admission went into the cache's query and hit counts
     lookup_memo: tuple | None = None  # ((cache generation, full blocks), hits) of its last lookup
     ngram: NgramIndex | None = None  # speculative decoding's index of its n-grams (coordinator.ngram)
+    # its drafts' record (Scheduler._accept): draft tokens kept and checked, decayed (a prior of 3 in 4:
+    # drafts of up to 4 tokens at first), drafts refused whole in a row, and decodes left before it drafts again
+    draft_kept: float = 3.0
+    draft_checked: float = 4.0
+    draft_misses: int = 0
+    draft_pause: int = 0
 
     @property
     def token_ids(self) -> list[int]:

@@ -150,8 +150,13 @@ class StageExecutor:
             sampled = [SampledToken(seq_id, by_row[r]) for r, seq_id in sample_rows]
             return StepResult(sched.step_id, sampled + self._verify(drafted, [by_row[r] for r in draft_rows]),
                               busy_seconds=self.busy_seconds)
-        logits = self.runner.execute(step, stream, handoff_in=handoff_in,
-                                     logit_rows=[r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows] + draft_rows)
+        wanted = [r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows] + draft_rows
+        if draft_rows:  # (asked in the batch's order: a step of decodes, every row wanted, takes the fused head)
+            order = sorted(range(len(wanted)), key=wanted.__getitem__)
+            logits = self.runner.execute(step, stream, handoff_in=handoff_in, logit_rows=[wanted[i] for i in order])
+            logits = logits[torch.tensor(order).argsort()]
+        else:
+            logits = self.runner.execute(step, stream, handoff_in=handoff_in, logit_rows=wanted)
         n, m = len(sample_rows), len(sample_rows) + len(prompt_rows)
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
         tokens, logprobs = sample(logits[:n], rows, self.eos_token_ids, self.generator)
