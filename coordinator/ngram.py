@@ -23,6 +23,7 @@ class NgramConfig:
     min_n: int = 1  # the shortest suffix matched
     max_n: int = 4  # the longest, tried first
     max_batch: int | None = None  # no drafts while more sequences than this are running
+    sampled: bool = False  # drafts for sequences that sample (without a seed) too, not only greedy ones
 
 
 class Tokens(Protocol):
@@ -48,8 +49,9 @@ class NgramIndex:
         self.ends = [{} for _ in range(self.max_n - self.min_n + 1)]
 
     def propose(self, seq: Tokens, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of the
-        sequence's tokens (max_n down to min_n tokens long) seen before; [] where none was."""
+        """k tokens that followed the latest earlier occurrence of the longest suffix of the sequence's
+        tokens (max_n down to min_n tokens long) seen before, those after it repeated where it ended
+        fewer than k tokens back; [] where none was."""
         L = seq.num_tokens
         # every n-gram ending before the last position has a token after it: index those not yet indexed
         if L - 1 > self.indexed:
@@ -67,5 +69,8 @@ class NgramIndex:
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             e = self.ends[n - self.min_n].get(tuple(suffix[len(suffix) - n:]))
             if e is not None:
-                return seq.tokens(e, min(e + k, L))
+                after = seq.tokens(e, min(e + k, L))
+                # (an occurrence fewer than k tokens back: the text repeats with that period, and so does
+                # the draft, as far as k)
+                return after if len(after) == k else [after[j % len(after)] for j in range(k)]
         return []

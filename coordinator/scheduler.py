@@ -23,11 +23,13 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   is one step); the result is applied step by step, so a sequence that stops early (EOS, a stop
   token) ends where one step at a time would have ended it, its tokens past the stop dropped.
 - Speculative decoding (`ngram`, coordinator/ngram.py): a decode of a sequence that samples greedily
-  with nothing that edits or reports its logits carries up to `num_tokens` draft tokens after its
-  last one, as far as the budget, its blocks, max_tokens and the context allow; the last stage keeps
-  the drafts its argmax agrees with plus the token after them, and the sequence's cache is taken
-  back to what those tokens computed (the K/V of refused drafts is written over later). Drafts stop
-  while more than `max_batch` sequences run: a full batch has no idle bandwidth to verify them with.
+  (or, with `ngram.sampled`, without a seed) with nothing that edits or reports its logits carries
+  up to `num_tokens` draft tokens after its last one, as far as its record says they pay
+  (`_draft_length`), the budget, its blocks, max_tokens and the context allow; the last stage keeps
+  the drafts its argmax agrees with (or speculative sampling accepts) plus the token after them,
+  and the sequence's cache is taken back to what those tokens computed (the K/V of refused drafts
+  is written over later). Drafts stop while more than `max_batch` sequences run: a larger batch has
+  less idle bandwidth to check them with.
 """
 
 from __future__ import annotations
@@ -233,9 +235,10 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, most: int) -> list[int]:
         """The draft tokens for a decode of `seq`, at most `most`: none unless it samples greedily (its
-        argmax alone decides, the same with a draft as without) or without a seed (each token kept is
-        drawn from what its row gives it: StageExecutor), with nothing that edits or reports its
-        logits, nor past its max_tokens or the context. Drafts take free blocks only while more
+        argmax alone decides, the same with a draft as without) or, with `ngram.sampled`, without a
+        seed (each token kept is drawn from what its row gives it: StageExecutor), with nothing that
+        edits or reports its logits, nor past its max_tokens or the context; as long as its record
+        says its tokens are worth their rows (`_draft_length`). Drafts take free blocks only while more
         are free than sequences run (each may need one for its next token): a guess never costs
         another sequence its cache."""
         ngram, p = self.config.ngram, seq.params
@@ -243,7 +246,7 @@ class Scheduler:
             seq.draft_pause -= 1
             return []
         # (as StageExecutor._plain: a seeded sequence draws by token index, which drafts would change)
-        if not ((p.greedy or p.seed is None) and not p.edits_logits and p.logprobs is None and p.grammar is None
+        if not ((p.greedy or (ngram.sampled and p.seed is None)) and not p.edits_logits and p.logprobs is None and p.grammar is None
                 and len(seq.output_ids) >= p.min_tokens):
             return []
         spare = min(max(0, self.blocks.num_free - len(self.running)), self.blocks.blocks_needed(ngram.num_tokens + 1))
@@ -342,7 +345,8 @@ class Scheduler:
         # drafts refused whole, time after time, pause it for 1, 2, 4 ... 16 decodes: where the text stops
         # repeating itself (or samples far from it) its steps stop paying for rows that are not kept
         seq.draft_misses = seq.draft_misses + 1 if n == 1 else 0
-        seq.draft_pause = min(16, 1 << (seq.draft_misses - 1)) if seq.draft_misses else 0
+        # (a probe's pause, set as it went out, stands: nothing counts it down while the step is in flight)
+        seq.draft_pause = max(seq.draft_pause, min(16, 1 << (seq.draft_misses - 1)) if seq.draft_misses else 0)
         # its blocks now hold the K/V of the input token and the n - 1 drafts kept: shareable, also where
         # the sequence ends here (its blocks go back to the pool with their hashes)
         seq.num_computed = item.context_len + n

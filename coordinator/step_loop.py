@@ -49,7 +49,8 @@ def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     if settings.num_scheduler_steps > 1:
         raise ConfigError(f"--num-speculative-tokens and --num-scheduler-steps {settings.num_scheduler_steps} "
                           f"are two ways to take several tokens a step: choose one")
-    return NgramConfig(settings.num_speculative_tokens, lo, hi, settings.speculative_disable_by_batch_size)
+    return NgramConfig(settings.num_speculative_tokens, lo, hi, settings.speculative_disable_by_batch_size,
+                       settings.speculative_sampling)
 
 
 def check_num_steps(settings: SchedulerSettings, pp: int, tp: int) -> None:

@@ -260,7 +260,7 @@ def _input_items(given: str | list[Any]) -> list[dict]:
         item = {"type": "message", **item} if "type" not in item else dict(item)
         if item["type"] == "message":
             content = item.get("content")
-            texts = [content] if isinstance(content, str) else [p.get("text", p.get("refusal", "")) for p in content]
+            texts = [content] if isinstance(content, str) else [p[_TEXT_PARTS[p["type"]]] for p in content]
             item["content"] = [{"type": "output_text", "text": t, "annotations": []} if item["role"] == "assistant"
                                else {"type": "input_text", "text": t} for t in texts]
         item.setdefault("id", _id({"message": "msg", "function_call": "fc", "function_call_output": "fco",

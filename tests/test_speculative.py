@@ -41,12 +41,13 @@ class Tokens(list):
 
 def searched(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
     """What NgramIndex.propose should give, by a plain search: the longest suffix (hi down to lo
-    tokens) that occurred before, at its latest occurrence; the k tokens after it."""
+    tokens) that occurred before, at its latest occurrence; the k tokens after it, the text taken as
+    repeating with the period L - e past its end."""
     L = len(tokens)
     for n in range(min(hi, L - 1), lo - 1, -1):
         for e in range(L - 1, n - 1, -1):
             if tokens[e - n:e] == tokens[L - n:]:
-                return tokens[e:e + k]
+                return [tokens[e + j] if e + j < L else tokens[e + (j % (L - e))] for j in range(k)]
     return []
 
 
@@ -69,14 +70,16 @@ def test_the_longest_match_wins_and_its_latest_occurrence():
     tokens = [1, 2, 3, 9, 2, 3, 8, 7, 2, 3]
     assert index.propose(Tokens(tokens), 2) == [8, 7]  # [2, 3] last ended at 6: its tokens after
     assert NgramIndex(1, 3).propose(Tokens([1, 2, 3, 5, 2, 3]), 3) == [5, 2, 3]  # (a draft may run into the suffix)
+    assert NgramIndex(1, 3).propose(Tokens([7, 1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]  # (and on, with its period)
     assert NgramIndex(2, 3).propose(Tokens([4, 5, 6, 7]), 3) == []  # nothing repeats
     assert NgramIndex(1, 1).propose(Tokens([4]), 3) == []
 
 
 # -- the scheduler and the core, with a fabricated last stage -----------------------------------
 
-def make_core(k=3, lo=1, hi=3, max_batch=None, num_blocks=64, block_size=4, budget=64, max_model_len=512):
-    return EngineCore(SchedulerConfig(budget, 16, max_model_len, ngram=NgramConfig(k, lo, hi, max_batch)),
+def make_core(k=3, lo=1, hi=3, max_batch=None, num_blocks=64, block_size=4, budget=64, max_model_len=512,
+              sampled=False):
+    return EngineCore(SchedulerConfig(budget, 16, max_model_len, ngram=NgramConfig(k, lo, hi, max_batch, sampled)),
                       num_blocks, block_size, (EOS,), VOCAB)
 
 
@@ -406,11 +409,49 @@ def test_drafts_leave_a_token_of_the_budget_to_each_decode_after_them():
 
 
 
-def test_a_sampled_row_unseeded_takes_drafts_too():
-    core = make_core(k=3)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_sampled_row_unseeded_takes_drafts_where_asked(sampled):
+    core = make_core(k=3, sampled=sampled)
     seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9))
     stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2, 1]})
-    assert drive(core, stage)["a"] == [2, 1, 2, 1, 2, 1] and any(g for _, g in stage.drafts)
+    assert drive(core, stage)["a"] == [2, 1, 2, 1, 2, 1] and any(g for _, g in stage.drafts) == sampled
+
+
+def _record(accepts, decodes=60):
+    """A sequence that repeats itself (so its lookups always find drafts, and the drafts are its true
+    continuation) decoded `decodes` times by a stage that keeps accepts(decode) of each draft's tokens
+    (and gives the true token after them): how long each decode's draft was (0: none)."""
+    core = make_core(k=3, num_blocks=512)
+    seq = core.add("a", [1, 2] * 4, SamplingParams(max_tokens=4 * decodes, temperature=0, ignore_eos=True))
+    core.process_result(StepResult(core.next_schedule().step_id, [SampledToken(seq.seq_id, 1)]))
+    lengths = []
+    for step in range(decodes):
+        sched = core.next_schedule()
+        (w,) = sched.seqs
+        lengths.append(w.draft)
+        t, tokens = seq.output_ids[-1], []
+        for _ in range(min(accepts(step), w.draft) + 1):
+            t = 3 - t  # (1, 2, 1, 2 ...)
+            tokens.append(t)
+        core.process_result(StepResult(sched.step_id, [SampledToken(seq.seq_id, x) for x in tokens]))
+    return lengths
+
+
+def test_drafts_refused_whole_pause_the_sequence_longer_each_time_then_probe():
+    lengths = _record(lambda step: 0, decodes=120)
+    starts = [i for i, n in enumerate(lengths) if n]
+    # each refusal pauses it 1, 2, 4 ... 16 decodes; its record shortens the drafts to one token, then
+    # to none worth it: a one-token probe, which pauses 8 (or the refusals' 16, whichever is longer)
+    gaps = [b - a - 1 for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [1, 2, 4, 8] and gaps[4:] and all(g == 16 for g in gaps[4:]), gaps
+    assert lengths[starts[0]] == 3 and all(lengths[i] == 1 for i in starts[2:])
+
+
+def test_drafts_are_as_long_as_the_record_says_they_pay():
+    assert set(_record(lambda step: 3, decodes=20)[:-1]) == {3}  # all kept: the whole k, every decode (to max_tokens)
+    # one of each draft kept: a rate that pays for one token and then two (r >= 0.3, r^2 < 0.3 at first)
+    ones = _record(lambda step: 1, decodes=40)
+    assert ones[0] == 3 and set(ones[10:]) <= {1, 2} and all(ones[10:])
 
 
 # -- speculative sampling's check ---------------------------------------------------------------
@@ -451,7 +492,7 @@ def test_the_check_samples_from_the_filtered_distribution():
 
 
 def test_unseeded_sampled_requests_take_drafts_and_end_as_asked(model_dir):
-    eng = engine(model_dir, 3)
+    eng = engine(model_dir, 3, speculative_sampling=True)
     out = generate(eng, SamplingParams(max_tokens=24, temperature=0.05, ignore_eos=True))
     assert all(len(tokens) == 24 and reason == "length" for tokens, reason, _ in out)
     assert eng.scheduler.num_drafted > 0 and eng.scheduler.num_accepted > 0

@@ -2,17 +2,18 @@
 workload, against the same engine without them, in one process.
 
 The prompts are windows of --prompt-len tokens of the texts in --prompts (JSON lines with a "text"
-or a "prompt"; the first window of each text, then the second of each, and so on;
-by default eval/demo/heldout.jsonl, Python source the demo model did not train on), tokenized by the
-model's tokenizer. For each batch size the in-process engine without drafts, then with each
+or a "prompt"; the first window of each text, then the second of each, and so on; by default
+eval/demo/heldout.jsonl, Python source the demo model did not train on), tokenized by the model's
+tokenizer. For each batch size the in-process engine without drafts, then with each
 --num-speculative-tokens value (drafting at every batch size measured), prefills the batch's prompts
-in one step and decodes --new greedy
-tokens for each; each figure is the best of --repeats runs. In float32 every run's tokens must equal
-the baseline's (the command fails where they do not); in bfloat16 or int8 a step's rows can tip a
-near-tie (kernels/README.md), and each row says how many sequences kept the baseline's tokens. With
---temperature above 0 the requests sample (no seed: drafts are checked by speculative sampling), and
-tokens are not compared. Printed per (batch, k): decode tokens/s, its ratio
-to the baseline's, the share of draft tokens kept, and tokens per decode step.
+in one step and decodes --new tokens for each; each figure is the best of --repeats runs.
+
+Greedy (--temperature 0), in float32 every run's tokens must equal the baseline's (the command fails
+where they do not); in bfloat16 or int8 a step's rows can tip a near-tie (kernels/README.md), and
+each row says how many sequences kept the baseline's tokens. With --temperature above 0 the requests
+sample (no seed; the engines with drafts run --speculative-sampling, checking them by speculative
+sampling), and tokens are not compared. Printed per (batch, k): decode tokens/s, its ratio to the
+baseline's, the share of draft tokens kept, and tokens per decode step.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def run_speculative_bench(args) -> int:
                                           num_kv_blocks=biggest * -(-(args.prompt_len + args.new) // 16) + biggest,
                                           num_speculative_tokens=k, ngram_prompt_lookup_min=args.lookup_min,
                                           ngram_prompt_lookup_max=args.lookup_max,
-                                          speculative_disable_by_batch_size=biggest), progress=None)
+                                          speculative_disable_by_batch_size=biggest,
+                                          speculative_sampling=args.temperature > 0), progress=None)
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         for batch in args.batch:
             best, stats = 0.0, None
