@@ -246,8 +246,8 @@ class Scheduler:
             seq.draft_pause -= 1
             return []
         # (as StageExecutor._plain: a seeded sequence draws by token index, which drafts would change)
-        if not ((p.greedy or (ngram.sampled and p.seed is None)) and not p.edits_logits and p.logprobs is None and p.grammar is None
-                and len(seq.output_ids) >= p.min_tokens):
+        if not ((p.greedy or (ngram.sampled and p.seed is None)) and not p.edits_logits and p.logprobs is None
+                and p.grammar is None and len(seq.output_ids) >= p.min_tokens):
             return []
         spare = min(max(0, self.blocks.num_free - len(self.running)), self.blocks.blocks_needed(ngram.num_tokens + 1))
         room = (len(seq.block_ids) + spare) * self.blocks.block_size - seq.num_computed
