@@ -3,7 +3,8 @@ machinery: clients written for Anthropic's SDK (and tools built on it) reach the
 
 A request becomes a chat completion request (`chat_request`): `system` a system message; each
 message's text blocks its content; an assistant's `tool_use` blocks its tool calls (their `input`
-as JSON arguments); a user's `tool_result` blocks tool messages, before the user's text; earlier
+as JSON arguments); a user's `tool_result` blocks tool messages, before the user's text (one with
+`is_error` says "Error: " before its content, as chat templates have no flag for it); earlier
 `thinking` blocks dropped (chat templates drop earlier thoughts); `tools` ({name, description,
 input_schema}) function tools; `tool_choice` auto, any (chat's required), tool (a named function)
 or none, `disable_parallel_tool_use` parallel_tool_calls false; `thinking` enabled (or adaptive) or
@@ -148,6 +149,8 @@ def _messages(message: Any) -> list[dict]:
             if given is not None and not isinstance(given, (str, list)):
                 raise MessagesError("a tool_result's content is a string or a list of text blocks", "messages")
             text = given if isinstance(given, str) else "\n".join(_block_text(b, "messages") for b in given or [])
+            if block.get("is_error") is True:  # (chat templates have no such flag: the model reads it)
+                text = f"Error: {text}" if text else "Error"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
             texts.append(_block_text(block, "messages"))

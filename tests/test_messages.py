@@ -33,7 +33,10 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
                       {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
                       {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "3"}]},
                       {"type": "text", "text": "Thanks."}]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3"}]}]))
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t3"}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t4", "is_error": True,
+                                                "content": "city not found"},
+                                               {"type": "tool_result", "tool_use_id": "t5", "is_error": True}]}]))
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief.\nBe kind."},
         {"role": "user", "content": "Weather?"},
@@ -43,7 +46,9 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
         {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "t2", "content": "3"},
         {"role": "user", "content": "Thanks."},
-        {"role": "tool", "tool_call_id": "t3", "content": ""}]
+        {"role": "tool", "tool_call_id": "t3", "content": ""},
+        {"role": "tool", "tool_call_id": "t4", "content": "Error: city not found"},  # (is_error: said to the model)
+        {"role": "tool", "tool_call_id": "t5", "content": "Error"}]
     assert chat["tools"] == [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "description": "d"}},
         {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
