@@ -16,6 +16,7 @@ being taken.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections import deque
@@ -39,8 +40,42 @@ def in_flight_limit(settings: SchedulerSettings, pp: int) -> int:
     return settings.max_in_flight or pp
 
 
+# vLLM's --speculative-config keys -> the settings they stand for
+_VLLM_SPECULATIVE = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_prompt_lookup_max",
+                     "prompt_lookup_min": "ngram_prompt_lookup_min",
+                     "disable_by_batch_size": "speculative_disable_by_batch_size"}
+
+
+def _from_vllm(settings: SchedulerSettings) -> SchedulerSettings:
+    """The settings with --speculative-config (vLLM's JSON form) applied to the flags it stands for."""
+    given = json.loads(settings.speculative_config)
+    if given.get("method", "ngram") != "ngram":
+        raise ConfigError(f"--speculative-config: method {given['method']!r} is not served here: only ngram "
+                          f"(prompt lookup; no draft models, EAGLE or MTP)")
+    unknown = sorted(set(given) - {"method", *_VLLM_SPECULATIVE})
+    if unknown:
+        raise ConfigError(f"--speculative-config: {', '.join(unknown)} not known here (method, "
+                          f"{', '.join(_VLLM_SPECULATIVE)})")
+    if settings.num_speculative_tokens:
+        raise ConfigError("give --speculative-config or --num-speculative-tokens, not both")
+    values = {}
+    for key, name in _VLLM_SPECULATIVE.items():
+        if key in given:
+            if not isinstance(given[key], int) or isinstance(given[key], bool) or given[key] < 1:
+                raise ConfigError(f"--speculative-config: {key} must be a positive integer")
+            values[name] = given[key]
+    if "num_speculative_tokens" not in values:
+        raise ConfigError("--speculative-config: num_speculative_tokens is required")
+    if "prompt_lookup_max" in given and "prompt_lookup_min" not in given:  # (a max below the default min takes it)
+        values["ngram_prompt_lookup_min"] = min(settings.ngram_prompt_lookup_min, given["prompt_lookup_max"])
+    return dataclasses.replace(settings, **values)
+
+
 def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
-    """Speculative decoding's settings, checked; None when it is off."""
+    """Speculative decoding's settings (--num-speculative-tokens and its flags, or vLLM's
+    --speculative-config), checked; None when it is off."""
+    if settings.speculative_config is not None:
+        settings = _from_vllm(settings)
     if not settings.num_speculative_tokens:
         return None
     lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max

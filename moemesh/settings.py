@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -158,6 +159,17 @@ def positive_float(text: str) -> float:
 
 
 positive_float.__name__ = "positive number"
+
+
+def json_object(text: str) -> str:
+    """A flag that holds a JSON object, kept as its compact text (what a child's flags render back)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError
+    return json.dumps(value, separators=(",", ":"))
+
+
+json_object.__name__ = "JSON object"
 
 
 # -- declaring ----------------------------------------------------------------------------------
@@ -414,6 +426,10 @@ class SchedulerSettings(Settings):
                                           "with, so repetitive text takes fewer steps to the same output (in "
                                           "float32; in bfloat16 or int8 a step's extra rows can tip a near-tie, "
                                           "as a larger batch can) (0: off)", parse=non_negative_int)
+    speculative_config: str | None = flag(
+        None, "vLLM's form of the flags above, a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+              "\"prompt_lookup_max\": N, \"prompt_lookup_min\": M, \"disable_by_batch_size\": B} (only the ngram "
+              "method: no draft models, EAGLE or MTP)", parse=json_object, metavar="JSON")
     speculative_sampling: bool = flag(False, "with --num-speculative-tokens: drafts for requests that sample without "
                                              "a seed too, kept by speculative sampling (each token distributed as "
                                              "without drafts); off by default: the demo model at temperature 0.7 "

@@ -19,7 +19,7 @@ ODD = {  # a value unlike the default for every flag
     "layer_partition": (1, 2, 5), "partition_costs": "weights", "expert_parallel": True, "no_mlp_handoff": True, "block_size": 8, "max_batched_tokens": 99,
     "max_seqs": 7, "max_in_flight": 4, "num_scheduler_steps": 6, "num_speculative_tokens": 3,
     "ngram_prompt_lookup_max": 6, "ngram_prompt_lookup_min": 3, "speculative_disable_by_batch_size": 12,
-    "speculative_sampling": True, "kv_memory": 12345, "threads": 3, "host": "0.0.0.0", "port": 6000,
+    "speculative_sampling": True, "speculative_config": '{"method":"ngram","num_speculative_tokens":2}', "kv_memory": 12345, "threads": 3, "host": "0.0.0.0", "port": 6000,
     "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0, "recovery_timeout": 7.0,
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5, "max_stored_responses": 7,

@@ -496,3 +496,41 @@ def test_unseeded_sampled_requests_take_drafts_and_end_as_asked(model_dir):
     out = generate(eng, SamplingParams(max_tokens=24, temperature=0.05, ignore_eos=True))
     assert all(len(tokens) == 24 and reason == "length" for tokens, reason, _ in out)
     assert eng.scheduler.num_drafted > 0 and eng.scheduler.num_accepted > 0
+
+
+
+def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_served():
+    from coordinator.step_loop import ngram_config
+
+    def config(text, **kw):
+        return ngram_config(EngineSettings(model="m", speculative_config=json_object(text), **kw))
+
+    from moemesh.settings import json_object
+
+    assert config('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}') == \
+        NgramConfig(5, 2, 3, 4, False)
+    assert config('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1, '
+                  '"disable_by_batch_size": 16}') == NgramConfig(2, 1, 1, 16, False)
+    for text, message in [('{"method": "eagle", "model": "x", "num_speculative_tokens": 2}', "only ngram"),
+                          ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
+                           "draft_tensor_parallel_size not known here"),
+                          ('{"method": "ngram"}', "num_speculative_tokens is required"),
+                          ('{"method": "ngram", "num_speculative_tokens": 0}', "must be a positive integer"),
+                          ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                           '"prompt_lookup_max": 2}', "--ngram-prompt-lookup-min 3 is more than")]:
+        with pytest.raises(ConfigError, match=message):
+            config(text)
+    with pytest.raises(ConfigError, match="not both"):
+        config('{"num_speculative_tokens": 2}', num_speculative_tokens=3)
+
+
+def test_the_cli_takes_vllms_speculative_config(model_dir, capsys):
+    from moemesh.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(model_dir), "--speculative-config", "[1]"])
+    assert "--speculative-config: invalid JSON object value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(model_dir), "--prompt-ids", "5,6", "--speculative-config",
+              '{"method": "medusa", "num_speculative_tokens": 2}'])
+    assert "only ngram" in capsys.readouterr().err
