@@ -19,7 +19,7 @@ from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
 from moemesh.layout import MlpHandoff
-from moemesh.protocol import RequestOutput, SampledToken, Schedule, SeqWork, StepResult, TokenLogprobs
+from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 
@@ -45,10 +45,10 @@ class Ended:
         return len(self.output_ids) + sum(1 + len(lp.top) for lp in self.logprobs or ())
 
 
-def _kept(draft: tuple[int, ...], got: list[SampledToken]) -> bool:
+def _kept(draft: tuple[int, ...], got: list[int]) -> bool:
     """Whether a sampling row's tokens in a result are what its step can give: one token, or for a decode
     with a draft, the draft tokens the last stage kept (a prefix of the draft) and one after them."""
-    return 1 <= len(got) <= 1 + len(draft) and all(s.token_id == d for s, d in zip(got[:-1], draft))
+    return 1 <= len(got) <= 1 + len(draft) and all(t == d for t, d in zip(got[:-1], draft))
 
 
 class EngineCore:
@@ -150,14 +150,16 @@ class EngineCore:
         step = self.in_flight.get(result.step_id)
         if step is None:
             raise ValueError(f"result for step {result.step_id}, which is not in flight")
-        by_seq: dict[int, list[SampledToken]] = {}
-        for s in result.sampled:
-            by_seq.setdefault(s.seq_id, []).append(s)
+        by_seq = {s.seq_id: s for s in result.sampled}  # (a sequence's last: a drafted one's may be several)
         missing = [item.seq.seq_id for item in step.items if item.sample and item.seq.seq_id not in by_seq]
         if missing:  # refuse before touching any state
             raise ValueError(f"result for step {result.step_id} lacks the tokens of sequences {missing}")
-        if step.num_steps == 1 and (bad := next((item.seq.seq_id for item in step.items if item.sample and not
-                                                 _kept(item.draft, by_seq[item.seq.seq_id])), None)) is not None:
+        kept: dict[int, list[int]] = {}  # a step with drafts: each sampling sequence's tokens, in order
+        if step.drafted:
+            for s in result.sampled:
+                kept.setdefault(s.seq_id, []).append(s.token_id)
+        if step.drafted and (bad := next((item.seq.seq_id for item in step.items if item.sample and not
+                                          _kept(item.draft, kept[item.seq.seq_id])), None)) is not None:
             raise ValueError(f"result for step {result.step_id} holds tokens of sequence {bad} that its draft does not "
                              f"allow (one, or the draft tokens kept and one after them)")
         V = self.vocab_size
@@ -174,15 +176,18 @@ class EngineCore:
             return self._process_steps(step, result)
         del self.in_flight[result.step_id]
         sampled = [by_seq[item.seq.seq_id] for item in step.items if item.sample]
-        for item, (s, *_) in zip((i for i in step.items if i.sample), sampled):
+        for item, s in zip((i for i in step.items if i.sample), sampled):
             if s.logprobs is not None and not item.seq.finished:  # (a drafted row reports none)
                 item.seq.logprobs.append(s.logprobs)
         for p in result.prompt_logprobs:
             seq = next((i.seq for i in step.items if i.seq.seq_id == p.seq_id), None)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[p.start:p.start + len(p.logprobs)] = p.logprobs
-        finished = self.scheduler.update(step, [[s.token_id for s in got] if item.draft else got[0].token_id
-                                                for item, got in zip((i for i in step.items if i.sample), sampled)])
+        tokens = [s.token_id for s in sampled]
+        if step.drafted:  # (a drafted sequence's tokens kept, as a list)
+            tokens = [kept[item.seq.seq_id] if item.draft else t
+                      for item, t in zip((i for i in step.items if i.sample), tokens)]
+        finished = self.scheduler.update(step, tokens)
         outputs = []
         for item in step.items:
             seq = item.seq

@@ -104,6 +104,7 @@ class ScheduledSeq:
 class Step:
     items: list[ScheduledSeq]
     num_steps: int = 1  # > 1: decodes only, each sequence's sampled tokens fed back (see the module)
+    drafted: bool = False  # some item carries draft tokens (its result may hold several tokens of it)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +149,7 @@ class Scheduler:
         drafting = ngram is not None and (ngram.max_batch is None or len(self.running) <= ngram.max_batch)
         # (drafts leave a token of the budget to each running sequence after them with one to compute)
         behind = sum(s.num_pending > 0 for s in self.running) if drafting else 0
+        drafted = False
         for seq in list(self.running):
             if budget == 0 or len(items) >= max_seqs:
                 break
@@ -157,6 +159,7 @@ class Scheduler:
                 continue  # awaiting its sampled token, or preempted just now to make room for an older one
             if pending == 1 and drafting and budget > 1 + behind and (draft := self._draft(seq, budget - 1 - behind)):
                 items.append(self._take_draft(seq, draft))
+                drafted = True
                 scheduled.add(seq.seq_id)
                 budget -= 1 + len(draft)
                 continue
@@ -201,7 +204,7 @@ class Scheduler:
         if self.config.num_steps > 1 and not short and not self.waiting and not self.in_flight:
             num_steps = self._num_steps(items)
         self.in_flight.update(scheduled)
-        return Step(items, num_steps)
+        return Step(items, num_steps, drafted)
 
     def _victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
         """Whom `seq` preempts to grow: the newest running sequence newer than it with no step in flight

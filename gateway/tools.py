@@ -19,6 +19,7 @@ hands them to templates. What `tool_choice` asks decides how the answer is made 
 
 from __future__ import annotations
 
+import abc
 import ast
 import json
 import re
@@ -449,7 +450,7 @@ class ToolStream:
         return "", calls
 
 
-class AnswerParts:
+class AnswerParts(abc.ABC):
     """A chat answer taken delta by delta (`add`: the thought, the text and the tool calls a streamed chat
     delta carries) into another API's parts: gateway/responses.py's items, gateway/messages.py's blocks.
     A subclass says what each part becomes: `_text` (kind THOUGHT or TEXT), `_begin_call`, `_arguments`,
@@ -474,17 +475,17 @@ class AnswerParts:
     def _count(self, tokens: int, thinking: bool, cached_tokens: int | None) -> None:
         pass
 
-    def _text(self, kind: str, piece: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _text(self, kind: str, piece: str) -> None: ...
 
-    def _begin_call(self, index: int, call_id: str, name: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _begin_call(self, index: int, call_id: str, name: str) -> None: ...
 
-    def _arguments(self, index: int, piece: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _arguments(self, index: int, piece: str) -> None: ...
 
-    def _close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _close(self) -> None: ...
 
 
 def partial_suffix(text: str, marker: str) -> int:

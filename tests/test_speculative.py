@@ -215,12 +215,18 @@ def test_drafts_never_take_the_blocks_other_sequences_need():
     assert any(g for s, g in stage.drafts if s == a.seq_id)  # (once b is gone)
 
 
-def test_a_sequence_aborted_while_its_draft_is_in_flight_takes_none_of_it():
-    core = make_core(k=3)
+def _drafted_decode(k: int):
+    """A repeating sequence prefilled (its first token 2), and its first decode's schedule, with a draft:
+    (core, seq, its stage, the schedule in flight)."""
+    core = make_core(k=k)
     seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=10, temperature=0))
     stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2]})
     core.process_result(stage(core.next_schedule()))
-    sched = core.next_schedule()
+    return core, seq, stage, core.next_schedule()
+
+
+def test_a_sequence_aborted_while_its_draft_is_in_flight_takes_none_of_it():
+    core, seq, stage, sched = _drafted_decode(3)
     assert sched.seqs[0].draft
     core.abort("a")
     assert core.process_result(stage(sched)) == [] and seq.output_ids == [2]
@@ -228,11 +234,7 @@ def test_a_sequence_aborted_while_its_draft_is_in_flight_takes_none_of_it():
 
 
 def test_a_result_the_draft_does_not_allow_is_refused_untouched():
-    core = make_core(k=2)
-    seq = core.add("a", [1, 2, 1, 2, 1], SamplingParams(max_tokens=10, temperature=0))
-    stage = Oracle({seq.seq_id: [2, 1, 2, 1, 2]})
-    core.process_result(stage(core.next_schedule()))
-    sched = core.next_schedule()
+    core, seq, stage, sched = _drafted_decode(2)
     assert sched.seqs[0].draft == 2
     with pytest.raises(ValueError, match="tokens of sequence 0 that its draft does not allow"):
         core.process_result(StepResult(sched.step_id, [SampledToken(seq.seq_id, 2)] * 4))
