@@ -54,15 +54,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: Any = None
     allowed_token_ids: list[int] | None = None  # only these tokens are sampled
     bad_words: list[str] | None = None  # words never generated (at the text's start or after a space)
-    # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
+    # beam search (gateway/beam.py): n beams returned of best_of (default n) searched
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # a finished beam's score: summed logprob / generated tokens ** length_penalty
+    early_stopping: bool | str = False  # true: stop once best_of beams finished; "never": only when none can win
+    # vLLM's, not supported: refused where given (VLLM_UNSUPPORTED), since each would change the answer
     return_tokens_as_token_ids: bool = False
     spaces_between_special_tokens: bool = True
     logits_processors: Any = None
 
 
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-VLLM_UNSUPPORTED = ("use_beam_search", "return_tokens_as_token_ids",
+VLLM_UNSUPPORTED = ("return_tokens_as_token_ids",
                     "spaces_between_special_tokens", "logits_processors")
 
 

@@ -36,6 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import tools as tool_calls
+from gateway.beam import BeamSearch, BeamSettings
 from gateway.chat import ChatTemplate, TemplateError
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.metrics import Metrics
@@ -612,8 +613,9 @@ class Gateway:
                                  f"{prompt_len + max_tokens} in all", max_tokens_param, code="context_length_exceeded")
         if not 1 <= body.n <= MAX_N:
             raise HTTPError(400, f"n must be in [1, {MAX_N}]", "n")
-        if body.best_of is not None and body.best_of != body.n:
-            raise HTTPError(400, "best_of other than n is not supported (give n alone)", "best_of")
+        if body.best_of is not None and body.best_of != body.n and not body.use_beam_search:
+            raise HTTPError(400, "best_of other than n is only for beam search (use_beam_search); give n alone",
+                            "best_of")
         stop = stop_list(body.stop)
         if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise HTTPError(400, f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters", "stop")
@@ -739,7 +741,10 @@ class Gateway:
         Anthropic's content blocks, gateway/messages.py)."""
         if not self._accepting():
             raise self._not_serving()
-        n_seqs = len(prompts) * body.n
+        search = None
+        if body.use_beam_search and builder is None:
+            search = [self._beam_settings(body, sp) for sp in params]
+        n_seqs = len(prompts) * (search[0].width if search else body.n)  # (a beam search runs its width)
         # never admitted, however long it waits: not a 429 to retry (the coordinator queues at most
         # --max-waiting sequences, and a request's all arrive at once)
         limit, flag = min((self.cfg.max_pending, "--max-pending"),
@@ -764,8 +769,8 @@ class Gateway:
                     return await self._build_stream(request, builder, rid, jobs, shown, tools, thinking)
                 return await self._build(builder, rid, jobs, shown, tools, thinking)
             if body.stream:
-                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking)
-            return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking)
+                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking, search)
+            return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking, search)
         finally:
             self.pending -= n_seqs
 
@@ -832,8 +837,13 @@ class Gateway:
                 self.metrics.requests.labels(self.model_name, ended).inc()
         await queue.put((index, "done", choice))
 
-    async def _gather(self, rid, jobs, shown):
-        """Yields (index, kind, payload) from every job until all are done; errors propagate."""
+    async def _gather(self, rid, jobs, shown, search: list[BeamSettings] | None = None):
+        """Yields (index, kind, payload) from every job until all are done; errors propagate. With
+        `search` (one per prompt), each prompt's choices are its best beams, yielded when found."""
+        if search is not None:
+            async for item in self._beam_gather(rid, jobs, shown, search):
+                yield item
+            return
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue)) for i, p, sp in jobs]
         remaining = len(tasks)
@@ -860,11 +870,132 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _beam_settings(self, body: SamplingFields, params: SamplingParams) -> BeamSettings:
+        """use_beam_search's settings (gateway/beam.py), checked: what a search cannot honour is a 400
+        naming it. Sampling fields that only shape a draw (temperature, seed) have no effect."""
+        width = body.best_of if body.best_of is not None else body.n
+        param = "best_of" if body.best_of is not None else "n"
+        if not body.n <= width <= MAX_N:
+            raise HTTPError(400, f"best_of is the beams searched, of which n are returned: it must be in "
+                                 f"[n, {MAX_N}]", "best_of")
+        refused = (("stop", bool(stop_list(body.stop))), ("top_p", body.top_p not in (None, 1)),
+                   ("top_k", body.top_k not in (None, 0, -1)), ("min_p", body.min_p not in (None, 0)),
+                   ("presence_penalty", body.presence_penalty not in (None, 0)),
+                   ("frequency_penalty", body.frequency_penalty not in (None, 0)),
+                   ("repetition_penalty", body.repetition_penalty not in (None, 1)),
+                   ("logit_bias", bool(params.logit_bias)),
+                   ("allowed_token_ids", params.allowed_token_ids is not None), ("bad_words", bool(params.bad_words)),
+                   ("prompt_logprobs" if body.prompt_logprobs is not None else "echo",
+                    params.prompt_logprobs is not None),
+                   (next((k for k in CONSTRAINTS if getattr(body, k) is not None), "tool_choice"),
+                    params.grammar is not None))
+        for name, given in refused:
+            if given:
+                raise HTTPError(400, f"{name} is not supported with use_beam_search", name)
+        if body.early_stopping not in (True, False, "never"):
+            raise HTTPError(400, 'early_stopping must be true, false or "never"', "early_stopping")
+        if not math.isfinite(body.length_penalty):
+            raise HTTPError(400, "length_penalty must be a finite number", "length_penalty")
+        stops = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
+        settings = BeamSettings(width, params.max_tokens, stops, body.length_penalty, body.early_stopping,
+                                params.min_tokens, params.logprobs)
+        if settings.top_n > MAX_LOGPROBS:
+            raise HTTPError(400, f"a beam search of {width} beams, with {len(stops)} stop tokens, takes the "
+                                 f"{settings.top_n} likeliest tokens of each beam at each step, more than the "
+                                 f"{MAX_LOGPROBS} the engine reports: search fewer beams", param)
+        return settings
+
+    async def _beam_gather(self, rid, jobs, shown, search: list[BeamSettings]):
+        """`_gather` for beam searches: every prompt's search at once; its n best beams as choices (one
+        delta each, and done) when it ends."""
+        n = len(jobs) // len(search)
+        tasks = {asyncio.ensure_future(self._beam_search(f"{rid}-{i}", jobs[i * n][1], s, n)): i
+                 for i, s in enumerate(search)}
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=tasks.get):
+                    i = tasks[task]
+                    beams, cached = task.result()  # (a failed search's error ends the request)
+                    for j, beam in enumerate(beams):
+                        index, prompt = i * n + j, jobs[i * n + j][1]
+                        detok = IncrementalDetokenizer(self.tokenizer, min_tokens=search[i].min_tokens,
+                                                       context=prompt, **shown)
+                        reason = "stop" if beam.stopped else "length"
+                        shown_ids = beam.tokens[:-1] if beam.stopped and not detok.include_stop else beam.tokens
+                        text = detok.add(shown_ids) + detok.finish()
+                        choice = Choice(index, detok, list(beam.tokens), list(beam.logprobs), reason, cached)
+                        yield index, "delta", Delta(text, choice.logprobs, reason, True, None, len(beam.tokens),
+                                                    cached)
+                        yield index, "done", choice
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _beam_search(self, rid: str, prompt: list[int], settings: BeamSettings, n: int):
+        """One prompt's beam search: (its n best beams, the prompt tokens the prefix cache held). Each step
+        asks the coordinator for one token of every running beam with its likeliest alternatives."""
+        search = BeamSearch(settings)
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=settings.top_n)
+        start, cached, ended = time.monotonic(), 0, "abort"
+        try:
+            k = 0
+            while not search.done:
+                outs = [asyncio.ensure_future(self._one_token(prompt + beam.tokens, step, f"{rid}-{k}-{b}"))
+                        for b, beam in enumerate(search.running)]
+                try:
+                    results = await asyncio.gather(*outs)
+                finally:
+                    for t in outs:
+                        t.cancel()
+                    await asyncio.gather(*outs, return_exceptions=True)
+                if k == 0:
+                    cached = results[0][1]
+                search.advance([lp for lp, _ in results])
+                k += 1
+            beams = search.best(n)
+            ended = None
+        except Exception:
+            ended = "error"
+            raise
+        finally:  # (each returned beam counted as one request, as n choices are: vLLM's finished_reason)
+            seconds = time.monotonic() - start
+            for reason in ([("stop" if b.stopped else "length", len(b.tokens)) for b in beams] if ended is None
+                           else [(ended, 0)] * n):
+                self.metrics.e2e.labels(self.model_name).observe(seconds)
+                self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
+                self.metrics.generation_tokens.labels(self.model_name).inc(reason[1])
+                self.metrics.requests.labels(self.model_name, reason[0]).inc()
+        return beams, cached
+
+    async def _one_token(self, prompt: list[int], params: SamplingParams, rid: str) -> tuple[TokenLogprobs, int]:
+        """One engine step of a beam: (the next token's logprobs, the prompt tokens found cached)."""
+        stream = self.client.generate(prompt, params, request_id=rid)
+        logprobs, cached = None, 0
+        try:
+            async for out in stream:
+                if out.error:
+                    raise HTTPError(out.error_status or 500, out.error,
+                                    headers={"Retry-After": "1"} if out.error_status in (429, 503) else None)
+                if out.queue_seconds is not None:
+                    cached = out.num_cached_tokens
+                if out.logprobs:
+                    logprobs = out.logprobs[0]
+                if out.finish_reason is not None:
+                    break
+        finally:
+            await stream.aclose()
+        if logprobs is None:
+            raise HTTPError(500, "the coordinator ended a beam's step without its token")
+        return logprobs, cached
+
     async def _complete(self, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
-                        thinking: ReasoningMode | None = None):
+                        thinking: ReasoningMode | None = None, search: list[BeamSettings] | None = None):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
-        async for index, kind, payload in self._gather(rid, jobs, shown):
+        async for index, kind, payload in self._gather(rid, jobs, shown, search):
             if kind == "done":
                 choices[index] = payload
             elif payload.prompt_logprobs is not None:
@@ -908,7 +1039,7 @@ class Gateway:
         return web.json_response(response)
 
     async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
-                      thinking: ReasoningMode | None = None):
+                      thinking: ReasoningMode | None = None, search: list[BeamSettings] | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         with_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -966,9 +1097,10 @@ class Gateway:
                 await send(e.body())
             await send_raw(b"data: [DONE]\n\n")
 
-        return await self._sse(request, rid, jobs, shown, write)
+        return await self._sse(request, rid, jobs, shown, write, search)
 
-    async def _sse(self, request, rid: str, jobs, shown: dict, write) -> web.StreamResponse:
+    async def _sse(self, request, rid: str, jobs, shown: dict, write,
+                   search: list[BeamSettings] | None = None) -> web.StreamResponse:
         """A streamed answer as server-sent events: `write(send_raw, events)` sends them for the jobs'
         events (`_gather`). An error the coordinator answers at once (before the first event) keeps its
         status; a client that leaves or stops reading aborts every sequence of the request."""
@@ -982,7 +1114,7 @@ class Gateway:
             except asyncio.TimeoutError:
                 raise SlowClient from None
 
-        events = self._gather(rid, jobs, shown)
+        events = self._gather(rid, jobs, shown, search)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
         except HTTPError as e:

@@ -296,7 +296,7 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["  "]}), "bad_words"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["x" * 300]}), "bad_words"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "bad_words": ["a"] * 257}), "bad_words"),
-        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True}), "use_beam_search"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "best_of": 2}), "best_of"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}),
          "spaces_between_special_tokens"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}),
@@ -1007,6 +1007,100 @@ def test_usage_counts_each_prompt_once_and_tiny_temperatures_are_greedy(client):
         got = client.completions.create(model="tiny-mixtral", prompt="Once upon", max_tokens=6, seed=3,
                                         extra_body={"ignore_eos": True}, **kw).choices[0].text
         assert got == greedy, kw
+
+
+def test_beam_search_finds_the_beams_transformers_finds(model, server):
+    """use_beam_search: the n best of best_of beams are transformers' generate(num_beams=best_of,
+    num_return_sequences=n), token for token and score for score, with its length_penalty and
+    early_stopping, stop tokens and min_tokens (min_new_tokens); streamed, the same choices."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos = list(hf.generation_config.eos_token_id)
+    url = f"{server.url}/v1/completions"
+    cases = [([5, 17, 42, 99], 4, 4, 10, 1.0, False, 0), ([3, 1, 4, 1, 5, 9, 2, 6], 3, 2, 12, 0.5, "never", 0),
+             ([7, 7, 7], 3, 2, 10, 1.0, True, 0), ([11, 12], 5, 3, 8, 2.0, False, 0),
+             ([11, 12], 4, 3, 8, -1.0, "never", 0), ([5, 17, 42, 99], 3, 3, 10, 1.0, False, 4)]
+    stopped = 0
+    for prompt, width, n, new, penalty, early, min_tokens in cases:
+        plain = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=new,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+        stop = int(plain[1, len(prompt) + 2])  # (a token some beam makes early: beams end on it)
+        out = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n, max_new_tokens=new,
+                          do_sample=False, length_penalty=penalty, early_stopping=early, eos_token_id=[*eos, stop],
+                          min_new_tokens=min_tokens, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        want = []
+        for row, score in zip(out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()):
+            ends = [k for k, t in enumerate(row) if t in (*eos, stop)]
+            row = row[:ends[0] + 1] if ends else row
+            want.append((row, "stop" if ends else "length", score))
+        body = {"prompt": prompt, "max_tokens": new, "use_beam_search": True, "n": n, "best_of": width,
+                "length_penalty": penalty, "early_stopping": early, "stop_token_ids": [stop], "min_tokens": min_tokens,
+                "logprobs": 1, "include_stop_str_in_output": True, "skip_special_tokens": False}
+        status, raw, _ = http("POST", url, body)
+        assert status == 200, raw
+        choices = json.loads(raw)["choices"]
+        assert [c["index"] for c in choices] == list(range(n))
+        for c, (row, reason, score) in zip(choices, want):
+            lps = c["logprobs"]
+            assert c["text"] == tokenizer.decode(row) and len(lps["tokens"]) == len(row), (c, row)
+            assert c["finish_reason"] == reason, (c, row, body)
+            assert len(row) >= min_tokens
+            assert sum(lps["token_logprobs"]) / len(row) ** penalty == pytest.approx(score, abs=1e-4)
+            for top, logprob in zip(lps["top_logprobs"], lps["token_logprobs"]):  # (the likeliest, and the token)
+                assert 1 <= len(top) <= 2 and max(top.values()) >= logprob
+            stopped += reason == "stop"
+        events = _sse(url, {**body, "stream": True})
+        for c in choices:
+            assert "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == c["index"]) \
+                == c["text"]
+    assert stopped >= 3  # (the stop tokens ended beams: that path was taken)
+
+
+def test_beam_search_through_chat_and_what_it_refuses(model, server):
+    chat = f"{server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = json.loads(http("POST", f"{server.url}/tokenize", {"messages": messages})[1])["tokens"]
+    status, raw, _ = http("POST", chat, {"messages": messages, "use_beam_search": True, "n": 2, "max_tokens": 6,
+                                         "ignore_eos": True})
+    assert status == 200, raw
+    got = [c["message"]["content"] for c in json.loads(raw)["choices"]]
+    status, raw, _ = http("POST", f"{server.url}/v1/completions", {
+        "prompt": ids, "use_beam_search": True, "n": 2, "max_tokens": 6, "ignore_eos": True})
+    assert got == [c["text"] for c in json.loads(raw)["choices"]] and len(set(got)) == 2
+    url, beam = f"{server.url}/v1/completions", {"prompt": "x", "use_beam_search": True, "max_tokens": 4}
+    for extra, param in [({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 17}, "best_of"), ({"n": 11}, "n"),
+                         ({"stop": "."}, "stop"), ({"top_p": 0.5}, "top_p"), ({"repetition_penalty": 1.2},
+                                                                             "repetition_penalty"),
+                         ({"guided_regex": "a+"}, "guided_regex"), ({"early_stopping": "soon"}, "early_stopping"),
+                         ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
+                         ({"logit_bias": {"5": 1}}, "logit_bias")]:
+        status, raw, _ = http("POST", url, {**beam, **extra})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, (extra, raw)
+    # a client that leaves mid-search: every beam's step is aborted, and their blocks come back
+    aborted = metric(server, "vllm:request_success_total", finished_reason="abort")
+    conn = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"prompt": "a long one", "max_tokens": 200, "use_beam_search": True, "n": 4,
+                       "ignore_eos": True}).encode()
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not metric(server, "vllm:num_requests_running"):
+        time.sleep(0.02)
+    conn.close()
+    while time.monotonic() < deadline and (metric(server, "vllm:num_requests_running") or
+                                           metric(server, "vllm:kv_cache_usage_perc")):
+        time.sleep(0.2)
+    assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
+    while time.monotonic() < deadline and metric(server, "vllm:request_success_total", finished_reason="abort") \
+            < aborted + 4:
+        time.sleep(0.1)
+    assert metric(server, "vllm:request_success_total", finished_reason="abort") == aborted + 4  # (its 4 choices)
+    # temperature and seed only shape a draw, which a search makes none of
+    assert json.loads(http("POST", url, {**beam, "temperature": 0.8, "seed": 3})[1])["choices"] == \
+        json.loads(http("POST", url, beam)[1])["choices"]
 
 
 def _sse(url: str, body: dict) -> list[dict]:
