@@ -12,7 +12,7 @@ CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     """Decodes a growing token list window by window: text is released once the window's decode no
-    longer ends in an incomplete character (U+FFFD).
+    longer ends in an incomplete character (U+FFFD where the bytes end inside a character).
 
     `context`: the prompt. Its last tokens open the first window, so the first generated token
     decodes as it does after the prompt: a SentencePiece-style decoder (Llama, Mistral, Mixtral)
@@ -58,7 +58,10 @@ class IncrementalDetokenizer:
         self.tokens.extend(token_ids)
         prefix = self._prefix_chars()
         full = self._decode(self.tokens[self.prefix_offset:])
-        if len(full) > prefix and not full.endswith("\ufffd"):
+        # a U+FFFD at the end is held while it is a character's first bytes (the rest may come); an
+        # invalid byte, or a U+FFFD of the text's own, stays what it is: held, every later token would
+        # decode the growing window again (quadratic, on the event loop)
+        if len(full) > prefix and (not full.endswith("\ufffd") or not self.tok.ends_inside_character(self.tokens)):
             start = len(self.text)
             self.text += full[prefix:]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)

@@ -433,7 +433,7 @@ class SchedulerSettings(Settings):
     speculative_sampling: bool = flag(False, "with --num-speculative-tokens: drafts for requests that sample without "
                                              "a seed too, kept by speculative sampling (each token distributed as "
                                              "without drafts); off by default: the demo model at temperature 0.7 "
-                                             "kept a fifth to a third of them and lost 2-13%")
+                                             "kept a fifth to a third of them and lost 2-13%%")
     ngram_prompt_lookup_max: int = flag(4, "with --num-speculative-tokens: the longest run of last tokens looked "
                                            "up (tried first)", parse=positive_int)
     ngram_prompt_lookup_min: int = flag(2, "with --num-speculative-tokens: the shortest run of last tokens "

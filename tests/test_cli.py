@@ -566,3 +566,26 @@ def test_an_error_about_a_flag_set_by_its_variable_names_the_variable(model, cap
     assert "(--layer-partition from MOEMESH_LAYER_PARTITION='1,1')" in err
     err = user_error(capsys, ["serve", "--model", str(model), "--layer-partition", "1,1"], no_output=True)
     assert "--layer-partition" in err and "MOEMESH_" not in err
+
+
+def test_every_commands_help_prints(capsys):
+    """`--help` of every command and bench mode prints (argparse formats help with %: a bare one is a
+    traceback, as `serve --help` once was)."""
+    import argparse
+
+    from moemesh.entrypoints.cli import build_parser
+
+    def commands(parser, path):
+        yield path
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, [*path, name])
+
+    paths = list(commands(build_parser(), []))
+    assert ["serve"] in paths and ["bench", "throughput"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as e:
+            main([*path, "--help"])
+        assert e.value.code == 0, path
+        assert "usage:" in capsys.readouterr().out, path

@@ -159,6 +159,27 @@ def test_invalid_byte_then_text_does_not_stall_the_stream(tok, byte_id):
     assert d.finish() == ""
 
 
+def test_invalid_bytes_are_released_as_they_come_not_held_and_decoded_again(tok, byte_id):
+    """A stream of invalid bytes (a lone continuation byte, allowed_token_ids can force one) shows each
+    U+FFFD at once: the window moves on, so a token costs the same however many came before (held, the
+    whole tail was decoded again for every token). A character's first bytes are still held."""
+    d = IncrementalDetokenizer(tok, [])
+    for k in range(2000):
+        assert d.add([byte_id(0xA5)]) == "\ufffd", k
+        assert d.read_offset - d.prefix_offset <= 1
+    first = "日".encode()
+    assert d.add([byte_id(first[0])]) == "" and d.add([byte_id(first[1])]) == ""
+    assert d.add([byte_id(first[2])]) == "日"
+    rng = random.Random(0)  # and random bytes, valid or not, in random chunks, add up to the full decode
+    for _ in range(30):
+        data = bytes(rng.choice([0x41, 0x80, 0xA5, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xF0, 0x9F, 0xFF])
+                     for _ in range(rng.randrange(1, 40)))
+        ids = [byte_id(b) for b in data]
+        for sizes in _chunkings(len(ids), seeds=range(3)):
+            d, pieces, last = _stream(tok, ids, sizes)
+            assert "".join(pieces) + last == tok.decode(ids), (data, sizes)
+
+
 # --- stop strings -----------------------------------------------------------------------------------------
 
 SENTENCE = "The capital of France is Paris. The capital of Japan is Tokyo."
