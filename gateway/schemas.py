@@ -15,7 +15,7 @@ Prompt = Union[str, list[Any]]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False  # (null: false, as OpenAI reads it)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

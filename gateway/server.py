@@ -111,6 +111,14 @@ class Delta:
     cached_tokens: int | None = None  # the first's: prompt tokens the prefix cache held
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How a request's jobs run where not as one sequence each: a beam search per prompt (gateway/beam.py),
+    or the prompt alone (echo with max_tokens 0: one token is generated, and not shown)."""
+    search: list[BeamSettings] | None = None
+    prompt_only: bool = False
+
+
 @dataclass
 class Choice:
     """One generated sequence of a request, as it streams."""
@@ -393,7 +401,12 @@ class Gateway:
         texts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         echoes = [t if isinstance(t, str) and len(p) == len(g) else self._echo(p)
                   for t, p, g in zip(texts, prompts, given)] if body.echo else None
+        # echo with max_tokens 0: the prompt and its logprobs alone (OpenAI's legacy scoring, and vLLM's)
+        prompt_only = body.echo and body.max_tokens == 0
+
         def max_tokens(prompt):  # (left out: OpenAI's 16; null: the rest of the context, as vLLM)
+            if prompt_only:
+                return 1
             if body.max_tokens is msgspec.UNSET:
                 return 16
             return max(1, self.max_model_len - len(prompt)) if body.max_tokens is None else body.max_tokens
@@ -404,7 +417,8 @@ class Gateway:
         bad_words = self._bad_words(body.bad_words)  # (tokenized once for all the prompts)
         params = [self._params(body, len(p), max_tokens(p), body.logprobs, max(asked, default=None),
                                bad_words=bad_words) for p in prompts]
-        return await self._serve(request, body, "cmpl", prompts, params, chat=False, echoes=echoes)
+        return await self._serve(request, body, "cmpl", prompts, params, chat=False, echoes=echoes,
+                                 prompt_only=prompt_only)
 
     async def chat_completions(self, request):
         body = await self._parse(request, ChatCompletionRequest)
@@ -734,7 +748,8 @@ class Gateway:
 
     async def _serve(self, request, body, kind: str, prompts: list[list[int]], params: list[SamplingParams],
                      chat: bool, echoes: list[str] | None = None, tools: ToolMode | None = None,
-                     thinking: ReasoningMode | None = None, builder: ResponseBuilder | MessageBuilder | None = None):
+                     thinking: ReasoningMode | None = None, builder: ResponseBuilder | MessageBuilder | None = None,
+                     prompt_only: bool = False):
         """tools: how a chat answer's tool calls are read (gateway/tools.py), or None for text; thinking: how
         its thought is told from its answer (gateway/reasoning.py), or None; builder: the answer's shape
         where a chat request answers another API's (Responses' output items, gateway/responses.py;
@@ -742,8 +757,9 @@ class Gateway:
         if not self._accepting():
             raise self._not_serving()
         search = None
-        if body.use_beam_search and builder is None:
+        if body.use_beam_search and builder is None and not prompt_only:
             search = [self._beam_settings(body, sp) for sp in params]
+        plan = Plan(search, prompt_only)
         n_seqs = len(prompts) * (search[0].width if search else body.n)  # (a beam search runs its width)
         # never admitted, however long it waits: not a 429 to retry (the coordinator queues at most
         # --max-waiting sequences, and a request's all arrive at once)
@@ -769,8 +785,8 @@ class Gateway:
                     return await self._build_stream(request, builder, rid, jobs, shown, tools, thinking)
                 return await self._build(builder, rid, jobs, shown, tools, thinking)
             if body.stream:
-                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking, search)
-            return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking, search)
+                return await self._stream(request, body, rid, jobs, shown, chat, echoes, tools, thinking, plan)
+            return await self._complete(body, rid, jobs, shown, chat, echoes, tools, thinking, plan)
         finally:
             self.pending -= n_seqs
 
@@ -837,12 +853,23 @@ class Gateway:
                 self.metrics.requests.labels(self.model_name, ended).inc()
         await queue.put((index, "done", choice))
 
-    async def _gather(self, rid, jobs, shown, search: list[BeamSettings] | None = None):
-        """Yields (index, kind, payload) from every job until all are done; errors propagate. With
-        `search` (one per prompt), each prompt's choices are its best beams, yielded when found."""
-        if search is not None:
-            async for item in self._beam_gather(rid, jobs, shown, search):
+    async def _gather(self, rid, jobs, shown, plan: Plan | None = None):
+        """Yields (index, kind, payload) from every job until all are done; errors propagate. With a
+        plan's `search` (one per prompt), each prompt's choices are its best beams, yielded when found;
+        with `prompt_only`, choices without the token each generated."""
+        if plan is not None and plan.search is not None:
+            async for item in self._beam_gather(rid, jobs, shown, plan.search):
                 yield item
+            return
+        if plan is not None and plan.prompt_only:
+            async for index, kind, payload in self._gather(rid, jobs, shown):
+                if kind == "delta":
+                    payload = Delta("", [], payload.finish_reason and "length", False, payload.prompt_logprobs, 0,
+                                    payload.cached_tokens)
+                else:
+                    payload = Choice(index, IncrementalDetokenizer(self.tokenizer), finish_reason="length",
+                                     cached_tokens=payload.cached_tokens)
+                yield index, kind, payload
             return
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue)) for i, p, sp in jobs]
@@ -992,10 +1019,10 @@ class Gateway:
         return logprobs, cached
 
     async def _complete(self, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
-                        thinking: ReasoningMode | None = None, search: list[BeamSettings] | None = None):
+                        thinking: ReasoningMode | None = None, plan: Plan | None = None):
         choices: dict[int, Choice] = {}
         prompt_lps: dict[int, list] = {}
-        async for index, kind, payload in self._gather(rid, jobs, shown, search):
+        async for index, kind, payload in self._gather(rid, jobs, shown, plan):
             if kind == "done":
                 choices[index] = payload
             elif payload.prompt_logprobs is not None:
@@ -1039,7 +1066,7 @@ class Gateway:
         return web.json_response(response)
 
     async def _stream(self, request, body, rid, jobs, shown, chat, echoes=None, tools: ToolMode | None = None,
-                      thinking: ReasoningMode | None = None, search: list[BeamSettings] | None = None):
+                      thinking: ReasoningMode | None = None, plan: Plan | None = None):
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         with_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -1097,10 +1124,9 @@ class Gateway:
                 await send(e.body())
             await send_raw(b"data: [DONE]\n\n")
 
-        return await self._sse(request, rid, jobs, shown, write, search)
+        return await self._sse(request, rid, jobs, shown, write, plan)
 
-    async def _sse(self, request, rid: str, jobs, shown: dict, write,
-                   search: list[BeamSettings] | None = None) -> web.StreamResponse:
+    async def _sse(self, request, rid: str, jobs, shown: dict, write, plan: Plan | None = None) -> web.StreamResponse:
         """A streamed answer as server-sent events: `write(send_raw, events)` sends them for the jobs'
         events (`_gather`). An error the coordinator answers at once (before the first event) keeps its
         status; a client that leaves or stops reading aborts every sequence of the request."""
@@ -1114,7 +1140,7 @@ class Gateway:
             except asyncio.TimeoutError:
                 raise SlowClient from None
 
-        events = self._gather(rid, jobs, shown, search)
+        events = self._gather(rid, jobs, shown, plan)
         try:  # the first event before the 200: an error the coordinator answers at once keeps its status
             first = await events.__anext__()
         except HTTPError as e:

@@ -1009,6 +1009,32 @@ def test_usage_counts_each_prompt_once_and_tiny_temperatures_are_greedy(client):
         assert got == greedy, kw
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(server):
+    """OpenAI's legacy scoring (and vLLM's): echo with max_tokens 0 answers the prompt and its logprobs,
+    streamed or not, with no completion tokens; the logprobs are those a longer request echoes."""
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": ["Once upon a time", "The quick brown fox"], "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, raw, _ = http("POST", url, body)
+    assert status == 200, raw
+    r = json.loads(raw)
+    longer = json.loads(http("POST", url, {**body, "max_tokens": 3, "temperature": 0})[1])
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == longer["usage"]["prompt_tokens"]
+    for c, whole in zip(r["choices"], longer["choices"]):
+        assert c["text"] == body["prompt"][c["index"]] and c["finish_reason"] == "length"
+        k = len(c["logprobs"]["tokens"])
+        assert c["logprobs"]["token_logprobs"][0] is None and k == len(whole["logprobs"]["tokens"]) - 3
+        assert {key: v[:k] for key, v in whole["logprobs"].items()} == c["logprobs"]
+    events = _sse(url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    assert "usage" not in _sse(url, {**body, "stream": True, "stream_options": {"include_usage": None}})[-1]
+    for c in r["choices"]:
+        chunks = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == c["index"]]
+        assert "".join(x["text"] for x in chunks) == c["text"] and chunks[-1]["finish_reason"] == "length"
+        assert sum((x["logprobs"]["tokens"] for x in chunks), []) == c["logprobs"]["tokens"]
+    # without echo, max_tokens 0 asks for nothing: refused
+    assert http("POST", url, {"prompt": "x", "max_tokens": 0})[0] == 400
+
+
 def test_beam_search_finds_the_beams_transformers_finds(model, server):
     """use_beam_search: the n best of best_of beams are transformers' generate(num_beams=best_of,
     num_return_sequences=n), token for token and score for score, with its length_penalty and
