@@ -1149,8 +1149,14 @@ class Gateway:
 
         async def all_events():
             yield first
-            async for event in events:
-                yield event
+            try:
+                async for event in events:
+                    yield event
+            except HTTPError:
+                raise
+            except Exception as e:  # a bug behind the stream: the client hears an error event, the log the trace
+                log.error("request failed mid-stream", exc_info=True, extra={"fields": {"request_id": rid}})
+                raise HTTPError(500, f"internal error: {type(e).__name__}") from None
 
         try:
             sock = request.transport.get_extra_info("socket") if request.transport is not None else None
@@ -1168,6 +1174,14 @@ class Gateway:
             self.metrics.slow_clients.labels(self.model_name).inc()
             log.warning("client stopped reading, request aborted", extra={"fields": {
                 "request_id": rid, "seconds": self.cfg.stream_timeout}})
+            if request.transport is not None:
+                request.transport.abort()
+        except Exception:  # a bug while writing: the 200 and some events are out, so the stream is cut, not
+            # followed by an error response of its own (the middleware's 500)
+            if not resp.prepared:
+                raise
+            log.error("request failed mid-stream", exc_info=True, extra={"fields": {"request_id": rid}})
+            await events.aclose()
             if request.transport is not None:
                 request.transport.abort()
         return resp

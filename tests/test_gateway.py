@@ -1265,6 +1265,78 @@ def test_a_mesh_its_launcher_gave_up_on_is_a_503_at_once(model):
     assert "past its restart budget" in h["error"]["message"] and "past its restart budget" in r["reason"]
     assert "past its restart budget" in g["error"]["message"]
 
+def test_a_bug_mid_stream_ends_that_stream_cleanly_and_nothing_else(model, monkeypatch):
+    """A bug behind a stream that has started (its 200 is out): an error event and [DONE] where the
+    bug is in making the events, a cut connection where it is in writing them; never a second response
+    on the same connection. The requests' sequences are aborted and the gateway serves on."""
+    import asyncio
+
+    import aiohttp
+
+    import gateway.server as gs
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.settings import EngineSettings, GatewaySettings
+
+    made = {"deltas": 0}
+    real_delta, real_chat_delta = gs.Delta, gs.Gateway._chat_delta
+
+    def failing_delta(*args, **kwargs):
+        made["deltas"] += 1
+        if made.get("fail_delta") and made["deltas"] == 3:
+            raise RuntimeError("a bug making events")
+        return real_delta(*args, **kwargs)
+
+    def failing_chat_delta(self, *args, **kwargs):
+        if made.get("fail_write"):
+            raise RuntimeError("a bug writing events")
+        return real_chat_delta(self, *args, **kwargs)
+
+    monkeypatch.setattr(gs, "Delta", failing_delta)
+    monkeypatch.setattr(gs.Gateway, "_chat_delta", failing_chat_delta)
+
+    async def scenario():
+        with LocalMesh.of(EngineSettings(model=str(model), kv_memory=4 << 20)) as mesh:
+            ready, urls = asyncio.Event(), []
+            server = asyncio.ensure_future(gs.run_gateway(GatewaySettings(coordinator=mesh.client_address, port=0),
+                                                          ready, urls))
+            try:
+                await asyncio.wait_for(ready.wait(), 120)
+                async with aiohttp.ClientSession() as session:
+                    async def stream(path, body):
+                        raw = b""
+                        async with session.post(urls[0] + path, json={**body, "stream": True}) as r:
+                            try:
+                                async for chunk in r.content.iter_any():
+                                    raw += chunk
+                            except aiohttp.ClientPayloadError:
+                                raw += b"<cut>"
+                            return r.status, raw
+
+                    body = {"prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True}
+                    made["fail_delta"] = True
+                    events = await stream("/v1/completions", body)
+                    made["fail_delta"], made["fail_write"] = False, True
+                    cut = await stream("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 20, "ignore_eos": True})
+                    made["fail_write"] = False
+                    async with session.post(urls[0] + "/v1/completions", json=body) as r:
+                        after = r.status, await r.json()
+                    async with session.get(urls[0] + "/metrics") as r:
+                        metrics = await r.text()
+            finally:
+                server.cancel()
+                await asyncio.gather(server, return_exceptions=True)
+        return events, cut, after, metrics
+
+    (status, raw), (cut_status, cut_raw), after, metrics = asyncio.run(scenario())
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
+    error = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {\"error")]
+    assert error and error[0]["error"]["code"] == 500 and "RuntimeError" in error[0]["error"]["message"]
+    assert cut_status == 200 and b"[DONE]" not in cut_raw and b"HTTP/1.1" not in cut_raw, cut_raw
+    assert after[0] == 200 and len(after[1]["choices"][0]["text"]) > 0
+    assert re.search(r"^vllm:num_requests_running\S* 0\.0$", metrics, re.M), metrics
+
+
 def test_tokenizer_endpoints_round_trip(server):
     status, body, _ = http("GET", f"{server.url}/tokenizer_info")
     info = json.loads(body)
