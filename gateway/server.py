@@ -54,7 +54,7 @@ from moemesh.client import CoordinatorClient
 from moemesh.config import ModelConfig, generation_defaults
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
-from moemesh.mesh_security import check_exposure
+from moemesh.mesh_security import check_exposure, is_loopback
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
 from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
@@ -143,6 +143,9 @@ class Gateway:
         self.api_keys = load_api_keys(key, cfg.api_key_file)
         if key is not None and not key.strip() and not self.api_keys:  # (a variable left unset, say: not silently)
             log.warning("--api-key (or MOEMESH_API_KEY) is empty: /v1/ is served without an API key",
+                        extra={"fields": {"host": cfg.host, "port": cfg.port}})
+        elif not self.api_keys and not all(is_loopback(h.strip()) for h in cfg.host.split(",")):
+            log.warning("no --api-key: /v1/ is served without an API key on an address beyond this host",
                         extra={"fields": {"host": cfg.host, "port": cfg.port}})
 
     # -- setup ---------------------------------------------------------------------------------

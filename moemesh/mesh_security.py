@@ -71,6 +71,38 @@ def make_keys(directory: str | os.PathLike) -> Path:
     return directory
 
 
+# what each kind of host holds (`moemesh keys --gateway-out/--stage-out`): a gateway connects as a client; a
+# stage host's workers connect as workers and serve their activation sockets to the other workers
+HOST_KEYS = {"gateway": ("server.key", "client.key_secret"),
+             "stage": ("server.key", "server.key_secret", "worker.key_secret", "workers")}
+
+
+def copy_keys(source: str | os.PathLike, out: str | os.PathLike, host: str) -> Path:
+    """Writes into `out` the keys of `source` (a directory `make_keys` made) that a `host` ("gateway",
+    "stage") needs, and nothing else: a gateway's host that is broken into holds no key that registers a
+    stage or serves the mesh. Run again, it brings `out` up to date (an allowed key removed is removed)."""
+    source, out = Path(source), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o755)
+    for name in HOST_KEYS[host]:
+        if (source / name).is_dir():
+            (out / name).mkdir(exist_ok=True)
+            (out / name).chmod(0o755)
+            kept = {p.name for p in (source / name).glob("*.key")}
+            for old in (out / name).glob("*.key"):
+                if old.name not in kept:
+                    old.unlink()
+            files = [(source / name / k, out / name / k) for k in sorted(kept)]
+        else:
+            files = [(source / name, out / name)]
+        for src, dst in files:
+            tmp = dst.with_name(dst.name + ".tmp")
+            shutil.copyfile(src, tmp)
+            tmp.chmod(0o600 if dst.name.endswith("_secret") else 0o644)
+            tmp.replace(dst)
+    return out
+
+
 class MeshKeys:
     """The key directory, read lazily: each process reads only the files its role needs."""
 

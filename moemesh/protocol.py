@@ -17,7 +17,7 @@ anywhere).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -49,9 +49,12 @@ TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator)
 TENSOR_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}  # dtype name -> bytes
 
 
+MAX_TENSOR_DIMS = 8  # (a stage's tensors have 1 to 3)
+
+
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
     dtype: str
-    shape: list[int]
+    shape: Annotated[list[int], msgspec.Meta(max_length=MAX_TENSOR_DIMS)]
 
 
 # -- client link --------------------------------------------------------------------------------
@@ -415,14 +418,17 @@ def check_frame(meta: TensorMeta, buf) -> None:
     size = TENSOR_ITEM_SIZES.get(meta.dtype)
     if size is None:
         raise ProtocolError(f"unknown tensor dtype {meta.dtype!r}")
+    if len(meta.shape) > MAX_TENSOR_DIMS:  # (a TensorMeta made here, not decoded, may hold more)
+        raise ProtocolError(f"tensor of {len(meta.shape)} dimensions, more than {MAX_TENSOR_DIMS}")
     numel = 1
     for d in meta.shape:
         if not 0 <= d < 1 << 40:
-            raise ProtocolError(f"tensor shape {meta.shape} has a dimension outside [0, 2^40)")
+            raise ProtocolError("tensor shape has a dimension outside [0, 2^40)")
         numel *= d
-    if len(buf) != numel * size:
-        raise ProtocolError(f"tensor frame holds {len(buf)} bytes, shape {meta.shape} of {meta.dtype} "
-                            f"needs {numel * size}")
+    if len(buf) != numel * size:  # (the numbers said only where small: a hostile shape's are not printed)
+        need = f"needs {numel * size}" if numel * size < 1 << 63 else "needs more"
+        raise ProtocolError(f"tensor frame holds {len(buf)} bytes, its {meta.dtype} shape of {len(meta.shape)} "
+                            f"dimensions {need}")
 
 
 def _buffer(frame):

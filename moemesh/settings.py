@@ -515,6 +515,9 @@ class WorkerSettings(WorkerResources, MeshSecurity):
                                              "stage's activations; a peer that sends more is cut off); serve and "
                                              "generate derive it from the model and --max-batched-tokens",
                                   parse=positive_int)
+    max_activation_bytes: int = flag(0, "the largest activations message this worker accepts from the previous "
+                                        "stage (0: --max-message-bytes); serve and generate derive it from the "
+                                        "model's hidden size and --max-batched-tokens", parse=non_negative_int)
     heartbeat_interval: float = 0.5
 
 

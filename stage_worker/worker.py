@@ -52,6 +52,7 @@ COPY_BELOW = 4 << 20  # activations of fewer bytes are copied into their message
 # added to that host's allowed set late, in a rotation)
 RELINK_AFTER = 2.0
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
+ACTIVATION_QUEUE = 2 * EARLY_ACTIVATIONS  # activations messages libzmq queues per connection before they are read
 
 
 def advertised_host(host: str, coordinator: str) -> str:
@@ -77,6 +78,8 @@ def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
     msg, buffers = codec.decode(frames)
     if len(buffers) != 1:
         raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
+    if len(msg.tensors[0].shape) != 2:
+        raise ProtocolError(f"activations of {len(msg.tensors[0].shape)} dimensions, expected 2 (tokens, hidden)")
     return msg.step_id, from_frame(msg.tensors[0], buffers[0])
 
 
@@ -90,7 +93,10 @@ class StageWorker:
         self.ctrl = self._control_socket()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        # (a step's activations at most; and few queued, unread before Start: a peer with the key can make
+        # this process hold ACTIVATION_QUEUE of them per connection, not a thousand of the schedule's size)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_activation_bytes or cfg.max_message_bytes)
+        self.pull.setsockopt(zmq.RCVHWM, ACTIVATION_QUEUE)
         self.registration: Register | None = None  # sent again with the control link, if it is made again
         self.ctrl_link: LinkState | None = None  # whether the coordinator's host took the handshake (until it did)
         self.reregistrations = 0  # control links made again after a refused handshake

@@ -538,6 +538,12 @@ def test_an_api_key_is_stripped_and_an_empty_one_is_none_said_aloud(caplog):
     with caplog.at_level(logging.WARNING):
         gateway = Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model"), api_key=" "))
     assert gateway.api_keys == [] and "served without an API key" in caplog.text
+    # no key at all: said where the gateway listens beyond this host, not on loopback
+    for host, warned in (("127.0.0.1", False), ("::1,127.0.0.1", False), ("0.0.0.0", True), ("", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model"), host=host))
+        assert ("without an API key" in caplog.text) == warned, host
 
 
 def test_a_bad_context_length_and_an_empty_layer_range_are_named(tmp_path, capsys):

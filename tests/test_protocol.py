@@ -357,6 +357,19 @@ def test_empty_tensor_with_huge_dimension_is_a_protocol_error(shape):
         _decode([_act_header(["float32", shape]), b""])
 
 
+@pytest.mark.parametrize("shape", [[2**40 - 1] * 8, [2**40 - 1] * 400, [1] * 9, [3, 2, 1]])
+def test_a_shape_of_many_or_huge_dimensions_is_a_protocol_error_and_cheap(shape):
+    """Eight dimensions at most (a stage's tensors have 1-3), and a frame the shape does not fit is
+    refused without printing its product: 400 dimensions of 2^40 once made a number too long to print
+    (a ValueError, not a ProtocolError, that ended the worker's receive loop)."""
+    from stage_worker.worker import received_stream
+
+    frames = [_act_header(["float32", shape]), b"\x00" * 24]
+    with pytest.raises(ProtocolError) as e:
+        received_stream(Codec(Activations), frames)
+    assert len(str(e.value)) < 300
+
+
 @pytest.mark.parametrize("link", list(LINKS.values()), ids=list(LINKS))
 def test_random_bytes_never_raise_anything_but_protocol_error(link):
     """Fuzz each link's decoder: mutated valid messages and random bytes."""

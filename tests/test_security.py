@@ -100,21 +100,37 @@ def test_an_allowed_set_others_can_write_to_is_refused_and_a_readable_secret_is_
     assert "Traceback" not in out.stderr
 
 def test_each_host_works_with_only_the_key_files_deploy_readme_gives_it(tmp_path):
-    """deploy/README.md hands a stage host server.key, server.key_secret, worker.key_secret and
-    workers/, and a gateway host server.key and client.key_secret: with only those, a stage host's
-    activation socket takes a worker's message and a gateway host's client connects (and a stage
-    host's worker key is refused on the client port)."""
+    """`moemesh keys --gateway-out --stage-out` (deploy/README.md, the compose files) hands a stage host
+    server.key, server.key_secret, worker.key_secret and workers/, and a gateway host server.key and
+    client.key_secret, nothing more: with only those, a stage host's activation socket takes a worker's
+    message and a gateway host's client connects (and its client key is refused on a workers socket).
+    Run again, the copies follow the allowed sets."""
     import shutil
+    import stat
 
+    from moemesh.entrypoints.cli import main
     from moemesh.mesh_security import MeshGuard
 
-    full = make_keys(tmp_path / "full")
-    stage_host, gateway_host = tmp_path / "stage-host", tmp_path / "gateway-host"
-    for host, files in ((stage_host, ["server.key", "server.key_secret", "worker.key_secret", "workers/worker.key"]),
-                        (gateway_host, ["server.key", "client.key_secret"])):
-        for f in files:
-            (host / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(full / f, host / f)
+    full, stage_host, gateway_host = tmp_path / "full", tmp_path / "stage-host", tmp_path / "gateway-host"
+    argv = ["keys", "--out", str(full), "--gateway-out", str(gateway_host), "--stage-out", str(stage_host)]
+    assert main(argv) == 0
+
+    def files(d):
+        return {str(p.relative_to(d)): stat.S_IMODE(p.stat().st_mode) for p in d.rglob("*")}
+
+    assert files(gateway_host) == {"server.key": 0o644, "client.key_secret": 0o600}
+    assert files(stage_host) == {"server.key": 0o644, "server.key_secret": 0o600, "worker.key_secret": 0o600,
+                                 "workers": 0o755, "workers/worker.key": 0o644}
+    with pytest.raises(ConfigError, match="no worker.key_secret"):
+        MeshKeys(gateway_host).connect(zmq.Context.instance().socket(zmq.DEALER), "worker")
+    with pytest.raises(ConfigError, match="no client.key_secret"):
+        MeshKeys(stage_host).connect(zmq.Context.instance().socket(zmq.DEALER), "client")
+    shutil.copyfile(full / "workers" / "worker.key", full / "workers" / "worker-2.key")  # a key allowed, then not
+    assert main([*argv, "--if-missing"]) == 0 and (stage_host / "workers" / "worker-2.key").is_file()
+    (full / "workers" / "worker-2.key").unlink()
+    assert main([*argv, "--if-missing"]) == 0 and not (stage_host / "workers" / "worker-2.key").exists()
+    with pytest.raises(SystemExit):  # (without --if-missing: keys there are not overwritten)
+        main(argv)
 
     async def scenario():
         import zmq.asyncio
@@ -459,7 +475,7 @@ def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
 
     from moemesh.protocol import Schedule
     from moemesh.settings import WorkerSettings
-    from stage_worker.worker import EARLY_ACTIVATIONS, StageWorker
+    from stage_worker.worker import ACTIVATION_QUEUE, EARLY_ACTIVATIONS, StageWorker
 
     async def scenario():
         w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
@@ -476,8 +492,14 @@ def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
             w.current_step = 12  # step 11 was taken (and a duplicate of it came later)
             w._keep_activations(13, t)
             assert 11 not in w.arrived and w.arrived[13] is t
+            # and libzmq queues few, each at most a step's activations, while nobody reads
+            assert w.pull.getsockopt(zmq.RCVHWM) == ACTIVATION_QUEUE
+            assert w.pull.getsockopt(zmq.MAXMSGSIZE) == w.cfg.max_message_bytes
         finally:
             w.ctx.destroy(linger=0)
+        w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1, max_activation_bytes=3 << 20))
+        assert w.pull.getsockopt(zmq.MAXMSGSIZE) == 3 << 20
+        w.ctx.destroy(linger=0)
 
     asyncio.run(scenario())
 

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keys", help="make the CurveZMQ keys of a mesh (for --mesh-keys)")
     k.add_argument("--out", required=True, type=out_path, help="the directory to write them to (must not hold keys)")
+    k.add_argument("--gateway-out", type=out_path, metavar="DIR",
+                   help="also copy there only what a gateway's host needs (server.key, client.key_secret), again "
+                        "on every run")
+    k.add_argument("--stage-out", type=out_path, metavar="DIR",
+                   help="also copy there only what a stage host needs (the server key pair, worker.key_secret, "
+                        "workers/), again on every run")
     k.add_argument("--if-missing", action="store_true", help="keys already there are fine: keep them (for a "
                                                             "one-shot container that runs at every start)")
 
@@ -412,11 +418,20 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: li
         if args.command == "keys":
             from moemesh.mesh_security import make_keys
 
+            from moemesh.mesh_security import copy_keys
+
             if not (args.if_missing and (args.out / "server.key_secret").is_file()):
                 try:
                     make_keys(args.out)
                 except OSError as e:
                     raise CLIError(f"--out {args.out}: {e.strerror or e}") from None
+            for host, flag in (("gateway", "--gateway-out"), ("stage", "--stage-out")):
+                out = getattr(args, f"{host}_out")
+                if out is not None:
+                    try:
+                        copy_keys(args.out, out, host)
+                    except OSError as e:
+                        raise CLIError(f"{flag} {out}: {e.strerror or e}") from None
             print(args.out)
             return 0
         if args.command == "train-demo":

@@ -26,7 +26,7 @@ import dataclasses
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
-from moemesh.protocol import worker_message_bytes
+from moemesh.protocol import max_activation_bytes, worker_message_bytes
 from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings, host_memory
 
 log = get_logger("launcher")
@@ -52,15 +52,18 @@ def threads_per_worker(threads: int | None, workers: int) -> int:
     return threads or max(1, available_cores() // workers)
 
 
-def worker_message_limit(engine: EngineSettings) -> int:
-    """The largest message a stage worker of this engine's mesh can be sent: a schedule, or a step's
-    activations at the token budget (moemesh/protocol.py's limits)."""
+def worker_message_limits(engine: EngineSettings) -> dict[str, int]:
+    """The largest messages a stage worker of this engine's mesh can be sent (moemesh/protocol.py's
+    limits), as its settings: any (a schedule, or a step's activations at the token budget), and the
+    previous stage's activations."""
     from coordinator.scheduler import SchedulerConfig
 
     mc = ModelConfig.from_dir(engine.model)
     max_len = SchedulerConfig.for_model(engine.max_batched_tokens, engine.max_seqs, engine.max_model_len,
                                         mc.max_position_embeddings).max_model_len
-    return worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs, max_len, engine.block_size)
+    return {"max_message_bytes": worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs,
+                                                      max_len, engine.block_size),
+            "max_activation_bytes": max_activation_bytes(mc.hidden_size, engine.max_batched_tokens)}
 
 
 # not a role's settings: every process reads them (the last two: the CPU kernels' prefetch policy
@@ -123,7 +126,7 @@ class LocalMesh:
         coordinator = CoordinatorSettings.derive(engine, **{"port": 0, "client_port": 0, "drain_timeout": 0.05,
                                                             **pick(CoordinatorSettings)})
         threads = threads_per_worker(engine.threads, engine.pp * engine.tp)
-        worker = WorkerSettings.derive(engine, **{"threads": threads, "max_message_bytes": worker_message_limit(engine),
+        worker = WorkerSettings.derive(engine, **{"threads": threads, **worker_message_limits(engine),
                                                   **pick(WorkerSettings)})
         return cls(coordinator, worker, extra_env)
 
