@@ -408,8 +408,13 @@ class Codec:
         if len(frames) - 1 != len(metas):
             raise ProtocolError(f"message declares {len(metas)} tensors but carries {len(frames) - 1} frames")
         buffers = [_buffer(f) for f in frames[1:]]
-        for meta, buf in zip(metas, buffers):
-            check_frame(meta, buf)
+        try:
+            for meta, buf in zip(metas, buffers):
+                check_frame(meta, buf)
+        except ProtocolError:
+            raise
+        except Exception as e:  # (whatever a hostile frame finds: still one malformed message, never a crash)
+            raise ProtocolError(f"undecodable tensor frame: {type(e).__name__}") from None
         return msg, buffers
 
 

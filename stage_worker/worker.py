@@ -80,7 +80,12 @@ def received_stream(codec: Codec, frames) -> tuple[int, torch.Tensor]:
         raise ProtocolError(f"activations carry {len(buffers)} tensors, expected 1 (the residual stream)")
     if len(msg.tensors[0].shape) != 2:
         raise ProtocolError(f"activations of {len(msg.tensors[0].shape)} dimensions, expected 2 (tokens, hidden)")
-    return msg.step_id, from_frame(msg.tensors[0], buffers[0])
+    try:
+        return msg.step_id, from_frame(msg.tensors[0], buffers[0])
+    except ProtocolError:
+        raise
+    except Exception as e:  # (one malformed message, never the end of the receive loop)
+        raise ProtocolError(f"activations that make no tensor: {type(e).__name__}") from None
 
 
 class StageWorker:
