@@ -727,8 +727,8 @@ class Coordinator:
                 await self.router.refuse(identity, msg, f"pipeline is down: {self.failure}", 503)
             elif self.stopping:
                 await self.router.refuse(identity, msg, f"{STOPPING}; retry shortly", 503)
-            elif self.waiting() >= self.cfg.max_waiting:
-                await self.router.refuse(identity, msg, f"{self.waiting()} requests are waiting to be scheduled "
+            elif (queued := self.queued()) >= self.cfg.max_waiting:
+                await self.router.refuse(identity, msg, f"{queued} requests are waiting to be scheduled "
                                                         f"(--max-waiting); retry shortly", 429)
             elif self.core is None:  # not serving yet: held until it does
                 self.router.hold(identity, msg)
@@ -777,6 +777,15 @@ class Coordinator:
     def waiting(self) -> int:
         """Requests not yet scheduled: queued in the core, or held until the pipeline serves."""
         return (len(self.core.scheduler.waiting) if self.core else 0) + len(self.router.held)
+
+    def queued(self) -> int:
+        """What --max-waiting bounds: requests never scheduled. Those a recovery or a preemption put back
+        in the queue are not counted: they were admitted, and a recovery must not turn new requests
+        away (docs/reliability.md: queued, not refused). (Counted one by one only at the bound.)"""
+        n = self.waiting()
+        if n < self.cfg.max_waiting or self.core is None:
+            return n
+        return sum(1 for seq in self.core.scheduler.waiting if seq.first_scheduled is None) + len(self.router.held)
 
     def status(self, timeline: bool = False, nonce: int = 0) -> StatusReply:
         core, loop, reg = self.core, self.loop, self.registry

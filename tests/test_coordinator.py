@@ -379,6 +379,26 @@ def test_requests_past_max_waiting_get_429_and_the_client_socket_never_drops(tin
     asyncio.run(scenario())
 
 
+def test_sequences_a_recovery_put_back_do_not_count_against_max_waiting(tiny):
+    """--max-waiting bounds requests never scheduled: those a recovery (or a preemption) put back in
+    the queue were admitted already, and new requests that come while it recovers are queued, not
+    refused with a 429 (docs/reliability.md)."""
+    coord = _coordinator(tiny, max_waiting=3, register_timeout=30)
+    try:
+        coord.core = make_core()
+        for i in range(4):
+            coord.core.add(f"r{i}", prompt(5), SamplingParams(max_tokens=8))
+        assert coord.core.next_schedule() is not None  # the four run
+        assert coord.queued() == coord.waiting() == 0
+        coord.core.requeue_all()  # a stage was lost
+        assert coord.waiting() == 4 and coord.queued() == 0
+        for i in range(4, 7):
+            coord.core.add(f"r{i}", prompt(5), SamplingParams(max_tokens=8))
+        assert coord.waiting() == 7 and coord.queued() == 3  # (the bound: the next new one is a 429)
+    finally:
+        coord.ctx.destroy(linger=0)
+
+
 async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = True):
     """The only rank (pp=1): loads at once, heartbeats, and answers schedules like a last stage,
     except the first `drop` schedules, which it never sees (lost on a connection that dropped). With
