@@ -351,7 +351,7 @@ class Coordinator:
         reg.first_step = self.core.next_step_id
         # the survivors (not a replacement already in)
         await self._broadcast(Reset(reg.epoch, reg.first_step), only=Phase.SERVING)
-        replacements = []
+        replacements, told = [], set()
         while True:
             reg.lost.clear()
             if not await self._until(reg.all_registered, deadline - time.monotonic()):
@@ -366,20 +366,23 @@ class Coordinator:
                 if prev is not None and prev not in new:  # (a new one got the address in its Assignment)
                     await self._send_worker(prev.identity, Repoint(w.data_address))
             if await self._until(reg.all_ready, deadline - time.monotonic(), also=reg.lost):
-                break
+                num_blocks = reg.num_blocks()
+                if num_blocks != self.core.blocks.num_blocks:  # (a replacement with another --kv-memory)
+                    log.warning("the rebuilt pipeline's KV pool has another size", extra={"fields": {
+                        "blocks": num_blocks, "before": self.core.blocks.num_blocks}})
+                    await self.router.deliver(self.core.resize(num_blocks))  # nothing holds a block while recovering
+                for w in replacements:
+                    if reg.workers.get(w.rank) is w and w.identity not in told:  # (not one lost again meanwhile)
+                        told.add(w.identity)
+                        await self._send_worker(w.identity, Start(num_blocks, reg.epoch))
+                if not reg.lost.is_set():
+                    break
+                continue  # a worker was lost while these awaited: its replacement too, before serving
             if self.failure:
                 return
             if not reg.lost.is_set():
                 return self._fail(f"stage workers (pp rank, tp rank) {reg.not_ready()} did not load within "
                                   f"{cfg.recovery_timeout:g} s of the recovery (--recovery-timeout)")
-        num_blocks = reg.num_blocks()
-        if num_blocks != self.core.blocks.num_blocks:  # (a replacement with another --kv-memory)
-            log.warning("the rebuilt pipeline's KV pool has another size", extra={"fields": {
-                "blocks": num_blocks, "before": self.core.blocks.num_blocks}})
-            await self.router.deliver(self.core.resize(num_blocks))  # nothing holds a block while recovering
-        for w in replacements:
-            if reg.workers.get(w.rank) is w:  # (not one that was lost again meanwhile)
-                await self._send_worker(w.identity, Start(num_blocks, reg.epoch))
         reg.enter(Phase.SERVING)
         self.recovery_seconds += time.monotonic() - started
         log.info("recovered", extra={"fields": {"epoch": reg.epoch, "blocks": num_blocks,
@@ -688,6 +691,8 @@ class Coordinator:
                 for sched in self.loop.issue():
                     self.issued[sched.step_id] = time.monotonic()
                     await self.pipeline.send(sched)
+                    if not self.serving or self._resetting:  # (a send that waited: a loss or reset came meanwhile,
+                        break  # and put the sequences back; the next schedule waits for the pipeline again)
                 if self.loop.stalled():  # (a request the pool can never hold gets past the checks: a bug)
                     seq = (self.core.scheduler.waiting or self.core.scheduler.running)[0]
                     log.error("no step can be scheduled; ending the oldest waiting request", extra={"fields": {
