@@ -994,6 +994,8 @@ class Gateway:
             seconds = time.monotonic() - start
             for reason in ([("stop" if b.stopped else "length", len(b.tokens)) for b in beams] if ended is None
                            else [(ended, 0)] * n):
+                if ended is None:  # (its first tokens reach the client with the search's end)
+                    self.metrics.ttft.labels(self.model_name).observe(seconds)
                 self.metrics.e2e.labels(self.model_name).observe(seconds)
                 self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
                 self.metrics.generation_tokens.labels(self.model_name).inc(reason[1])

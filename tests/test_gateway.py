@@ -1408,6 +1408,8 @@ def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
     text = http("GET", f"{server.url}/metrics")[1].decode()  # every series there from the start, as vLLM's
     assert all(f'finished_reason="{reason}"' in text for reason in ("stop", "length", "abort", "error"))
     before = metric(server, "vllm:generation_tokens_total")
+    latencies = [metric(server, name) for name in ("vllm:e2e_request_latency_seconds_count",
+                                                   "vllm:time_to_first_token_seconds_count")]
     client.completions.create(model="tiny-mixtral", prompt="count", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
     assert metric(server, "vllm:generation_tokens_total") == before + 5
@@ -1433,8 +1435,9 @@ def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
         time.sleep(0.1)  # (the gateway counts it as its handler unwinds)
     assert metric(server, "vllm:request_success_total", finished_reason="abort") >= 1
     assert before + 5 < metric(server, "vllm:generation_tokens_total") < before + 5 + 240
-    assert metric(server, "vllm:e2e_request_latency_seconds_count") == \
-        metric(server, "vllm:time_to_first_token_seconds_count")
+    # (each of its two requests had a first token, and a latency)
+    assert metric(server, "vllm:e2e_request_latency_seconds_count") == latencies[0] + 2
+    assert metric(server, "vllm:time_to_first_token_seconds_count") == latencies[1] + 2
     assert "vllm:num_preemptions_total" in http("GET", f"{server.url}/metrics")[1].decode()  # (a counter, as vLLM's)
 
 
