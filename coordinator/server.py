@@ -372,8 +372,8 @@ class Coordinator:
                         "blocks": num_blocks, "before": self.core.blocks.num_blocks}})
                     await self.router.deliver(self.core.resize(num_blocks))  # nothing holds a block while recovering
                 for w in replacements:
-                    if reg.workers.get(w.rank) is w and w.identity not in told:  # (not one lost again meanwhile)
-                        told.add(w.identity)
+                    if reg.workers.get(w.rank) is w and id(w) not in told:  # (not one lost again meanwhile)
+                        told.add(id(w))
                         await self._send_worker(w.identity, Start(num_blocks, reg.epoch))
                 if not reg.lost.is_set():
                     break
@@ -693,7 +693,9 @@ class Coordinator:
                     await self.pipeline.send(sched)
                     if not self.serving or self._resetting:  # (a send that waited: a loss or reset came meanwhile,
                         break  # and put the sequences back; the next schedule waits for the pipeline again)
-                if self.loop.stalled():  # (a request the pool can never hold gets past the checks: a bug)
+                # (a request the pool can never hold gets past the checks: a bug; not a queue a loss or reset
+                # just refilled while a send waited)
+                if self.serving and not self._resetting and self.loop.stalled():
                     seq = (self.core.scheduler.waiting or self.core.scheduler.running)[0]
                     log.error("no step can be scheduled; ending the oldest waiting request", extra={"fields": {
                         "request_id": seq.request_id, "tokens": seq.num_tokens, "max_tokens": seq.params.max_tokens,

@@ -64,6 +64,7 @@ from moemesh.tokenizer import TextTokenizer, whole_characters
 log = get_logger("gateway")
 
 MAX_N = 16  # choices per prompt
+MAX_LENGTH_PENALTY = 10.0  # a beam search's (a 128k-token beam's length to the 10th power is still a float)
 THOUGHT_TAIL_TOKENS = 8  # a chat prompt's last tokens, read for a `<think>` its template ends with
 MAX_BAD_WORD_CHARS = 256  # a bad word's characters (tokenized twice on the event loop)
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -769,8 +770,11 @@ class Gateway:
         limit, flag = min((self.cfg.max_pending, "--max-pending"),
                           (self.status.max_waiting or math.inf, "--max-waiting"))
         if n_seqs > limit:
-            raise HTTPError(400, f"{len(prompts)} prompts x n={body.n} is {n_seqs} sequences, more than this "
-                                 f"server takes at once ({limit}, {flag})", "n" if body.n > 1 else "prompt")
+            per = f"best_of={search[0].width} beams" if search else f"n={body.n}"
+            raise HTTPError(400, f"{len(prompts)} prompts x {per} is {n_seqs} sequences, more than this "
+                                 f"server takes at once ({limit}, {flag})",
+                            ("best_of" if body.best_of is not None else "n") if search else
+                            ("n" if body.n > 1 else "prompt"))
         if self.pending + n_seqs > self.cfg.max_pending:
             raise HTTPError(429, f"too many requests in flight ({self.pending}); retry shortly",
                             headers={"Retry-After": "1"})
@@ -924,8 +928,9 @@ class Gateway:
                 raise HTTPError(400, f"{name} is not supported with use_beam_search", name)
         if body.early_stopping not in (True, False, "never"):
             raise HTTPError(400, 'early_stopping must be true, false or "never"', "early_stopping")
-        if not math.isfinite(body.length_penalty):
-            raise HTTPError(400, "length_penalty must be a finite number", "length_penalty")
+        if not -MAX_LENGTH_PENALTY <= body.length_penalty <= MAX_LENGTH_PENALTY:  # (a length to its power: finite)
+            raise HTTPError(400, f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]",
+                            "length_penalty")
         stops = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         settings = BeamSettings(width, params.max_tokens, stops, body.length_penalty, body.early_stopping,
                                 params.min_tokens, params.logprobs)

@@ -82,12 +82,14 @@ def copy_keys(source: str | os.PathLike, out: str | os.PathLike, host: str) -> P
     "stage") needs, and nothing else: a gateway's host that is broken into holds no key that registers a
     stage or serves the mesh. Run again, it brings `out` up to date (an allowed key removed is removed)."""
     source, out = Path(source), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    out.chmod(0o755)
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        out.chmod(0o755)  # (one that exists keeps its mode: 0700 is fine, and the owner's choice)
     for name in HOST_KEYS[host]:
         if (source / name).is_dir():
-            (out / name).mkdir(exist_ok=True)
-            (out / name).chmod(0o755)
+            if not (out / name).is_dir():
+                (out / name).mkdir()
+            (out / name).chmod(0o755)  # (the allowed set: writable by its owner alone, as a listener demands)
             kept = {p.name for p in (source / name).glob("*.key")}
             for old in (out / name).glob("*.key"):
                 if old.name not in kept:
@@ -95,10 +97,13 @@ def copy_keys(source: str | os.PathLike, out: str | os.PathLike, host: str) -> P
             files = [(source / name / k, out / name / k) for k in sorted(kept)]
         else:
             files = [(source / name, out / name)]
-        for src, dst in files:
+        for src, dst in files:  # (each written whole under a temporary name, born with its mode, then renamed)
             tmp = dst.with_name(dst.name + ".tmp")
-            shutil.copyfile(src, tmp)
-            tmp.chmod(0o600 if dst.name.endswith("_secret") else 0o644)
+            tmp.unlink(missing_ok=True)  # (left by a run that was cut short)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if dst.name.endswith("_secret") else 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(src.read_bytes())
+            os.chmod(tmp, 0o600 if dst.name.endswith("_secret") else 0o644)  # (whatever the umask took away)
             tmp.replace(dst)
     return out
 

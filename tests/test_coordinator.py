@@ -399,6 +399,44 @@ def test_sequences_a_recovery_put_back_do_not_count_against_max_waiting(tiny):
         coord.ctx.destroy(linger=0)
 
 
+def test_a_loss_while_a_send_waits_stops_the_issuing_and_ends_no_request(tiny):
+    """A schedule's send that waits (a full queue) while a worker is lost: the step loop issues no more,
+    and its check for a pool too small for any request does not end one the recovery just put back."""
+    from coordinator.registry import Phase
+
+    async def scenario():
+        coord = _coordinator(tiny)
+        coord.core = make_core()
+        coord.loop = StepLoop(coord.core, 2)
+        coord.registry.phase = Phase.SERVING
+        for i in range(3):
+            coord.core.add(f"r{i}", prompt(5), SamplingParams(max_tokens=8))
+        delivered, sent = [], []
+
+        async def deliver(outs):
+            delivered.extend(outs)
+
+        class Pipeline:
+            async def send(self, sched):
+                sent.append(sched.step_id)
+                await asyncio.sleep(0)  # the send waited, and meanwhile a worker was lost (as _lost does)
+                coord.registry.enter(Phase.RECOVERING)
+                coord._requeue_all()
+
+        coord.router.deliver, coord.pipeline = deliver, Pipeline()
+        coord.wake.set()
+        task = asyncio.ensure_future(coord._step_loop())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        waiting = len(coord.core.scheduler.waiting)
+        coord.ctx.destroy(linger=0)
+        return delivered, sent, waiting
+
+    delivered, sent, waiting = asyncio.run(scenario())
+    assert delivered == [] and len(sent) == 1 and waiting == 3
+
+
 async def _worker_that_drops(address: str, drop: int, log: list, answer: bool = True):
     """The only rank (pp=1): loads at once, heartbeats, and answers schedules like a last stage,
     except the first `drop` schedules, which it never sees (lost on a connection that dropped). With

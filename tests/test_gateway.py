@@ -1101,6 +1101,7 @@ def test_beam_search_through_chat_and_what_it_refuses(model, server):
                          ({"stop": "."}, "stop"), ({"top_p": 0.5}, "top_p"), ({"repetition_penalty": 1.2},
                                                                              "repetition_penalty"),
                          ({"guided_regex": "a+"}, "guided_regex"), ({"early_stopping": "soon"}, "early_stopping"),
+                         ({"length_penalty": 2000}, "length_penalty"), ({"length_penalty": -11}, "length_penalty"),
                          ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
                          ({"logit_bias": {"5": 1}}, "logit_bias")]:
         status, raw, _ = http("POST", url, {**beam, **extra})

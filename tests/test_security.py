@@ -125,6 +125,15 @@ def test_each_host_works_with_only_the_key_files_deploy_readme_gives_it(tmp_path
         MeshKeys(gateway_host).connect(zmq.Context.instance().socket(zmq.DEALER), "worker")
     with pytest.raises(ConfigError, match="no client.key_secret"):
         MeshKeys(stage_host).connect(zmq.Context.instance().socket(zmq.DEALER), "client")
+    old_umask = os.umask(0)  # (a copy is born with its own mode, whatever the umask; a directory's mode stays)
+    try:
+        gateway_host.chmod(0o700)
+        (gateway_host / "client.key_secret.tmp").write_text("left by a run cut short")
+        assert main([*argv, "--if-missing"]) == 0
+    finally:
+        os.umask(old_umask)
+    assert files(gateway_host) == {"server.key": 0o644, "client.key_secret": 0o600}
+    assert stat.S_IMODE(gateway_host.stat().st_mode) == 0o700
     shutil.copyfile(full / "workers" / "worker.key", full / "workers" / "worker-2.key")  # a key allowed, then not
     assert main([*argv, "--if-missing"]) == 0 and (stage_host / "workers" / "worker-2.key").is_file()
     (full / "workers" / "worker-2.key").unlink()
