@@ -56,6 +56,10 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lt, stride_
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, axis=0)
+    # a row with a NaN (or all -inf) has NaN probabilities: its picks are still experts that exist (the
+    # lowest), and its weights NaN, as torch's; NaN never equals the max, so a padding lane would win
+    nan_row = tl.max(tl.where(valid & (p != p), 1, 0), axis=0)
+    p = tl.where(valid & (p != p), 2.0, p)
     p = tl.where(valid, p, -1.0)  # padding (and, below, picked experts) can never win: p >= 0
 
     offs_k = tl.arange(0, BLOCK_TOPK)
@@ -69,6 +73,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_lt, stride_
         p = tl.where(offs_e == idx, -1.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(offs_k < TOP_K, top_w, 0.0), axis=0)
+    top_w = tl.where(nan_row > 0, float("nan"), top_w)
     keep = offs_k < TOP_K
     tl.store(weights_ptr + t * stride_wt + offs_k, top_w, mask=keep)
     tl.store(ids_ptr + t * stride_it + offs_k, top_i.to(ids_ptr.dtype.element_ty), mask=keep)

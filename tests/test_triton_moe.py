@@ -92,6 +92,18 @@ def test_topk_softmax_ties_go_to_the_lowest_index():
     torch.testing.assert_close(weights[0], torch.full((3,), 0.2))
 
 
+def test_topk_softmax_of_a_nan_row_picks_experts_that_exist_with_nan_weights():
+    """A router row with a NaN, or all -inf, has NaN probabilities: its ids stay in [0, E) and distinct
+    (a padding lane once won: id E, twice, and weights 0.5 that hid the NaN), its weights are NaN as
+    torch's are, and the rows beside it are untouched."""
+    logits = torch.randn(3, 6)
+    logits[0, 2], logits[1] = float("nan"), float("-inf")
+    weights, ids = fmt.topk_softmax(logits, 2, renormalize=True)
+    assert ids[:2].tolist() == [[0, 1], [0, 1]] and weights[:2].isnan().all()
+    want_w, want_ids = fmt.topk_softmax_ref(logits[2:], 2, True)
+    assert torch.equal(ids[2:].long(), want_ids) and torch.allclose(weights[2:], want_w)
+
+
 # ---------------------------------------------------------------------------------------------
 # moe_align_block_size
 # ---------------------------------------------------------------------------------------------
