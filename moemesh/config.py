@@ -164,6 +164,11 @@ class ModelConfig:
                 decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             )
+            step, dense = moe["decoder_sparse_step"], raw.get("mlp_only_layers") or []
+            if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+                raise ConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
+            if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+                raise ConfigError(f"mlp_only_layers={dense!r} must be a list of layer indices")
             if not isinstance(moe["top_k"], int) or not 1 <= moe["top_k"] <= num_experts:
                 raise ConfigError(f"num_experts_per_tok={moe['top_k']!r} must be between 1 and the "
                                   f"{num_experts} experts")

@@ -595,3 +595,31 @@ def test_every_commands_help_prints(capsys):
             main([*path, "--help"])
         assert e.value.code == 0, path
         assert "usage:" in capsys.readouterr().out, path
+
+
+def test_launcher_addresses_keys_and_the_gateways_model_are_refused_before_any_process(model, tmp_path, capsys):
+    """Refused at once, naming the flag (each once waited or crashed after processes had started): a
+    --ray-address that is malformed, answers nothing (ray.init waited for ever, deaf to SIGTERM) or is
+    given without --launcher ray; --mesh-keys naming a file; the gateway's --model without a tokenizer
+    (found only once the pipeline served); config.json's decoder_sparse_step and mlp_only_layers of
+    the wrong type (a TypeError deep in the layout)."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    serve = ["serve", "--model", str(model), *KV, "--port", "0"]
+    assert "not host:port" in user_error(capsys, [*serve, "--launcher", "ray", "--ray-address", "garbage"])
+    assert f"--ray-address 127.0.0.1:{free}: no Ray cluster answers" in user_error(
+        capsys, [*serve, "--launcher", "ray", "--ray-address", f"127.0.0.1:{free}"])
+    assert "--ray-address is for --launcher ray" in user_error(capsys, [*serve, "--ray-address", "auto"])
+    (tmp_path / "afile").write_text("")
+    assert f"--mesh-keys {tmp_path / 'afile'}: not a directory" in user_error(
+        capsys, [*serve, "--mesh-keys", str(tmp_path / "afile")])
+    assert f"--model {tmp_path}: no tokenizer.json" in user_error(
+        capsys, ["gateway", "--coordinator", "tcp://127.0.0.1:9", "--model", str(tmp_path), "--port", "0"])
+    for field, value in (("decoder_sparse_step", "2"), ("decoder_sparse_step", -1), ("mlp_only_layers", "0")):
+        bad = tmp_path / f"{field}-{value}"
+        make_model(bad, "qwen2_moe")
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, field: value}))
+        assert field in user_error(capsys, ["generate", "--model", str(bad), *KV, "--prompt-ids", "1,2,3"])

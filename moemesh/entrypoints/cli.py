@@ -551,6 +551,9 @@ def cmd_gateway(args) -> int:
 
     cfg = GatewaySettings.from_args(args)
     ssl_context(cfg)  # (a bad certificate or key now, not once the pipeline serves)
+    if cfg.model is not None and not (Path(cfg.model) / "tokenizer.json").is_file():  # (now, not once it serves)
+        raise CLIError(f"--model {cfg.model}: no tokenizer.json there (the gateway reads the tokenizer and chat "
+                       f"template from the model's directory)")
     try:
         run(run_gateway(cfg), stop_on_sigterm=True)
     except (PipelineFailed, TimeoutError) as e:

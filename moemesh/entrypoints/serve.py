@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 from gateway.server import listen_sockets, load_api_keys, run_gateway, ssl_context
 from moemesh.entrypoints.generate import engine_settings_from_args
@@ -18,8 +19,28 @@ from moemesh.settings import GatewaySettings
 log = get_logger("serve")
 
 
+def check_ray_address(address: str) -> None:
+    """--ray-address names a cluster that answers: host:port (or ray://host:port) reached within a few
+    seconds, before any process starts (ray.init waits on one that does not for ever, deaf to signals)."""
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CLIError(f"--ray-address {address}: not host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise CLIError(f"--ray-address {address}: no Ray cluster answers there ({e.strerror or e})") from None
+
+
 def run_serve(args) -> int:
     cfg = engine_settings_from_args(args)
+    if args.ray_address and args.launcher != "ray":
+        raise CLIError("--ray-address is for --launcher ray")
+    if args.launcher == "ray" and args.ray_address:
+        check_ray_address(args.ray_address)
+    if cfg.mesh_keys and os.path.exists(cfg.mesh_keys) and not os.path.isdir(cfg.mesh_keys):
+        raise CLIError(f"--mesh-keys {cfg.mesh_keys}: not a directory (make one with `moemesh keys --out DIR`)")
     if cfg.mesh_keys and not os.path.exists(cfg.mesh_keys):  # a new directory: the keys are made there first
         from moemesh.mesh_security import make_keys
 
