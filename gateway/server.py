@@ -811,8 +811,7 @@ class Gateway:
                 if out.error:
                     if out.error_status in (400, 429) and not choice.token_ids:
                         ended = None  # refused, never run: not a finished request (vLLM counts none)
-                    raise HTTPError(out.error_status or 500, out.error,
-                                    headers={"Retry-After": "1"} if out.error_status in (429, 503) else None)
+                    raise _output_error(out)
                 now = time.monotonic()
                 if out.token_ids:
                     (self.metrics.ttft if not choice.token_ids else self.metrics.itl).labels(self.model_name).observe(
@@ -854,11 +853,15 @@ class Gateway:
             await stream.aclose()  # an unfinished stream aborts its request in the coordinator
             if ended is not None:  # every request that ran counted once, however it ended (vLLM's
                 # finished_reason: stop, length, abort, error)
-                self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - start)
-                self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
-                self.metrics.generation_tokens.labels(self.model_name).inc(len(choice.token_ids))
-                self.metrics.requests.labels(self.model_name, ended).inc()
+                self._count_ended(ended, time.monotonic() - start, len(prompt), len(choice.token_ids))
         await queue.put((index, "done", choice))
+
+    def _count_ended(self, reason: str, seconds: float, prompt_tokens: int, generated: int) -> None:
+        """One request (or choice) that ran, in /metrics, however it ended."""
+        self.metrics.e2e.labels(self.model_name).observe(seconds)
+        self.metrics.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.metrics.generation_tokens.labels(self.model_name).inc(generated)
+        self.metrics.requests.labels(self.model_name, reason).inc()
 
     async def _gather(self, rid, jobs, shown, plan: Plan | None = None):
         """Yields (index, kind, payload) from every job until all are done; errors propagate. With a
@@ -997,14 +1000,13 @@ class Gateway:
             raise
         finally:  # (each returned beam counted as one request, as n choices are: vLLM's finished_reason)
             seconds = time.monotonic() - start
-            for reason in ([("stop" if b.stopped else "length", len(b.tokens)) for b in beams] if ended is None
-                           else [(ended, 0)] * n):
-                if ended is None:  # (its first tokens reach the client with the search's end)
+            if ended is None:
+                for beam in beams:  # (its first tokens reach the client with the search's end)
                     self.metrics.ttft.labels(self.model_name).observe(seconds)
-                self.metrics.e2e.labels(self.model_name).observe(seconds)
-                self.metrics.prompt_tokens.labels(self.model_name).inc(len(prompt))
-                self.metrics.generation_tokens.labels(self.model_name).inc(reason[1])
-                self.metrics.requests.labels(self.model_name, reason[0]).inc()
+                    self._count_ended("stop" if beam.stopped else "length", seconds, len(prompt), len(beam.tokens))
+            else:
+                for _ in range(n):
+                    self._count_ended(ended, seconds, len(prompt), 0)
         return beams, cached
 
     async def _one_token(self, prompt: list[int], params: SamplingParams, rid: str) -> tuple[TokenLogprobs, int]:
@@ -1014,8 +1016,7 @@ class Gateway:
         try:
             async for out in stream:
                 if out.error:
-                    raise HTTPError(out.error_status or 500, out.error,
-                                    headers={"Retry-After": "1"} if out.error_status in (429, 503) else None)
+                    raise _output_error(out)
                 if out.queue_seconds is not None:
                     cached = out.num_cached_tokens
                 if out.logprobs:
@@ -1494,6 +1495,12 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 63))
+
+
+def _output_error(out) -> HTTPError:
+    """A coordinator output's error as the HTTP error it answers (a 429 or 503 says when to retry)."""
+    return HTTPError(out.error_status or 500, out.error,
+                     headers={"Retry-After": "1"} if out.error_status in (429, 503) else None)
 
 
 def _reason(reason: str | None) -> str | None:

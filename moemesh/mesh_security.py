@@ -98,12 +98,11 @@ def copy_keys(source: str | os.PathLike, out: str | os.PathLike, host: str) -> P
         else:
             files = [(source / name, out / name)]
         for src, dst in files:  # (each written whole under a temporary name, born with its mode, then renamed)
-            tmp = dst.with_name(dst.name + ".tmp")
+            tmp, mode = dst.with_name(dst.name + ".tmp"), 0o600 if dst.name.endswith("_secret") else 0o644
             tmp.unlink(missing_ok=True)  # (left by a run that was cut short)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if dst.name.endswith("_secret") else 0o644)
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
                 f.write(src.read_bytes())
-            os.chmod(tmp, 0o600 if dst.name.endswith("_secret") else 0o644)  # (whatever the umask took away)
+            os.chmod(tmp, mode)  # (whatever the umask took away)
             tmp.replace(dst)
     return out
 

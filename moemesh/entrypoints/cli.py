@@ -416,9 +416,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: li
         if args.command == "stage":
             return cmd_stage(args)
         if args.command == "keys":
-            from moemesh.mesh_security import make_keys
-
-            from moemesh.mesh_security import copy_keys
+            from moemesh.mesh_security import copy_keys, make_keys
 
             if not (args.if_missing and (args.out / "server.key_secret").is_file()):
                 try:
