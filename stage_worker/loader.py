@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -143,20 +143,25 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers: range | None = None,
                tp: TPGroup = TPGroup(), dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                quant=None, progress: bool | None = None, backend: str = "auto",
-               handoff: bool = False) -> tuple[CausalLM, LoadStats]:
+               handoff: bool = False, max_positions: int | None = None) -> tuple[CausalLM, LoadStats]:
     """Builds the model for `layers` (default: all) on this tensor rank and fills it from the checkpoint.
 
     progress: None shows a bar only on a terminal. backend: the kernels it computes with
     (moemesh_kernels.backend: auto, torch, native, triton), resolved before the weights are laid out for them.
     handoff: a stage after the first also holds the previous layer's MLP (the MLP hand-off).
+    max_positions: the most positions a step can reach (a stage's KV capacity): the rotary tables stop
+    there rather than at config.json's max_position_embeddings (which may be 10^7 or more).
     """
     backend = resolve_backend(backend, device)
     config = config or ModelConfig.from_dir(model_dir)
     if config.quantization is not None and quant is None:  # (its codes would load as plain numbers: garbage)
         raise LoadError(f"{model_dir} is a quantized ({config.quantization}) checkpoint: it loads with its "
                         "quantization method (stage_worker.layers.fp8.resolve_quantization)")
+    built = config
+    if max_positions is not None and max_positions < config.max_position_embeddings:
+        built = replace(config, max_position_embeddings=max_positions)  # (the tables' length only)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config)(config, layers, tp, quant, handoff=handoff)
+        model = model_class(config)(built, layers, tp, quant, handoff=handoff)
     reader = CheckpointReader(model_dir)
     params = list(model.named_parameters())
     desc = f"loading layers {model.layer_range.start}-{model.layer_range.stop - 1}"

@@ -73,8 +73,11 @@ class StageRunner:
         """handoff: a stage after the first also holds the previous stage's last MLP (models/base.py)."""
         self.config, self.block_size, self.device, self.tp = config, block_size, torch.device(device), tp
         self.model_dir = model_dir
+        # the positions a step can reach: a sequence holds a block of its own per block_size tokens
+        self.max_positions = min(config.max_position_embeddings, num_blocks * block_size)
         self.model, self.load_stats = load_model(model_dir, config, layers, tp, dtype, device, quant=quant,
-                                                 progress=progress, backend=moe_backend, handoff=handoff)
+                                                 progress=progress, backend=moe_backend, handoff=handoff,
+                                                 max_positions=self.max_positions)
         attn = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         kvh, D = attn[0].num_kv_heads, attn[0].head_dim
         # [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]; zeros: masked slots must be finite
@@ -106,7 +109,7 @@ class StageRunner:
         # (a stream from the wire is a host tensor: a stage on a GPU computes on its own device)
         hidden, residual = (stream.to(self.device) if stream is not None else None), None
         native = self.model.backend == "native"
-        limits = (self.kv_cache.shape[2], self.config.max_position_embeddings) if native else None
+        limits = (self.kv_cache.shape[2], self.max_positions) if native else None
         ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device, limits)
         with forward_context(ctx):
             owned = self.model.has_embedding  # (the embedding's output is this step's own to overwrite)

@@ -165,3 +165,19 @@ def test_stage_split_matches_unsplit(tmp_path, arch, stages):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in split.generate(PROMPTS, params)] == \
         [o.token_ids for o in whole.generate(PROMPTS, params)]
+
+
+def test_long_context_config_builds_rotary_tables_for_the_kv_cache_only(tmp_path):
+    """A config.json whose max_position_embeddings is far beyond any cache (10^12: a table of it would be
+    terabytes) loads: each stage's rotary tables stop at the positions its KV cache can hold, and greedy
+    tokens are still transformers'."""
+    hf = build_hf_model("mixtral", tmp_path, max_position_embeddings=10**12)
+    engine = LLMEngine(EngineSettings(model=str(tmp_path), num_kv_blocks=64, block_size=16), progress=False)
+    runner = engine.stages[0].runner
+    assert runner.max_positions == 64 * 16
+    from stage_worker.layers.rotary import RotaryEmbedding
+    tables = [m.cos.shape[0] for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert tables and set(tables) == {64 * 16}
+    outs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS[:2], outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 8)
