@@ -107,100 +107,172 @@ class ModelConfig:
             supported = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
             raise ConfigError(f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: {supported}")
         try:
-            config = cls._from_hf(model_type, raw, eos_token_ids)
-        except KeyError as e:
-            raise ConfigError(f"config.json of a {model_type} model lacks required field {e.args[0]!r}") from None
-        except ConfigError:
-            raise
-        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+            config = cls._from_hf(model_type, _Fields(raw), eos_token_ids)
+        except ConfigError as e:
+            raise ConfigError(f"config.json of a {model_type} model: {e}") from None
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:  # (what the readers do not foresee)
             raise ConfigError(f"config.json of a {model_type} model has a field of the wrong type: {e}") from None
-        sizes = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
-                 ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
-                 ("head_dim", "head_dim"), ("max_position_embeddings", "max_position_embeddings"),
-                 ("intermediate_size", "intermediate_size")]
-        if config.num_experts:
-            sizes += [("num_experts", "num_local_experts" if model_type == "mixtral" else "num_experts"),
-                      ("moe_intermediate_size", "moe_intermediate_size")]
-        for name, hf_name in sizes:
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"config.json of a {model_type} model: {hf_name} is {value!r}, not a positive "
-                                  f"integer")
         if config.num_heads % config.num_kv_heads:
             raise ConfigError(f"config.json of a {model_type} model: num_attention_heads {config.num_heads} is not a "
                               f"multiple of num_key_value_heads {config.num_kv_heads}")
-        eps = config.rms_norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise ConfigError(f"config.json of a {model_type} model: rms_norm_eps is {eps!r}, not a number in [0, 1)")
         return config
 
     @classmethod
-    def _from_hf(cls, model_type: str, raw: dict[str, Any], eos_token_ids) -> "ModelConfig":
-        hidden = raw["hidden_size"]
-        heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads > 0 else None)
-        if raw.get("hidden_act", "silu") != "silu":
+    def _from_hf(cls, model_type: str, raw: "_Fields", eos_token_ids) -> "ModelConfig":
+        defaults = HF_DEFAULTS[model_type]  # (what transformers fills in for a field config.json leaves out)
+        hidden = raw.int("hidden_size")
+        heads = raw.int("num_attention_heads")
+        head_dim = raw.int("head_dim", hidden // heads)
+        if head_dim < 1:  # (left out: hidden_size // num_attention_heads, as transformers derives it)
+            raise ConfigError(f"hidden_size {hidden} is smaller than num_attention_heads {heads} (and there is no "
+                              f"head_dim)")
+        if raw.str("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mixtral") else None
-        if sliding is not None and sliding < raw.get("max_position_embeddings",
-                                                      HF_DEFAULTS[model_type]["max_position_embeddings"]):
+        # (a context length bounds no allocation: the rotary tables stop at what the KV cache holds)
+        max_positions = raw.int("max_position_embeddings", defaults["max_position_embeddings"], maximum=MAX_POSITIONS)
+        sliding = raw.int("sliding_window", None) if raw.bool("use_sliding_window", model_type == "mixtral") \
+            else None
+        if sliding is not None and sliding < max_positions:
             raise ConfigError(f"sliding_window={sliding} attention is not supported")
 
-        defaults = HF_DEFAULTS[model_type]  # (what transformers fills in for a field config.json leaves out)
-        num_experts = raw.get("num_local_experts", raw.get("num_experts", 0)) or 0
-        if model_type == "llama":
-            num_experts = 0
+        intermediate = raw.int("intermediate_size")
+        num_experts = 0
+        if model_type != "llama":
+            num_experts = raw.int("num_local_experts" if "num_local_experts" in raw else "num_experts", 0, minimum=0)
         moe = {}
         if num_experts:
+            top_k = raw.get("num_experts_per_tok")
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+                raise ConfigError(f"num_experts_per_tok={top_k!r} must be between 1 and the {num_experts} experts")
             moe = dict(
                 num_experts=num_experts,
-                top_k=raw["num_experts_per_tok"],
+                top_k=top_k,
                 # Mixtral's experts use `intermediate_size`; Qwen MoE has a separate field.
-                moe_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+                moe_intermediate_size=raw.int("moe_intermediate_size", intermediate),
                 # Mixtral always renormalises the top-k weights; Qwen says so in its config.
-                norm_topk_prob=True if model_type == "mixtral" else bool(raw.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size",
-                                                        defaults.get("shared_expert_intermediate_size", 0)) or 0,
-                decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
-                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+                norm_topk_prob=True if model_type == "mixtral" else raw.bool("norm_topk_prob", False),
+                shared_expert_intermediate_size=raw.int("shared_expert_intermediate_size",
+                                                        defaults.get("shared_expert_intermediate_size", 0),
+                                                        minimum=0),
+                # (0 reads as 1: every layer sparse)
+                decoder_sparse_step=raw.int("decoder_sparse_step", 1, minimum=0) or 1,
+                mlp_only_layers=raw.ints("mlp_only_layers"),
             )
-            step, dense = moe["decoder_sparse_step"], raw.get("mlp_only_layers") or []
-            if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-                raise ConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
-            if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-                raise ConfigError(f"mlp_only_layers={dense!r} must be a list of layer indices")
-            if not isinstance(moe["top_k"], int) or not 1 <= moe["top_k"] <= num_experts:
-                raise ConfigError(f"num_experts_per_tok={moe['top_k']!r} must be between 1 and the "
-                                  f"{num_experts} experts")
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = raw.bool("attention_bias", False)
         if eos_token_ids is None:
             eos_token_ids = _as_tuple(raw.get("eos_token_id"))
+        quantization = raw.object("quantization_config")
+        method = quantization.get("quant_method")
+        if method is not None and not isinstance(method, str):
+            raise ConfigError(f"quantization_config.quant_method is {method!r}, not a name")
         return cls(
             model_type=model_type,
-            vocab_size=raw["vocab_size"],
+            vocab_size=raw.int("vocab_size"),
             hidden_size=hidden,
-            num_layers=raw["num_hidden_layers"],
+            num_layers=raw.int("num_hidden_layers", maximum=MAX_LAYERS),
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            num_kv_heads=raw.int("num_key_value_heads", heads),
             head_dim=head_dim,
-            intermediate_size=raw["intermediate_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", defaults["rms_norm_eps"]),
-            rope=_rope_config(raw, defaults["rope_theta"]),
-            max_position_embeddings=raw.get("max_position_embeddings", defaults["max_position_embeddings"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            intermediate_size=intermediate,
+            rms_norm_eps=raw.eps("rms_norm_eps", defaults["rms_norm_eps"]),
+            rope=_rope_config(raw, defaults["rope_theta"], max_positions),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=raw.bool("tie_word_embeddings", False),
             # (Qwen2-MoE's own switch; transformers' Mixtral has no attention biases at all)
-            qkv_bias=bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else
+            qkv_bias=raw.bool("qkv_bias", True) if model_type == "qwen2_moe" else
             (attention_bias and model_type != "mixtral"),
             o_bias=attention_bias if model_type in ("llama", "qwen3_moe") else False,
             qk_norm=model_type == "qwen3_moe",
-            mlp_bias=bool(raw.get("mlp_bias", False)) if model_type == "llama" else False,
-            bos_token_id=raw.get("bos_token_id"),
+            mlp_bias=raw.bool("mlp_bias", False) if model_type == "llama" else False,
+            bos_token_id=raw.int("bos_token_id", None, minimum=0),
             eos_token_ids=eos_token_ids,
             checkpoint_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            quantization=(raw.get("quantization_config") or {}).get("quant_method"),
-            quantization_config=tuple(sorted(_frozen((raw.get("quantization_config") or {})).items())),
+            quantization=method,
+            quantization_config=tuple(sorted(_frozen(quantization).items())),
             **moe,
         )
+
+
+# the largest size a config.json may give (the kernels index with 32-bit integers), the most layers, and the
+# largest context length (a C long's)
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 1 << 16
+MAX_POSITIONS = 2**63 - 1
+_REQUIRED = object()
+
+
+class _Fields:
+    """config.json's object, read field by field: each reader checks its field's type and range and
+    raises ConfigError naming the field. A field left out, or null, takes the default given (transformers'
+    own); without a default it is required."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.raw
+
+    def __getitem__(self, name: str):
+        return self.raw[name]
+
+    def get(self, name: str, default=None):
+        return self.raw.get(name, default)
+
+    def _value(self, name: str, default):
+        """(the field's value, True), or (default, False) where it is left out or null."""
+        value = self.raw.get(name)
+        if value is not None:
+            return value, True
+        if default is _REQUIRED:
+            raise ConfigError(f"required field {name!r} is {'null' if name in self.raw else 'missing'}")
+        return default, False
+
+    def int(self, name: str, default=_REQUIRED, minimum: int = 1, maximum: int = MAX_SIZE):
+        value, given = self._value(name, default)
+        if not given:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+            raise ConfigError(f"{name} is {value!r}, not {kind}")
+        if value > maximum:
+            raise ConfigError(f"{name} is {value!r}, more than the {maximum:,} moemesh takes")
+        return value
+
+    def ints(self, name: str) -> tuple[int, ...]:
+        value, _ = self._value(name, [])
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            raise ConfigError(f"{name}={value!r} must be a list of layer indices")
+        return tuple(value)
+
+    def bool(self, name: str, default: bool) -> bool:
+        value, _ = self._value(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} is {value!r}, not true or false")
+        return value
+
+    def str(self, name: str, default: str) -> str:
+        value, _ = self._value(name, default)
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} is {value!r}, not a name")
+        return value
+
+    def eps(self, name: str, default: float) -> float:
+        eps = _number(name, self._value(name, default)[0])
+        if not 0 <= eps < 1:
+            raise ConfigError(f"{name} is {eps!r}, not a number in [0, 1)")
+        return eps
+
+    def object(self, name: str) -> dict:
+        value, _ = self._value(name, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} is {value!r}, not an object")
+        return value
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} is {value!r}, not a number")
+    return value
 
 
 def _frozen(d: dict) -> dict:
@@ -278,33 +350,29 @@ HF_DEFAULTS = {
 }
 
 
-def _rope_config(raw: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+def _rope_config(raw: "_Fields", default_theta: float, max_positions: int) -> RopeConfig:
     # transformers 5.x: rope_parameters {rope_theta, rope_type, ...}; the hub: rope_theta + rope_scaling
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    params = {**scaling, **params}
+    params = {**raw.object("rope_scaling"), **raw.object("rope_parameters")}
+    where = "rope_parameters" if "rope_parameters" in raw else "rope_scaling"
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
         raise ConfigError(f"rope_theta={theta!r} must be a finite number above 1")  # (nan: every logit nan)
+    old_len = params.get("original_max_position_embeddings", max_positions)
+    if isinstance(old_len, bool) or not isinstance(old_len, int) or not 1 <= old_len <= MAX_POSITIONS:
+        raise ConfigError(f"{where}.original_max_position_embeddings is {old_len!r}, not a positive integer")
     rope = RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
-        ),
+        factor=float(_number(f"{where}.factor", params.get("factor", 1.0))),
+        low_freq_factor=float(_number(f"{where}.low_freq_factor", params.get("low_freq_factor", 1.0))),
+        high_freq_factor=float(_number(f"{where}.high_freq_factor", params.get("high_freq_factor", 4.0))),
+        original_max_position_embeddings=old_len,
     )
-    if rope.original_max_position_embeddings < 1 and "original_max_position_embeddings" not in params:
-        raise ConfigError(f"config.json: max_position_embeddings is {raw.get('max_position_embeddings')!r}, not a "
-                          f"positive integer")
-    if not 0 < rope.factor < float("inf") or rope.original_max_position_embeddings < 1:
-        raise ConfigError(f"rope scaling factor {rope.factor!r} and original_max_position_embeddings "
-                          f"{rope.original_max_position_embeddings!r} must be positive")
+    if not 0 < rope.factor < float("inf"):
+        raise ConfigError(f"rope scaling factor {rope.factor!r} must be positive")
     if rope_type == "llama3" and not 0 < rope.low_freq_factor < rope.high_freq_factor:
         raise ConfigError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, not "
                           f"{rope.low_freq_factor!r} and {rope.high_freq_factor!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from moemesh.config import ConfigError, ModelConfig
 from moemesh.errors import LoadError
+from moemesh.settings import host_memory
 from moemesh_kernels.backend import resolve_backend
 from stage_worker.layers.linear import load_whole
 from stage_worker.layers.parallel import TPGroup
@@ -130,6 +132,38 @@ def _header_names(path: Path) -> list[str]:
     return [k for k in header if k != "__metadata__"]
 
 
+def _check_sizes(reader: CheckpointReader, config: ModelConfig, layers: range | None, tp: TPGroup,
+                 dtype: torch.dtype, device: str | torch.device, quant, handoff: bool) -> None:
+    """Before any weight is allocated: config.json's layers must be in the checkpoint, and this stage's
+    weights, as config.json sizes them, must fit the host. (A size config.json overstates would otherwise
+    be an allocator's traceback, or worse a CPU allocation the kernel lets through and a process it kills
+    once the weights are read: the same reason allocate_kv checks the KV cache.)"""
+    found = {int(m.group(1)) for name in reader.weight_map if (m := _LAYER_NAME.search(name))}
+    if found and config.num_layers > max(found) + 1:
+        raise LoadError(f"config.json's num_hidden_layers is {config.num_layers}, but the checkpoint in "
+                        f"{reader.dir} holds layers 0-{max(found)} only")
+    if torch.device(device).type != "cpu":
+        return
+    with torch.device("meta"), _default_dtype(dtype):
+        meta = model_class(config)(config, layers, tp, quant, handoff=handoff)
+    tensors = {id(t): t for t in (*meta.parameters(), *meta.buffers())}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    memory = host_memory()
+    if nbytes > memory:
+        stage = f"layers {meta.layer_range.start}-{meta.layer_range.stop - 1}"
+        sizes = f"vocab_size {config.vocab_size}, hidden_size {config.hidden_size}, intermediate_size " \
+                f"{config.intermediate_size}"
+        if config.num_experts:
+            sizes += f", {config.num_experts} experts of {config.moe_intermediate_size}"
+        raise LoadError(f"{stage} of {reader.dir} take {nbytes / 2**30:,.1f} GiB of weights as config.json sizes "
+                        f"them ({sizes}), more than this host's {memory / 2**30:.1f} GiB: spread "
+                        f"the layers over more stages (--pp, --layer-partition) or tensor ranks (--tp), or "
+                        f"quantize them (--quantization int8)")
+
+
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -160,9 +194,10 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
     built = config
     if max_positions is not None and max_positions < config.max_position_embeddings:
         built = replace(config, max_position_embeddings=max_positions)  # (the tables' length only)
+    reader = CheckpointReader(model_dir)
+    _check_sizes(reader, built, layers, tp, dtype, device, quant, handoff)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)(built, layers, tp, quant, handoff=handoff)
-    reader = CheckpointReader(model_dir)
     params = list(model.named_parameters())
     desc = f"loading layers {model.layer_range.start}-{model.layer_range.stop - 1}"
     if tp.size > 1:

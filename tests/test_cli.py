@@ -471,7 +471,20 @@ def test_bench_model_runs_the_triton_kernels_in_the_interpreter_on_cpu(model):
     ({"intermediate_size": -4}, "intermediate_size is -4"),
     ({"model_type": ["mixtral"]}, "unsupported architecture"),
     ({"model_type": "gpt9", "architectures": 5}, "unsupported architecture"),
-], ids=["zero-heads", "eos-string", "eps-string", "negative-intermediate", "model-type-list", "architectures-int"])
+    ({"hidden_size": "x"}, "hidden_size is 'x'"),
+    ({"num_local_experts": -4}, "num_local_experts is -4"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings is 'false', not true or false"),
+    ({"rope_scaling": 5}, "rope_scaling is 5, not an object"),
+    ({"max_position_embeddings": None, "rope_scaling": {"rope_type": "linear", "factor": "x"}},
+     "rope_scaling.factor is 'x'"),
+    ({"sliding_window": "x"}, "sliding_window is 'x'"),
+    ({"vocab_size": 2**40}, "vocab_size is 1099511627776, more than"),
+    ({"num_hidden_layers": 10**12}, "num_hidden_layers is 1000000000000, more than"),
+    ({"num_hidden_layers": 6}, "num_hidden_layers is 6, but the checkpoint"),
+    ({"vocab_size": 2**31 - 1}, "GiB of weights as config.json sizes them (vocab_size 2147483647"),
+], ids=["zero-heads", "eos-string", "eps-string", "negative-intermediate", "model-type-list", "architectures-int",
+        "hidden-string", "negative-experts", "bool-string", "rope-scaling-int", "rope-factor-string",
+        "sliding-string", "vocab-past-int32", "layers-huge", "layers-past-checkpoint", "weights-past-memory"])
 def test_a_config_field_out_of_range_is_named_without_a_traceback(model, tmp_path, capsys, override, expect):
     broken = _copy(model, tmp_path / "broken")
     raw = json.loads((model / "config.json").read_text())
@@ -503,6 +516,13 @@ def test_sizes_no_host_can_run_are_named_before_any_work(model, tmp_path, capsys
     assert "--seqs 4" in user_error(capsys, [*standalone, "--tokens", "1", "--seqs", "4"])
     assert "positions" in user_error(capsys, [*standalone, "--tokens", "100000", "--seqs", "1"])
     assert "KV blocks" in user_error(capsys, [*standalone, "--tokens", "70000", "--seqs", "700"])
+    err = user_error(capsys, ["bench", "model", "--model", str(model), "--batch", str(10 ** 8), "--no-transformers"])
+    assert "--batch 100000000" in err and "GiB" in err
+    err = user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--hidden", "1000000", "--out",
+                              str(tmp_path / "huge")])
+    assert "more than this host's" in err and "--hidden" in err and not (tmp_path / "huge").exists()
+    assert "--hidden must be at most" in user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--hidden",
+                                                             str(2 ** 40), "--out", str(tmp_path / "huge")])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

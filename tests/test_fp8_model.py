@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,28 @@ def test_quantize_refuses_an_out_directory_that_holds_weights(checkpoints, tmp_p
         main(["quantize", "--model", str(original), "--out", str(quantized)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"--out {quantized} already holds" in err and "Traceback" not in err
+
+
+def test_a_quantize_that_fails_part_way_leaves_no_checkpoint_behind(checkpoints, tmp_path, monkeypatch, capsys):
+    """A failure while writing (here the disk, at the first shard) takes back what this run wrote: a new
+    --out is removed, and an existing one keeps only what it held before."""
+    import moemesh.entrypoints.quantize as quantize
+
+    original, _ = checkpoints
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a shard")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(quantize, "save_file", full_disk)
+    fresh = tmp_path / "fresh" / "fp8"
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", str(original), "--out", str(fresh)])
+    assert not fresh.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "README.md").write_text("mine")
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", str(original), "--out", str(kept)])
+    assert [p.name for p in kept.iterdir()] == ["README.md"]
+    assert "Traceback" not in capsys.readouterr().err

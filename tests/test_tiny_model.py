@@ -276,3 +276,13 @@ def test_builtin_specs_are_valid_mixtrals():
     assert set(ARCHS) == {"mixtral", "qwen2_moe", "qwen3_moe", "llama"}
     cfg = hf_config(DEFAULT_SPEC)
     assert cfg["num_local_experts"] == 8 and cfg["num_experts_per_tok"] == 2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "llama"])
+def test_the_parameter_count_is_the_written_weights(arch):
+    """num_parameters (what make-tiny-model checks against the host's memory before it draws anything)
+    counts what random_state_dict draws, layer kinds and tied embeddings included."""
+    extra = {"mlp_only_layers": (1,), "decoder_sparse_step": 1} if arch.startswith("qwen") else {}
+    for tied in (False, True):
+        spec = TinyModelSpec(arch=arch, num_layers=3, tie_word_embeddings=tied, head_dim=8, **extra)
+        assert spec.num_parameters() == sum(t.numel() for t in random_state_dict(spec).values())

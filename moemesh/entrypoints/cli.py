@@ -641,6 +641,9 @@ def cmd_make_tiny_model(args) -> int:
         out = write_tiny_model(spec, args.out)
     except OSError as e:
         raise CLIError(f"--out {args.out}: {e.strerror or e}") from None
+    except ValueError as e:  # (sizes this host cannot hold)
+        raise CLIError(f"{e}: lower --hidden, --intermediate, --moe-intermediate, --experts, --vocab or "
+                       f"--layers") from None
     print(out)
     return 0
 

@@ -75,10 +75,26 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
+    handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}  # (before anything is made)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.iterdir())
+    try:
+        _write_quantized(model_dir, out_dir, handles, index, config, progress)
+    except BaseException:  # (a failure, or ^C, part way: no half-written checkpoint is left to be loaded)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            for path in set(out_dir.iterdir()) - before:
+                path.unlink(missing_ok=True)
+        raise
+    return out_dir
 
+
+def _write_quantized(model_dir: Path, out_dir: Path, handles: dict, index: dict | None, config: dict,
+                     progress: bool | None) -> None:
+    """quantize_checkpoint's writing, from the checkpoint's open files."""
     weight_map, ignored, total_size, total_params = {}, ["lm_head"], 0, 0
-    handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}
     bar = tqdm(total=sum(len(h.keys()) for h in handles.values()), desc="quantizing to fp8", unit="tensor",
                disable=False if progress else None, leave=False) if progress is not False else None
     for file, handle in handles.items():
@@ -113,7 +129,6 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
     for path in model_dir.iterdir():  # tokenizer, generation config, chat template, README, ...
         if path.is_file() and path.name not in ("config.json", INDEX) and not path.name.endswith(WEIGHT_SUFFIXES):
             shutil.copy2(path, out_dir / path.name)
-    return out_dir
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from moemesh.config import DTYPES, SUPPORTED_ARCHITECTURES
+from moemesh.config import DTYPES, MAX_LAYERS, MAX_SIZE, SUPPORTED_ARCHITECTURES
 
 ARCHS = tuple(SUPPORTED_ARCHITECTURES)
 
@@ -72,11 +72,15 @@ class TinyModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_heads",
-                     "num_kv_heads", "num_experts", "top_k", "max_position_embeddings"):
+                     "num_kv_heads", "num_experts", "top_k", "max_position_embeddings", "vocab_size",
+                     "shared_expert_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.head_dim is not None and self.head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
+            if getattr(self, name) > (MAX_LAYERS if name == "num_layers" else MAX_SIZE):
+                raise ValueError(f"{name} must be at most {MAX_LAYERS if name == 'num_layers' else MAX_SIZE:,}, "
+                                 f"got {getattr(self, name):,}")
+        if self.head_dim is not None and not 1 <= self.head_dim <= MAX_SIZE:
+            raise ValueError(f"head_dim must be between 1 and {MAX_SIZE:,}, got {self.head_dim}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} is not one of {ARCHS}")
         if self.dtype not in DTYPES:
@@ -118,6 +122,19 @@ class TinyModelSpec:
             return self.norm_topk_prob
         return self.arch in ("mixtral", "qwen3_moe")
 
+    def num_parameters(self) -> int:
+        """The weights' count in `random_state_dict`, from the sizes alone (a test holds them equal)."""
+        H, D, V, I = self.hidden_size, self.resolved_head_dim, self.vocab_size, self.expert_intermediate_size
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * D
+        attention = qkv * H + H * self.num_heads * D + 2 * H  # (+ the two norms)
+        attention += qkv if self.arch == "qwen2_moe" else 2 * D if self.arch == "qwen3_moe" else 0
+        sparse = self.num_experts * (H + 3 * H * I)
+        if self.arch == "qwen2_moe":
+            sparse += 3 * H * self.shared_expert_intermediate_size + H
+        dense = 3 * H * self.intermediate_size
+        mlps = sum(sparse if self.is_sparse_layer(n) else dense for n in range(self.num_layers))
+        return V * H + self.num_layers * attention + mlps + H + (0 if self.tie_word_embeddings else V * H)
+
     def is_sparse_layer(self, layer: int) -> bool:
         """Same rule as transformers' Qwen2-MoE / Qwen3-MoE decoder layer; every Mixtral layer is sparse."""
         if self.arch == "mixtral":
@@ -144,7 +161,16 @@ DEFAULT_SPEC = TinyModelSpec(
 
 
 def write_tiny_model(spec: TinyModelSpec, out_dir: str | Path) -> Path:
-    """Write a random checkpoint + tokenizer for `spec` into `out_dir` (created if needed); return it."""
+    """Write a random checkpoint + tokenizer for `spec` into `out_dir` (created if needed); return it.
+    ValueError, before anything is written, for a model whose weights this host could not hold."""
+    from moemesh.settings import host_memory
+
+    # (drawn in float32, then cast: both copies are held at once where the dtype differs)
+    params = spec.num_parameters()
+    need = params * (4 if spec.dtype == "float32" else 4 + 2)
+    if need > host_memory():
+        raise ValueError(f"a model of {params:,} parameters takes {need / 2**30:,.1f} GiB to write, more than this "
+                         f"host's {host_memory() / 2**30:.1f} GiB of memory")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:

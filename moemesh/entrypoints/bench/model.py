@@ -31,7 +31,9 @@ from moemesh.entrypoints.bench.throughput import check_lengths
 from moemesh.layout import decode_costs
 from stage_worker.tensors import torch_dtype
 from moemesh.entrypoints.engine import LLMEngine
-from moemesh.settings import EngineSettings
+from moemesh.settings import EngineSettings, host_memory
+from stage_worker.layers.parallel import TPGroup
+from stage_worker.runner import StageRunner
 from moemesh.sampling import SamplingParams
 
 
@@ -164,9 +166,13 @@ def run_model_bench(args) -> int:
     dtype = torch_dtype(resolve_dtype(args.dtype, mc))
     machine = measure_machine(dtype)
     biggest = max(args.batch)
+    tokens_needed = biggest * (args.prompt_len + args.new)
+    kv_bytes = tokens_needed * StageRunner.kv_bytes_per_block(mc, mc.num_layers, 1, TPGroup(), dtype)
+    if kv_bytes > host_memory():  # (the prompts alone, as Python lists, would be the first traceback)
+        raise CLIError(f"--batch {biggest} of --prompt-len {args.prompt_len} + --new {args.new} tokens needs a KV "
+                       f"cache of {kv_bytes / 2**30:,.1f} GiB, more than this host's {host_memory() / 2**30:.1f} GiB")
     g = torch.Generator().manual_seed(0)
     all_prompts = torch.randint(4, mc.vocab_size, (biggest, args.prompt_len), generator=g).tolist()
-    tokens_needed = biggest * (args.prompt_len + args.new)
     rows = []
     if len(set(args.moe_backend)) != len(args.moe_backend):
         raise CLIError(f"--moe-backend {','.join(args.moe_backend)} names a backend twice")
