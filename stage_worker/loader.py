@@ -146,8 +146,7 @@ def _check_sizes(reader: CheckpointReader, config: ModelConfig, layers: range | 
         return
     with torch.device("meta"), _default_dtype(dtype):
         meta = model_class(config)(config, layers, tp, quant, handoff=handoff)
-    tensors = {id(t): t for t in (*meta.parameters(), *meta.buffers())}.values()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = sum(p.numel() * p.element_size() for p in meta.parameters())  # (the weights, each once)
     memory = host_memory()
     if nbytes > memory:
         stage = f"layers {meta.layer_range.start}-{meta.layer_range.stop - 1}"
