@@ -76,6 +76,9 @@ def chat_request(body: MessagesRequest) -> dict[str, Any]:
     messages = [{"role": "system", "content": _system(body.system)}] if body.system is not None else []
     for message in body.messages:
         messages += _messages(message)
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"] \
+            and "tool_calls" not in messages[-1]:
+        messages.pop()  # (an empty last assistant message, which Anthropic allows: nothing to go on from)
     # an assistant's text last is a prefill: the answer goes on from it (as Anthropic's does)
     prefill = bool(messages) and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
@@ -311,6 +314,6 @@ def _input(arguments: str) -> dict:
     """A tool_use block's input: its arguments' object ({} where they were cut short, not yet JSON)."""
     try:
         value = json.loads(arguments) if arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting past the parser's depth, as a schema's recursion can force)
         return {}
     return value if isinstance(value, dict) else {}

@@ -19,8 +19,8 @@ gateways, nor kept across a restart: behind several gateways a client that chain
 reach the same one (or sends the conversation as input).
 
 Not served, and refused with a 400 naming the field rather than ignored: `background`, `include`,
-`truncation: auto`, `top_logprobs`, `max_tool_calls`, tools other than functions, and input other than
-text (images, files, audio).
+`truncation: auto`, `top_logprobs`, `max_tool_calls`, `conversation`, `prompt` (templates), tools other
+than functions, and input other than text (images, files, audio).
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: str | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    conversation: Any = None
+    prompt: Any = None
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
@@ -83,10 +85,15 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
            "include": "include is not supported by this server",
            "truncation": "truncation auto is not supported by this server (a prompt too long is refused)",
            "top_logprobs": "top_logprobs is not supported by this server's responses",
-           "max_tool_calls": "max_tool_calls is not supported by this server"}
+           "max_tool_calls": "max_tool_calls is not supported by this server",
+           "conversation": "conversations are not served by this server (chain responses with "
+                           "previous_response_id, or send the conversation as input)",
+           "prompt": "prompt templates are not served by this server (send the prompt as input and "
+                     "instructions)"}
     given = {"background": body.background,
              "include": bool(body.include), "truncation": body.truncation not in (None, "disabled"),
-             "top_logprobs": bool(body.top_logprobs), "max_tool_calls": body.max_tool_calls is not None}
+             "top_logprobs": bool(body.top_logprobs), "max_tool_calls": body.max_tool_calls is not None,
+             "conversation": body.conversation is not None, "prompt": body.prompt is not None}
     for name, on in given.items():
         if on:
             raise ResponsesError(why[name], name)

@@ -500,7 +500,9 @@ class Gateway:
         chat, ids, params, mode, thinking = self._as_chat(messages_api, msgspec.structs.replace(body, max_tokens=None))
         # (without max_tokens, the chat path gives the context's rest, or less: generation_config's cap)
         params = [msgspec.structs.replace(params[0], max_tokens=min(params[0].max_tokens, body.max_tokens))]
-        capped = self.max_model_len - len(ids) < body.max_tokens
+        # (the context's end cut the answer, not a max_tokens: the client's, or generation_config's below it)
+        limit = params[0].max_tokens
+        capped = limit < body.max_tokens and limit >= self.max_model_len - len(ids)
         return await self._serve(request, chat, "msg", [ids], params, chat=True, tools=mode, thinking=thinking,
                                  builder=MessageBuilder(self.model_name, len(ids), capped=capped))
 
@@ -1545,19 +1547,21 @@ def _usage(jobs, choices: dict[int, Choice], n: int) -> dict:
 
 
 def _text_content(content) -> str:
-    """OpenAI content: a string, or a list of text parts, joined by newlines (as vLLM joins them). A part
-    of another kind (an image, audio) is refused: this server's models read text only."""
+    """OpenAI content: a string, or a list of text parts, joined by newlines (as vLLM joins them); an
+    assistant's refusal part ({type: refusal, refusal}) reads as its text, as vLLM reads it. A part of
+    another kind (an image, audio) is refused: this server's models read text only."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
         kinds = {p.get("type") if isinstance(p, dict) and isinstance(p.get("type"), str) else
-                 type(p.get("type") if isinstance(p, dict) else p).__name__ for p in content} - {"text"}
+                 type(p.get("type") if isinstance(p, dict) else p).__name__ for p in content} - {"text", "refusal"}
         if kinds:
             raise HTTPError(400, f"content parts of type {sorted(map(str, kinds))[0]!r} are not supported by "
                                  f"this server (text only)", "messages")
-        texts = [p.get("text") for p in content]
+        texts = [p.get(p["type"]) for p in content]
         if not all(isinstance(t, str) for t in texts):
-            raise HTTPError(400, "a text part of a message's content needs a string `text`", "messages")
+            raise HTTPError(400, "a text part of a message's content needs a string `text` (a refusal part, "
+                                 "a string `refusal`)", "messages")
         return "\n".join(texts)
     raise HTTPError(400, "message content must be a string or a list of text parts", "messages")
 

@@ -178,7 +178,7 @@ def _with_object_arguments(call: Any) -> Any:
         return call
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting past the parser's depth: text too)
         return call
     return {**call, "function": {**fn, "arguments": arguments}}
 
@@ -196,8 +196,10 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
         try:
             calls = json.loads(text)
             return None, [call(c["name"], _json(c["parameters"]), mode.call_id()) for c in calls]
-        except (ValueError, TypeError, KeyError):  # (cut short by max_tokens: not JSON yet)
-            return text, []
+        except (ValueError, TypeError, KeyError, RecursionError, MemoryError):  # (cut short by max_tokens)
+            # the calls written, the last with the arguments it had (as a named call cut short has); the
+            # constraint's JSON is no answer to show as content
+            return None, [call(name, arguments, mode.call_id()) for name, arguments in _calls_begun(text)]
     parser = PARSERS[mode.parser]
     start = parser.begin(text)
     if start is None:
@@ -212,6 +214,29 @@ def read_calls(mode: ToolMode, text: str) -> tuple[str | None, list[dict]]:
         return text, []
     # the text before the calls, as it streams (vLLM's)
     return text[:start] or None, calls if mode.parallel else calls[:1]
+
+
+# a call of the "required" array as its constraint writes it: {"name": "...", "parameters": {...}}
+_REQUIRED_CALL = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+_REQUIRED_CALL_END = re.compile(r"\s*\}")
+
+
+def _calls_begun(text: str) -> list[tuple[str, str]]:
+    """A "required" answer cut short: (name, arguments) of each call whose name was written whole; the
+    arguments as written where the last call's were cut short."""
+    calls, at = [], 0
+    while (head := _REQUIRED_CALL.match(text, at)) is not None:
+        name = json.loads(head.group(1))
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(text, head.end())
+            calls.append((name, _json(arguments)))
+        except (ValueError, RecursionError):
+            calls.append((name, text[head.end():]))
+            break
+        if (close := _REQUIRED_CALL_END.match(text, end)) is None:
+            break
+        at = close.end()
+    return calls
 
 
 def _arguments(c: Any) -> tuple[str, str]:
@@ -446,7 +471,7 @@ class ToolStream:
         """At the choice's end (required, auto): (content still to send, its calls)."""
         content, calls = read_calls(self.mode, self.text)
         if not calls:
-            return self.text[self.sent:], []
+            return ("" if content is None else self.text[self.sent:]), []
         return "", calls
 
 

@@ -1958,6 +1958,11 @@ def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
         chat = json.loads(http("POST", f"{server.url}/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})[1])
         assert chat["usage"]["completion_tokens"] == 5
+        # (the cap, not the context's end, cut Anthropic's answer: its stop_reason says max_tokens)
+        message = json.loads(http("POST", f"{server.url}/v1/messages", {
+            "model": "tiny-mixtral", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}],
+            "ignore_eos": True})[1])
+        assert message["usage"]["output_tokens"] == 5 and message["stop_reason"] == "max_tokens"
     finally:
         server.stop()
     (recommended / "generation_config.json").write_text(json.dumps({**config, "top_k": 20.0, "top_p": 0.9}))
@@ -2068,3 +2073,14 @@ def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model, dr
         if s.proc.poll() is None:
             os.killpg(s.proc.pid, signal.SIGKILL)
         s.proc.communicate(timeout=30)
+
+
+def test_an_assistants_refusal_part_reads_as_its_text():
+    """OpenAI's assistant messages may carry {type: refusal} parts (a replayed conversation does): read as
+    text, as vLLM reads them; other kinds are still refused, naming them."""
+    from gateway.server import HTTPError, _text_content
+
+    assert _text_content([{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}]) == "a\nno"
+    for bad, said in (([{"type": "refusal", "text": "no"}], "refusal"), ([{"type": "image_url"}], "image_url")):
+        with pytest.raises(HTTPError, match=said):
+            _text_content(bad)

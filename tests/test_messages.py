@@ -67,6 +67,10 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     assert "chat_template_kwargs" not in chat_request(_request())
     prefill = chat_request(_request(messages=[{"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "{"}]))
     assert (prefill["continue_final_message"], prefill["add_generation_prompt"]) == (True, False)
+    for empty in ("", []):  # (Anthropic allows an empty last assistant message: no prefill, a plain answer)
+        plain = chat_request(_request(messages=[{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                                    "content": empty}]))
+        assert plain["messages"] == [{"role": "user", "content": "hi"}] and "continue_final_message" not in plain
     assert "continue_final_message" not in chat  # (a conversation that ends with a tool's result)
 
 
@@ -176,3 +180,9 @@ def test_a_named_call_streams_its_input_and_a_cut_one_has_an_empty_input():
     partial = "".join(e["delta"]["partial_json"] for e in b.take() if e["type"] == "content_block_delta")
     assert partial == '{"a": 1'
     assert json.loads(partial + "}") == {"a": 1}
+
+
+def test_a_tool_use_whose_arguments_nest_past_the_parser_is_an_empty_input():
+    from gateway.messages import _input
+
+    assert _input('{"a": ' + "[" * 5000) == {} and _input('{"a": 1}') == {"a": 1}

@@ -57,6 +57,7 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"max_tool_calls": 1}, "max_tool_calls"),
+    ({"conversation": "conv_1"}, "conversation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema"}}}, "text"), ({"input": [5]}, "input"),
     ({"input": [{"role": "critic", "content": "x"}]}, "input"),

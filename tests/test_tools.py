@@ -71,7 +71,17 @@ def test_calls_read_from_answers():
                                                       '"parameters": {}}]')
     assert content is None and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"a": "é"}'},
                                                                    {"name": "g", "arguments": "{}"}]
-    assert read_calls(ToolMode("required"), '[{"name": "f", "param') == ('[{"name": "f", "param', [])
+    # cut short (max_tokens): the calls begun, the last with what it had (as a named call cut short), and
+    # never the constraint's JSON as content
+    assert read_calls(ToolMode("required"), '[{"name": "f", "param') == (None, [])
+    content, calls = read_calls(ToolMode("required"), '[{"name" : "f", "parameters" : {"a" : [1]}} , '
+                                                      '{"name" : "g\\"", "parameters" : {"b" : 30,')
+    assert content is None and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"a": [1]}'},
+                                                                   {"name": 'g"', "arguments": '{"b" : 30,'}]
+    cut = ToolStream(ToolMode("required"))
+    assert cut.content('[{"name": "f", "param') == "" and cut.finish() == ("", [])
+    deep = '[{"name": "f", "parameters": {"a": ' + "[" * 5000
+    assert [c["function"]["name"] for c in read_calls(ToolMode("required"), deep)[1]] == ["f"]
     auto = ToolMode("auto", parser="hermes")
     text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>\n<tool_call>\n' \
            '{"name": "g", "arguments": {}}\n</tool_call>'
@@ -226,3 +236,5 @@ def test_earlier_calls_reach_the_template_with_object_arguments():
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert out[0]["tool_calls"][1]["function"]["arguments"] == "not json" and out[1] == messages[1]
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # (the request is left alone)
+    deep = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]}]
+    assert template_messages(deep) == deep  # (nesting past the parser's depth is text, not a 500)
