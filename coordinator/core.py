@@ -39,6 +39,7 @@ class Ended:
     num_prompt_tokens: int
     num_cached_tokens: int
     had_prompt_logprobs: bool
+    error: str | None = None
 
     @property
     def entries(self) -> int:
@@ -188,6 +189,11 @@ class EngineCore:
             tokens = [kept[item.seq.seq_id] if item.draft else t
                       for item, t in zip((i for i in step.items if i.sample), tokens)]
         finished = self.scheduler.update(step, tokens)
+        for item, s in zip((i for i in step.items if i.sample), sampled):
+            if s.error is not None and item.seq.finished and item.seq.finish_reason == "stop":
+                # (its constraint forced the end of sequence: no answer, whatever its text so far)
+                item.seq.finish_reason = "error"
+                item.seq.error = f"the structured output's constraint failed part way: {s.error}"
         outputs = []
         for item in step.items:
             seq = item.seq
@@ -229,7 +235,7 @@ class EngineCore:
         """Keeps what a resend of an ended request needs (its outputs, not its prompt), for the last
         ENDED_KEPT requests."""
         ended = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None, seq.finish_reason,
-                      len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None)
+                      len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None, seq.error)
         if (old := self.ended.pop(seq.request_id, None)) is not None:  # (an id used again)
             self.ended_entries -= old.entries
         if ended.entries > ENDED_ENTRIES:  # (one too big to keep: not at the cost of all the others)
@@ -254,7 +260,8 @@ class EngineCore:
         if (ended := self.ended.get(request_id)) is not None and not (start == 0 and ended.had_prompt_logprobs):
             return RequestOutput(request_id, ended.output_ids[start:],
                                  ended.logprobs[start:] if ended.logprobs is not None else None,
-                                 finish_reason=ended.finish_reason, num_prompt_tokens=ended.num_prompt_tokens,
+                                 finish_reason=ended.finish_reason, error=ended.error,
+                                 error_status=400 if ended.error else 0, num_prompt_tokens=ended.num_prompt_tokens,
                                  num_cached_tokens=ended.num_cached_tokens if start == 0 else 0, start=start)
         return None
 
@@ -267,6 +274,7 @@ class EngineCore:
         queue = seq.first_scheduled - seq.arrival if first and seq.first_scheduled is not None else None
         return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
                              finish_reason=seq.finish_reason if seq.finished else None,
+                             error=seq.error if seq.finished else None, error_status=400 if seq.error else 0,
                              num_prompt_tokens=len(seq.prompt_ids), queue_seconds=queue,
                              num_cached_tokens=seq.num_cached_tokens if first else 0, start=start)
 

@@ -29,6 +29,7 @@ class Sequence:
     blocks_sent: int = 0  # leading block_ids the workers have been sent (schedules carry only the rest)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with "error": what the client is told (a structured output that failed)
     num_preemptions: int = 0
     request_id: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of output tokens, when asked

@@ -353,6 +353,9 @@ class SampledToken(msgspec.Struct, array_like=True, frozen=True):
     seq_id: int
     token_id: int
     logprobs: TokenLogprobs | None = None
+    # a structured output's constraint failed here (why): the token is the end of sequence it forced, and
+    # the request ends with an error rather than as a finished answer
+    error: str | None = None
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, frozen=True):

@@ -160,7 +160,8 @@ class StageExecutor:
         n, m = len(sample_rows), len(sample_rows) + len(prompt_rows)
         rows = [self._row(seq_id) for _, seq_id in sample_rows]
         tokens, logprobs = sample(logits[:n], rows, self.eos_token_ids, self.generator)
-        sampled = [SampledToken(seq_id, t, lp) for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
+        sampled = [SampledToken(seq_id, t, lp, self._constraint_error(seq_id))
+                   for (_, seq_id), t, lp in zip(sample_rows, tokens, logprobs)]
         if drafted:
             sampled += self._verify(drafted, logits[m:])
         return StepResult(sched.step_id, sampled, self._prompt_logprobs(logits[n:m], prompt_rows),
@@ -272,6 +273,11 @@ class StageExecutor:
         if st.edits is None and st.params.edits_logits:
             st.edits = TokenEdits.of(st.params, self.runner.config.vocab_size)
         return SampleRow(st.params, prompt, outputs, allowed, st.edits)
+
+    def _constraint_error(self, seq_id: int) -> str | None:
+        """Why the sequence's structured output failed (its token the end of sequence that forced), or None."""
+        grammar = self.seqs[seq_id].grammar
+        return grammar.error if grammar is not None else None
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> list[PromptLogprobs]:
         if not prompt_rows:

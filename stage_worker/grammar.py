@@ -7,10 +7,12 @@ the rest. So a sequence recomputed after preemption, re-run after a recovery, or
 a worker that replaced a lost one (prompt and outputs as one prefill) gets the same masks as one
 that never stopped.
 
-A constraint that cannot be applied here (no tokenizer.json in the model directory, a grammar
-llguidance refuses, a token it rejects) ends the sequence: its mask allows only the end of sequence,
-and the reason is logged once per sequence. The gateway validates every grammar before it is
-queued, so this is a worker set up without the model's tokenizer, not a bad request.
+A constraint that cannot be applied here ends the sequence: its mask allows only the end of sequence,
+the reason is logged once per sequence, and the step's result says it (`SampledToken.error`), so that
+the request ends with an error, not as an answer. The gateway validates every grammar before it is
+queued, so this is a worker set up without the model's tokenizer (no tokenizer.json in the model
+directory), or a constraint llguidance accepts but cannot follow to the end (a pattern whose lexer
+grows past llguidance's limits part way through the answer, a token it rejects).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class GrammarState:
     """One sequence's matcher and the output tokens it has consumed (None: the constraint failed)."""
     matcher: object | None
     consumed: list[int] = field(default_factory=list)
+    error: str | None = None  # why the constraint failed (each sample after it says so)
 
 
 class Grammars:
@@ -67,9 +70,14 @@ class Grammars:
         if state.matcher is None:
             return state, self._end_only()
         packed = np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint8)  # (32 tokens a word, low bit first)
+        # (a matcher that errs part way allows only the end of sequence, or nothing: either is a failure, not
+        # an answer whose text is whole)
+        if state.matcher.is_error():
+            self._fail(state, seq_id, state.matcher.get_error() or "the matcher failed")
+            return state, self._end_only()
         bits = torch.from_numpy(np.unpackbits(packed, count=self.vocab_size, bitorder="little").view(np.bool_))
-        if not bits.any():  # (a matcher in error allows nothing: end the sequence rather than sample noise)
-            self._fail(state, seq_id, state.matcher.get_error() or "no token allowed")
+        if not bits.any():  # (end the sequence rather than sample noise)
+            self._fail(state, seq_id, "no token allowed")
             return state, self._end_only()
         return state, bits
 
@@ -96,7 +104,7 @@ class Grammars:
         if common < len(state.consumed):
             if not state.matcher.rollback(len(state.consumed) - common):
                 fresh = self._start(grammar, seq_id)
-                state.matcher, common = fresh.matcher, 0
+                state.matcher, state.error, common = fresh.matcher, fresh.error, 0
                 if state.matcher is None:
                     return
             del state.consumed[common:]
@@ -107,10 +115,10 @@ class Grammars:
             state.consumed.append(t)
 
     def _fail(self, state: GrammarState, seq_id: int, reason: str) -> None:
+        reason = reason.strip().splitlines()[0][:300] if reason.strip() else "unknown"
         log.warning("structured output ends a sequence: its constraint cannot be applied",
-                    extra={"fields": {"seq_id": seq_id, "reason": reason.strip().splitlines()[0][:300]
-                                      if reason.strip() else "unknown"}})
-        state.matcher = None
+                    extra={"fields": {"seq_id": seq_id, "reason": reason}})
+        state.matcher, state.error = None, reason
 
     def _end_only(self) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)

@@ -285,3 +285,37 @@ def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(mode
     with pytest.raises(HTTPError) as e:
         gateway._grammar(body, None)
     assert e.value.status == 400 and e.value.param == "guided_choice" and "tokenizer.json" in e.value.message
+
+
+def test_a_constraint_that_fails_part_way_ends_the_request_with_an_error(model, tmp_path):
+    """A pattern llguidance accepts but whose lexer outgrows its limits part way through the answer: the
+    matcher then allows only the end of sequence. That is a failure, not a whole answer: the state says
+    why, the step's token carries it, and the request ends with an error (here a worker without the
+    model's tokenizer, which fails at the first token, through the engine)."""
+    import shutil
+
+    from moemesh.config import ModelConfig
+    from stage_worker.grammar import Grammars
+
+    eos = ModelConfig.from_dir(model).eos_token_ids
+    grammars = Grammars(model, SPEC.vocab_size, eos)
+    tokenizer = grammars.tokenizer()
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^((a{1,100}){1,100}){1,100}$"}},
+              "required": ["s"], "additionalProperties": False}
+    grammar = grammar_of({"guided_json": schema}, tokenizer)
+    a = tokenizer.tokenize_str("a")
+    tokens, state = tokenizer.tokenize_str('{"s": "'), None
+    for _ in range(200):
+        state, mask = grammars.allowed(state, grammar, tokens, seq_id=1)
+        if state.error is not None:
+            break
+        assert mask[a[0]], "the pattern allows another a"
+        tokens = tokens + a
+    assert state.error is not None and mask.nonzero().view(-1).tolist() == sorted(eos)[:1]
+    blind = tmp_path / "no-tokenizer"
+    shutil.copytree(model, blind)
+    (blind / "tokenizer.json").unlink()
+    engine = _engine(blind)
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0,
+                                                       grammar=grammar_of({"guided_choice": ["yes"]})))[0]
+    assert out.finish_reason == "error"
