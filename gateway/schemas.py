@@ -52,6 +52,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    guided_whitespace_pattern: str | None = None  # (vLLM's: the whitespace a JSON constraint allows)
     allowed_token_ids: list[int] | None = None  # only these tokens are sampled
     bad_words: list[str] | None = None  # words never generated (at the text's start or after a space)
     # beam search (gateway/beam.py): n beams returned of best_of (default n) searched

@@ -679,7 +679,7 @@ class Gateway:
         given = {name: getattr(body, name) for name in CONSTRAINTS}
         param = next((k for k, v in given.items() if v is not None), None)
         try:
-            grammar = structured.grammar_of(given, self.grammar_tokenizer)
+            grammar = structured.grammar_of(given, self.grammar_tokenizer, body.guided_whitespace_pattern)
         except structured.ConstraintError as e:
             raise HTTPError(400, str(e), e.param) from None
         if tool_constraint is not None:

@@ -103,10 +103,16 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any, parallel: bool | None,
         return ToolMode("auto", parser=parser, parallel=parallel is not False,
                         types=_types(by_name) if PARSERS[parser].typed else ()), None
     if tool_choice == "required":
+        # each function's parameters under $defs at the root, their references to their own root ("#": a
+        # recursive schema; "#/$defs/X", "#/properties/a") pointed there: each call's constraint is its schema
+        where = {name: f"call{i}" for i, name in enumerate(by_name)}
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
-             "required": ["name", "parameters"], "additionalProperties": False} for name, fn in by_name.items()]},
-            "x-guidance": CALL_WHITESPACE, **_shared_definitions(by_name)}
+            {"type": "object", "properties": {"name": {"const": name},
+                                              "parameters": {"$ref": f"#/$defs/{where[name]}"}},
+             "required": ["name", "parameters"], "additionalProperties": False} for name in by_name]},
+            "x-guidance": CALL_WHITESPACE,
+            "$defs": {where[name]: _rooted(_parameters(fn), f"#/$defs/{where[name]}")
+                      for name, fn in by_name.items()}}
         if parallel is False:
             calls["maxItems"] = 1
         return ToolMode("required", parser=parser), {"guided_json": calls}
@@ -144,20 +150,28 @@ def _types(by_name: dict[str, dict]) -> tuple:
     return tuple(out)
 
 
-def _shared_definitions(by_name: dict[str, dict]) -> dict:
-    """The functions' `$defs` and `definitions`, gathered at the root of the "required" schema that nests
-    their parameters, where their local references ("#/$defs/X") point (400 for two that differ)."""
-    shared: dict[str, dict] = {}
-    for name, fn in by_name.items():
-        for key in ("$defs", "definitions"):
-            defs = _parameters(fn).get(key)
-            if not isinstance(defs, dict):
-                continue
-            for def_name, schema in defs.items():
-                if shared.setdefault(key, {}).setdefault(def_name, schema) != schema:
-                    raise ToolError(f"tool_choice required: two functions define {key}/{def_name} differently "
-                                    f"(name them apart, or call one function by name)", "tools")
-    return shared
+def _rooted(schema: Any, root: str) -> Any:
+    """`schema` moved to `root`: each local reference ("#..." in a $ref) made to point inside it there.
+    Literal values (const, enum, default, examples) are data, left alone; the maps of named subschemas
+    (properties, $defs, ...) are names, each mapped to a schema."""
+    if isinstance(schema, list):
+        return [_rooted(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rooted(sub, root) for name, sub in value.items()}
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value
+        else:
+            out[key] = _rooted(value, root)
+    return out
+
+
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -397,18 +411,19 @@ class Parser:
     call_id: Callable[[], str | None] = lambda: None
     typed: bool = False  # read takes the functions' parameter types too (ToolMode.types)
 
-    def begin(self, text: str, after: int = 0) -> int | None:
-        """Where text's calls begin (searching from `after`), or None where there are none yet."""
+    def begin(self, text: str, after: int = 0, blank: int = 0) -> int | None:
+        """Where text's calls begin (searching from `after`), or None where there are none yet. blank:
+        text's first characters known to be whitespace (a stream's: not scanned again at each piece)."""
         if self.marker is not None:
             at = text.find(self.marker, after)
             return None if at < 0 else at
-        return 0 if self.opening.match(text) else None
+        return 0 if self.opening.match(text, blank) else None
 
-    def hold(self, text: str) -> int:
+    def hold(self, text: str, blank: int = 0) -> int:
         """The length of text's tail that may yet begin calls, and is not sent as content yet."""
         if self.marker is not None:
             return partial_suffix(text, self.marker)
-        return len(text) if self.undecided.fullmatch(text) else 0
+        return len(text) if self.undecided.fullmatch(text, blank) else 0
 
 
 def _starts(opener: str, *tags: str) -> dict[str, re.Pattern]:
@@ -439,6 +454,7 @@ class ToolStream:
         self.held = mode.kind == "required"
         self.parser = PARSERS[mode.parser] if mode.kind == "auto" else None
         self.plain = False  # the answer's start says it is no calls (a parser whose calls open it)
+        self.blank = 0  # the text's leading whitespace so far (an opening is matched after it)
 
     def arguments(self, piece: str) -> dict | None:
         """named: the delta's tool-call entry for a piece of the arguments (the first names the call)."""
@@ -457,12 +473,14 @@ class ToolStream:
         if self.plain:
             out, self.sent = self.text[self.sent:], len(self.text)
             return out
-        start = self.parser.begin(self.text, max(0, self.sent - len(self.parser.marker or "")))
+        while self.blank < len(self.text) and self.text[self.blank].isspace():  # (as re's \s: str.isspace)
+            self.blank += 1
+        start = self.parser.begin(self.text, max(0, self.sent - len(self.parser.marker or "")), self.blank)
         if start is not None:
             self.held = True
             end = start
         else:
-            end = len(self.text) - self.parser.hold(self.text)
+            end = len(self.text) - self.parser.hold(self.text, self.blank)
             self.plain = self.parser.marker is None and bool(self.text) and end == len(self.text)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out

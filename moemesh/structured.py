@@ -50,13 +50,17 @@ def tokenizer(model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, 
         raise ValueError(f"llguidance cannot read {path}: {_first_line(str(e))}") from None
 
 
-def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
+def grammar_of(fields: dict[str, Any], tokenizer=None, whitespace_pattern: str | None = None) -> str | None:
     """The llguidance grammar of a request's constraint fields (their names as the request spells them;
     None or absent: not given), or None where none is given. Raises ConstraintError for more than
     one, a malformed one, or one llguidance refuses (with `tokenizer`, the model's LLTokenizer, also
-    one naming tokens the model does not have)."""
+    one naming tokens the model does not have). whitespace_pattern: vLLM's guided_whitespace_pattern,
+    for a JSON constraint (structured_outputs' own whitespace_pattern takes precedence)."""
     given = {k: v for k, v in fields.items() if v is not None and not (k == "response_format" and _is_text(v))}
     if not given:
+        if whitespace_pattern is not None:
+            raise ConstraintError("guided_whitespace_pattern applies to a JSON constraint, and none is given",
+                                  "guided_whitespace_pattern")
         return None
     if len(given) > 1:
         names = sorted(given)
@@ -68,6 +72,11 @@ def grammar_of(fields: dict[str, Any], tokenizer=None) -> str | None:
         kind, spec, options = _structured_outputs(value)
     else:
         kind, spec, options = field.removeprefix("guided_"), value, {}
+    if whitespace_pattern is not None:
+        if kind not in ("json", "json_object"):
+            raise ConstraintError(f"guided_whitespace_pattern applies to a JSON constraint, not to {field}'s",
+                                  "guided_whitespace_pattern")
+        options = {"whitespace_pattern": whitespace_pattern, **options}
     grammar = _compile(kind, spec, options, field)
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(f"{field} is too large ({len(grammar)} characters compiled; at most "

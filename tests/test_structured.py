@@ -108,6 +108,13 @@ def test_request_fields_become_one_grammar_or_a_clear_error():
         grammar_of({"guided_json": {"type": "objectx"}})
     with pytest.raises(ValueError, match="grammar must be"):
         SamplingParams(grammar="")
+    # vLLM's guided_whitespace_pattern is structured_outputs' whitespace_pattern, for a JSON constraint only
+    tight = grammar_of({"guided_json": schema}, whitespace_pattern="")
+    assert tight == grammar_of({"structured_outputs": {"json": schema, "whitespace_pattern": ""}}) != same[0]
+    for fields in ({"guided_regex": "a"}, {}):
+        with pytest.raises(ConstraintError) as e:
+            grammar_of(fields, whitespace_pattern="")
+        assert e.value.param == "guided_whitespace_pattern"
 
 
 @pytest.mark.parametrize("pp", [1, 2])

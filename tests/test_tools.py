@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
+import llguidance
 import pytest
 
 from gateway.tools import PARSERS, ToolError, ToolMode, ToolStream, functions, read_calls, template_messages, tool_mode
@@ -15,6 +17,7 @@ from moemesh.structured import grammar_of
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
+MODEL_DIR = Path(__file__).resolve().parents[1] / "moemesh" / "demo_model"
 
 
 def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
@@ -51,17 +54,40 @@ def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
             functions(bad)
 
 
-def test_required_gathers_the_functions_definitions_where_their_references_point():
+def test_required_keeps_each_functions_references_pointing_inside_it():
+    """Under "required" each function's parameters are a subschema of the array of calls: their local
+    references ("#": a recursive schema; "#/$defs/X"; "#/properties/a") still point inside them, and two
+    functions may define the same name differently."""
+    from moemesh.structured import tokenizer
+
     location = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    tools = functions([{"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}}, "required": ["where"],
-        "$defs": {"Loc": location}}}} for name in ("a", "b")])
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {
+        "$ref": "#"}, "maxItems": 2}}, "required": ["v", "kids"], "additionalProperties": False}
+    sibling = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+               "required": ["a", "b"], "additionalProperties": False, "$defs": {"Loc": {"type": "integer"}}}
+    tools = functions([{"type": "function", "function": {"name": "where", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Loc"}, "enum": {"enum": [{"$ref": "#"}]}},
+        "required": ["where"], "$defs": {"Loc": location}}}},
+        {"type": "function", "function": {"name": "tree", "parameters": tree}},
+        {"type": "function", "function": {"name": "sibling", "parameters": sibling}}])
     _, fields = tool_mode(tools, "required", None, None)
-    assert fields["guided_json"]["$defs"] == {"Loc": location} and grammar_of(fields)
-    clash = functions([*tools, {"type": "function", "function": {"name": "c", "parameters": {
-        "type": "object", "$defs": {"Loc": {"type": "integer"}}}}}])
-    with pytest.raises(ToolError, match="Loc"):
-        tool_mode(clash, "required", None, None)
+    schema = fields["guided_json"]
+    assert schema["$defs"]["call0"]["properties"]["where"] == {"$ref": "#/$defs/call0/$defs/Loc"}
+    assert schema["$defs"]["call0"]["properties"]["enum"] == {"enum": [{"$ref": "#"}]}  # (data, not a reference)
+    assert schema["$defs"]["call1"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/call1"}
+    tok = tokenizer(MODEL_DIR, 4096, (0,))
+    grammar = grammar_of(fields, tok)
+
+    def accepts(calls) -> bool:
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        return matcher.consume_tokens(tok.tokenize_str(json.dumps(calls))) and matcher.is_accepting()
+
+    assert accepts([{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2, "kids": []}]}}])
+    assert not accepts([{"name": "tree", "parameters": {"v": 1, "kids": [[{"name": "tree", "parameters": {
+        "v": 2, "kids": []}}]]}}])
+    assert accepts([{"name": "sibling", "parameters": {"a": 1, "b": 2}}])
+    assert accepts([{"name": "where", "parameters": {"where": {"city": "Oslo"}}}])
+    assert not accepts([{"name": "where", "parameters": {"where": 5}}])
 
 
 def test_calls_read_from_answers():
@@ -238,3 +264,35 @@ def test_earlier_calls_reach_the_template_with_object_arguments():
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # (the request is left alone)
     deep = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]}]
     assert template_messages(deep) == deep  # (nesting past the parser's depth is text, not a 500)
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_a_streamed_answer_that_opens_with_whitespace_is_scanned_once(parser, monkeypatch):
+    """An answer whose calls would open it is held while it is only whitespace: each piece scans what is
+    new, not the whole answer again (16,000 pieces of whitespace took 6 s of the event loop), and the
+    answer reads the same."""
+    import dataclasses
+    import re
+
+    scanned = []
+
+    class Counting:
+        def __init__(self, pattern: re.Pattern):
+            self.pattern = pattern
+
+        def match(self, text, pos=0):
+            scanned.append(len(text) - pos)
+            return self.pattern.match(text, pos)
+
+        def fullmatch(self, text, pos=0):
+            scanned.append(len(text) - pos)
+            return self.pattern.fullmatch(text, pos)
+
+    base = PARSERS[parser]
+    monkeypatch.setitem(PARSERS, parser, dataclasses.replace(base, opening=Counting(base.opening),
+                                                             undecided=Counting(base.undecided)))
+    stream = ToolStream(ToolMode("auto", parser=parser))
+    pieces = [" \n"] * 2000 + ["Plain", " words."]
+    sent = "".join(stream.content(p) for p in pieces)
+    assert sent + stream.finish()[0] == "".join(pieces)
+    assert sum(scanned) < 10 * len(pieces)
