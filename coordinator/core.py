@@ -19,7 +19,7 @@ from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
 from moemesh.layout import MlpHandoff
-from moemesh.protocol import RequestOutput, Schedule, SeqWork, StepResult, TokenLogprobs
+from moemesh.protocol import RequestOutput, SampledToken, Schedule, SeqWork, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 
@@ -27,6 +27,14 @@ from moemesh.sampling import SamplingParams
 # ENDED_ENTRIES tokens and logprob alternatives in all
 ENDED_KEPT = 1024
 ENDED_ENTRIES = 1 << 21
+
+
+def _constraint_failed(seq: Sequence, s: SampledToken, finished: list[Sequence]) -> None:
+    """A sequence that the token `s` ended, where its structured output's constraint failed and forced
+    that end of sequence: it ends with an error, not as an answer (whatever its text so far)."""
+    if s.error is not None and seq in finished and seq.finish_reason == "stop":
+        seq.finish_reason = "error"
+        seq.error = f"the structured output's constraint failed part way: {s.error}"
 
 
 @dataclass(frozen=True)
@@ -190,10 +198,7 @@ class EngineCore:
                       for item, t in zip((i for i in step.items if i.sample), tokens)]
         finished = self.scheduler.update(step, tokens)
         for item, s in zip((i for i in step.items if i.sample), sampled):
-            if s.error is not None and item.seq.finished and item.seq.finish_reason == "stop":
-                # (its constraint forced the end of sequence: no answer, whatever its text so far)
-                item.seq.finish_reason = "error"
-                item.seq.error = f"the structured output's constraint failed part way: {s.error}"
+            _constraint_failed(item.seq, s, finished)
         outputs = []
         for item in step.items:
             seq = item.seq
@@ -211,8 +216,12 @@ class EngineCore:
             raise ValueError(f"result for step {result.step_id} does not hold {step.num_steps} tokens of each of its "
                              f"{n} sequences in order")
         del self.in_flight[result.step_id]
+        before = [len(item.seq.output_ids) for item in step.items]
         finished = self.scheduler.update_steps(step, [[(s.token_id, s.logprobs) for s in result.sampled[j * n:(j + 1) * n]]
                                                       for j in range(step.num_steps)])
+        for i, item in enumerate(step.items):  # (the token that ended it: its decode step's)
+            if (taken := len(item.seq.output_ids) - before[i]) > 0:
+                _constraint_failed(item.seq, result.sampled[(taken - 1) * n + i], finished)
         outputs = [self._output(item.seq) for item in step.items if self._current(item.seq)]
         self._ended(finished)
         return outputs

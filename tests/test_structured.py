@@ -323,6 +323,33 @@ def test_a_constraint_that_fails_part_way_ends_the_request_with_an_error(model, 
     shutil.copytree(model, blind)
     (blind / "tokenizer.json").unlink()
     engine = _engine(blind)
-    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0,
-                                                       grammar=grammar_of({"guided_choice": ["yes"]})))[0]
-    assert out.finish_reason == "error"
+    outs = engine.generate([PROMPTS[0], PROMPTS[1]], [
+        SamplingParams(max_tokens=8, temperature=0, grammar=grammar_of({"guided_choice": ["yes"]})),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)])
+    assert [o.finish_reason for o in outs] == ["error", "length"]
+
+
+def test_a_constraint_failing_inside_a_schedule_of_several_steps_ends_at_its_token(model, monkeypatch):
+    """With --num-scheduler-steps, a constraint that fails at its sixth token (a burst's second decode
+    step) ends the request there with an error; one that completes in a burst still ends as "stop"."""
+    from stage_worker.grammar import Grammars
+
+    allowed = Grammars.allowed
+
+    def failing_at_six(self, state, grammar, outputs, seq_id):
+        state, mask = allowed(self, state, grammar, outputs, seq_id)
+        if len(outputs) >= 5 and "fail" in grammar:
+            self._fail(state, seq_id, "planted")
+            mask = self._end_only()
+        return state, mask
+
+    monkeypatch.setattr(Grammars, "allowed", failing_at_six)
+    engine = _engine(model, num_scheduler_steps=4)
+    failing = grammar_of({"guided_regex": "(fail)?[a-z ]{0,40}"})
+    done = grammar_of({"guided_choice": ["yes"]})
+    outs = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, grammar=failing),
+        SamplingParams(max_tokens=12, temperature=0, grammar=done),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])
+    assert [o.finish_reason for o in outs] == ["error", "stop", "length"]
+    assert len(outs[0].token_ids) == 6 and _text(model, outs[1].token_ids[:-1]) == "yes"
