@@ -678,8 +678,10 @@ class Gateway:
         the answer's thought, which it leaves free (as vLLM's)."""
         given = {name: getattr(body, name) for name in CONSTRAINTS}
         param = next((k for k, v in given.items() if v is not None), None)
+        whitespace = body.guided_whitespace_pattern  # (for the JSON constraint given, or the tool choice's)
         try:
-            grammar = structured.grammar_of(given, self.grammar_tokenizer, body.guided_whitespace_pattern)
+            grammar = structured.grammar_of(given, self.grammar_tokenizer,
+                                            whitespace if tool_constraint is None else None)
         except structured.ConstraintError as e:
             raise HTTPError(400, str(e), e.param) from None
         if tool_constraint is not None:
@@ -688,7 +690,7 @@ class Gateway:
                                      "no response_format or structured_outputs with it", "tool_choice")
             param = "tool_choice"
             try:
-                grammar = structured.grammar_of(tool_constraint, self.grammar_tokenizer)
+                grammar = structured.grammar_of(tool_constraint, self.grammar_tokenizer, whitespace)
             except structured.ConstraintError as e:  # (a function's parameters: not a schema llguidance takes)
                 raise HTTPError(400, f"a tool's parameters: {str(e).removeprefix('guided_json: ')}", "tools") from None
         if grammar is None:

@@ -151,16 +151,18 @@ def _types(by_name: dict[str, dict]) -> tuple:
 
 
 def _rooted(schema: Any, root: str) -> Any:
-    """`schema` moved to `root`: each local reference ("#..." in a $ref) made to point inside it there.
-    Literal values (const, enum, default, examples) are data, left alone; the maps of named subschemas
-    (properties, $defs, ...) are names, each mapped to a schema."""
+    """`schema` moved to `root`: each reference by pointer from its root ("#", "#/...") made to point
+    inside it there. A subschema with its own `$id` is a resource of its own, whose references are its
+    own, and an anchor ("#name") names a place wherever it is: both left alone. Literal values (const,
+    enum, default, examples) are data, left alone too; the maps of named subschemas (properties,
+    $defs, ...) are names, each mapped to a schema."""
     if isinstance(schema, list):
         return [_rooted(s, root) for s in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = root + value[1:]
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
             out[key] = {name: _rooted(sub, root) for name, sub in value.items()}

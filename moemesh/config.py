@@ -128,8 +128,10 @@ class ModelConfig:
                               f"head_dim)")
         if raw.str("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        # (a context length bounds no allocation: the rotary tables stop at what the KV cache holds)
-        max_positions = raw.int("max_position_embeddings", defaults["max_position_embeddings"], maximum=MAX_POSITIONS)
+        # (a context length bounds no allocation: the rotary tables stop at what the KV cache holds; 8192.0
+        # reads as 8192, as transformers takes it)
+        max_positions = raw.int("max_position_embeddings", defaults["max_position_embeddings"], maximum=MAX_POSITIONS,
+                                integral_float=True)
         sliding = raw.int("sliding_window", None) if raw.bool("use_sliding_window", model_type == "mixtral") \
             else None
         if sliding is not None and sliding < max_positions:
@@ -227,10 +229,13 @@ class _Fields:
             raise ConfigError(f"required field {name!r} is {'null' if name in self.raw else 'missing'}")
         return default, False
 
-    def int(self, name: str, default=_REQUIRED, minimum: int = 1, maximum: int = MAX_SIZE):
+    def int(self, name: str, default=_REQUIRED, minimum: int = 1, maximum: int = MAX_SIZE,
+            integral_float: bool = False):
         value, given = self._value(name, default)
         if not given:
             return value
+        if integral_float and isinstance(value, float) and value.is_integer():
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
             raise ConfigError(f"{name} is {value!r}, not {kind}")
@@ -361,6 +366,8 @@ def _rope_config(raw: "_Fields", default_theta: float, max_positions: int) -> Ro
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
         raise ConfigError(f"rope_theta={theta!r} must be a finite number above 1")  # (nan: every logit nan)
     old_len = params.get("original_max_position_embeddings", max_positions)
+    if isinstance(old_len, float) and old_len.is_integer():  # (8192.0: as transformers takes it)
+        old_len = int(old_len)
     if isinstance(old_len, bool) or not isinstance(old_len, int) or not 1 <= old_len <= MAX_POSITIONS:
         raise ConfigError(f"{where}.original_max_position_embeddings is {old_len!r}, not a positive integer")
     rope = RopeConfig(

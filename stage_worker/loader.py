@@ -154,10 +154,11 @@ def _check_sizes(reader: CheckpointReader, config: ModelConfig, layers: range | 
                 f"{config.intermediate_size}"
         if config.num_experts:
             sizes += f", {config.num_experts} experts of {config.moe_intermediate_size}"
+        # (not --quantization: int8 and fp8 quantize weights loaded at the model's dtype, after loading them)
+        halve = ", or load them in bfloat16 (--dtype bfloat16)" if dtype == torch.float32 else ""
         raise LoadError(f"{stage} of {reader.dir} take {nbytes / 2**30:,.1f} GiB of weights as config.json sizes "
                         f"them ({sizes}), more than this host's {memory / 2**30:.1f} GiB: spread "
-                        f"the layers over more stages (--pp, --layer-partition) or tensor ranks (--tp), or "
-                        f"quantize them (--quantization int8)")
+                        f"the layers over more stages (--pp, --layer-partition) or tensor ranks (--tp){halve}")
 
 
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")

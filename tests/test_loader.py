@@ -138,6 +138,13 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
     assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.qkv_bias and qwen2.rope.theta == 1e4
     assert not ModelConfig.from_hf({**base, "model_type": "qwen2_moe", "num_experts": 4, "qkv_bias": False}).qkv_bias
     assert ModelConfig.from_hf({**base, "model_type": "llama"}).max_position_embeddings == 2048
+    # integral floats where transformers takes them (a context length, llama3's original one)
+    floats = ModelConfig.from_hf({**base, "model_type": "llama", "max_position_embeddings": 4096.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192.0}})
+    assert (floats.max_position_embeddings, floats.rope.original_max_position_embeddings) == (4096, 8192)
+    for bad in ({"max_position_embeddings": 4096.5}, {"hidden_size": 8.0}, {"rope_scaling": {"factor": "8.0"}}):
+        with pytest.raises(ConfigError, match=next(iter(bad)) if "rope" not in next(iter(bad)) else "factor"):
+            ModelConfig.from_hf({**base, "model_type": "llama", **bad})
     with pytest.raises(ConfigError, match="sliding_window=4096"):  # (against the default 131072 positions)
         ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "sliding_window": 4096})
     for bad, match in [({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor"),

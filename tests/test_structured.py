@@ -288,6 +288,15 @@ def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(mode
         params = gateway._params(edited, 1, 4, None, None)
         assert params.logit_bias == ((5, 1.0),) or params.allowed_token_ids == (5, 9) or params.bad_words  # (ids once)
         gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
+    # guided_whitespace_pattern shapes the JSON constraint given, or a tool choice's
+    from gateway.tools import tool_mode
+
+    spaced = msgspec.convert({"prompt": "x", "guided_json": {"type": "object"}, "guided_whitespace_pattern": ""},
+                             CompletionRequest)
+    assert gateway._grammar(spaced, None) == grammar_of({"guided_json": {"type": "object"}}, whitespace_pattern="")
+    _, tool_constraint = tool_mode([{"type": "function", "function": {"name": "f"}}], "required", None, None)
+    plain = msgspec.convert({"prompt": "x", "guided_whitespace_pattern": ""}, CompletionRequest)
+    assert gateway._grammar(plain, tool_constraint) == grammar_of(tool_constraint, whitespace_pattern="")
     gateway.grammar_tokenizer, gateway.grammar_unavailable = None, "no tokenizer.json in /m"
     with pytest.raises(HTTPError) as e:
         gateway._grammar(body, None)

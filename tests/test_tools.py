@@ -88,6 +88,18 @@ def test_required_keeps_each_functions_references_pointing_inside_it():
     assert accepts([{"name": "sibling", "parameters": {"a": 1, "b": 2}}])
     assert accepts([{"name": "where", "parameters": {"where": {"city": "Oslo"}}}])
     assert not accepts([{"name": "where", "parameters": {"where": 5}}])
+    # a schema with its own $id is a resource whose references are its own; an anchor names a place
+    own = {"$id": "https://example.com/p.json", "type": "object", "properties": {"a": {"$ref": "#/$defs/N"}},
+           "required": ["a"], "$defs": {"N": {"type": "integer"}}}
+    anchored = {"type": "object", "properties": {"a": {"$ref": "#num"}}, "required": ["a"],
+                "$defs": {"N": {"$anchor": "num", "type": "integer"}}}
+    for parameters in (own, anchored):
+        tools = functions([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+        _, fields = tool_mode(tools, "required", None, None)
+        assert fields["guided_json"]["$defs"]["call0"] == parameters
+        grammar = grammar_of(fields, tok)
+        assert accepts([{"name": "f", "parameters": {"a": 1}}])
+        assert not accepts([{"name": "f", "parameters": {"a": "x"}}])
 
 
 def test_calls_read_from_answers():
