@@ -29,6 +29,7 @@ import json
 import uuid
 from typing import Any
 
+import jiter
 import msgspec
 
 from gateway.tools import AnswerParts
@@ -311,9 +312,12 @@ class MessageBuilder(AnswerParts):
 
 
 def _input(arguments: str) -> dict:
-    """A tool_use block's input: its arguments' object ({} where they were cut short, not yet JSON)."""
+    """A tool_use block's input: its arguments' object. Arguments cut short (max_tokens) are read as
+    Anthropic's SDK reads a stream's `input_json_delta`s (jiter's partial mode: what is whole of them),
+    so that a whole response and a streamed one agree; {} for what is no object (nesting past the
+    parser's depth, as a schema's recursion can force, included)."""
     try:
-        value = json.loads(arguments) if arguments else {}
-    except (ValueError, RecursionError):  # (nesting past the parser's depth, as a schema's recursion can force)
+        value = jiter.from_json(arguments.encode(), partial_mode=True, allow_inf_nan=False) if arguments else {}
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -170,12 +170,12 @@ def test_blocks_alike_are_told_apart_and_a_calls_leading_whitespace_waits():
     assert message["content"][3]["input"] == {"x": 1}
 
 
-def test_a_named_call_streams_its_input_and_a_cut_one_has_an_empty_input():
+def test_a_named_call_streams_its_input_and_a_cut_one_has_what_is_whole_of_it():
     b = MessageBuilder("m", 3)
     b.add({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a'}}]})
     b.add({"tool_calls": [{"index": 0, "function": {"arguments": '": 1'}}]})
     message = b.finish("length", 3, 3, 0)
-    assert message["content"] == [{"type": "tool_use", "id": "c", "name": "f", "input": {}}]
+    assert message["content"] == [{"type": "tool_use", "id": "c", "name": "f", "input": {"a": 1}}]
     assert message["stop_reason"] == "max_tokens"
     partial = "".join(e["delta"]["partial_json"] for e in b.take() if e["type"] == "content_block_delta")
     assert partial == '{"a": 1'
@@ -186,3 +186,18 @@ def test_a_tool_use_whose_arguments_nest_past_the_parser_is_an_empty_input():
     from gateway.messages import _input
 
     assert _input('{"a": ' + "[" * 5000) == {} and _input('{"a": 1}') == {"a": 1}
+
+
+def test_a_tool_use_cut_short_reads_as_anthropics_sdk_reads_its_stream():
+    """max_tokens cutting a tool_use's arguments: the whole message's input is what Anthropic's SDK makes
+    of the streamed input_json_deltas (jiter's partial mode over their concatenation: what is whole of
+    them), not {}; the deltas carry the arguments as written."""
+    for arguments, want in (('{"a" : 30,', {"a": 30}), ('{"city": "Os', {}), ('{"a": [1, {"b": tr', {"a": [1, {}]}),
+                            ('{"a": 1}', {"a": 1}), ("[1, 2", {}), ('{"x": NaN}', {})):
+        b = MessageBuilder("m", 3)
+        b.add({"tool_calls": [{"index": 0, "id": "t", "type": "function", "function": {"name": "f", "arguments": ""}}]})
+        for piece in (arguments[:4], arguments[4:]):
+            b.add({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        whole = b.finish("length", 3, 5, 0)
+        streamed = "".join(e["delta"]["partial_json"] for e in b.take() if e["type"] == "content_block_delta")
+        assert streamed == arguments and whole["content"][0]["input"] == want, arguments
