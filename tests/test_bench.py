@@ -224,6 +224,21 @@ def test_bench_throughput_takes_the_quantization_and_measures_the_partition_for_
               "--new", "3", "--layer-partition", "auto:4:3", "--quantization", "int8"])
     assert seen.value.args[0].quantization == "int8"
     assert [(k["quantization"], k["rows"], k["context"], k["prompt_len"]) for k in asked] == [("int8", 3, 5, 4)]
+    # the baseline and each ceiling engine run at most --concurrency (its share) sequences at once, as the
+    # meshes are driven, whatever --num-prompts
+    assert seen.value.args[0].max_seqs == 6
+    ceilings = []
+
+    def ceiling(settings, prompts, params, engines):
+        ceilings.append((engines, settings.max_seqs))
+        raise Seen(settings)
+
+    monkeypatch.setattr(throughput, "bench_in_process", lambda *a: {"tokens": 1, "seconds": 1.0})
+    monkeypatch.setattr(throughput, "bench_ceiling", ceiling)
+    with pytest.raises(Seen):
+        main(["bench", "throughput", "--model", str(tiny), "--pp", "1,2", "--concurrency", "5", "--num-prompts",
+              "20", "--prompt-len", "4", "--new", "3", "--ceiling"])
+    assert ceilings == [(2, 3)]
 
 
 def test_bench_speculative_compares_drafts_with_none_on_the_same_prompts(capsys, tmp_path):
@@ -240,3 +255,37 @@ def test_bench_speculative_compares_drafts_with_none_on_the_same_prompts(capsys,
     with pytest.raises(SystemExit):
         main(["bench", "speculative", "--model", demo, "--prompts", str(bad)])
     assert "line 1: not a JSON object with a \"text\" or a \"prompt\"" in capsys.readouterr().err
+
+
+def test_bench_recovery_times_the_gap_to_the_rebuilt_pipelines_first_token(tiny, capsys):
+    """The last stage is killed mid-stream: no request is lost, and each stream's gap runs to the first
+    token the rebuilt pipeline made, not to a token made before the kill and read just after it (that
+    read as a gap of 0)."""
+    assert main(["bench", "recovery", "--model", str(tiny), "--pp", "2", "--concurrency", "4", "--new", "256",
+                 "--prompt-len", "8", "--worker-timeout", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["requests_lost"] == 0 and row["recoveries"] == 1
+    assert row["kill_to_next_token_s"]["min"] >= 0.5 * row["serving_again_after_s"] > 0, row
+
+
+def test_bench_scheduler_divides_what_it_sent_by_the_schedules_that_carried_it():
+    """With several steps in flight, the schedules issued but not yet answered at the end carried bytes
+    too: per-step figures divide by the schedules issued, so a short run and a long one agree."""
+    from moemesh.entrypoints.bench.scheduler import measure
+
+    short, long = measure(8, 32, 5, 16, 4), measure(8, 32, 50, 16, 4)
+    per_step = long["schedule_bytes_per_step"]
+    assert abs(short["schedule_bytes_per_step"] - per_step) <= 0.1 * per_step
+
+
+def test_bench_throughput_prices_the_prefix_cache_from_its_rates(tiny, capsys):
+    """caching_on_time_speedup is the ratio of the two runs' rates (the same tokens either way), not of
+    seconds rounded to 0.01 (which read 0.02 / 0.06 as 0.33 where the rates said 0.36)."""
+    assert main(["bench", "throughput", "--model", str(tiny), "--pp", "1", "--concurrency", "4", "--new", "8",
+                 "--prompt-len", "8", "--shared-prefix", "32", "--prefix-caching", "on,off", "--no-baseline",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    on = next(r for r in rows if r.get("prefix_caching") == "on")
+    off = next(r for r in rows if r.get("prefix_caching") == "off")
+    priced = on.get("caching_on_time_speedup") or off.get("caching_on_time_speedup")
+    assert priced == round(on["tok_per_s"] / off["tok_per_s"], 2)

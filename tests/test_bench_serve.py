@@ -43,6 +43,10 @@ class FakeServer:
                           if line.lower().startswith(b"content-length"))
             body = json.loads(await reader.readexactly(length))
             self.prompts.append(body["prompt"])
+            if self.mode == "bad-bytes":  # (an error whose body is not UTF-8)
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\n\xff\xfe\xfd\xfc")
+                await writer.drain()
+                return
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             events = [json.dumps({"choices": [{"index": 0, "text": "x"}]}) for _ in range(body["max_tokens"])]
@@ -57,8 +61,12 @@ class FakeServer:
             elif self.mode == "finish":  # (the token's text incomplete, then whole, then the finish alone)
                 events = [json.dumps({"choices": [{"index": 0, "text": ""}]}), *events[1:],
                           json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})]
-            for data in [*events, "[DONE]"] if self.mode != "json" else []:
-                payload = f"data: {data}\n\n".encode()
+            elif self.mode == "cut":  # (every other stream ends after one token, cleanly, without its end)
+                events = events[:1] if len(self.prompts) % 2 == 0 else events
+            done = [] if self.mode == "json" or (self.mode == "cut" and len(events) == 1) else ["[DONE]"]
+            for data in [*events, *done]:
+                # (SSE's space after "data:" is optional: a server may leave it out)
+                payload = (f"data:{data}\n\n" if self.mode == "tight" else f"data: {data}\n\n").encode()
                 writer.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
                 await writer.drain()
             writer.write(b"0\r\n\r\n")
@@ -100,7 +108,7 @@ def test_bench_serve_says_why_requests_failed(capsys):
     """A server that answers 200 without an event stream of tokens, or streams an event that is not
     JSON: every request is a failure, and the command says why (no traceback, no figures)."""
     for mode, reason in (("json", "the reply streamed no tokens"), ("garbage", "not a JSON event in the stream"),
-                         ("string-error", "model overloaded")):
+                         ("string-error", "model overloaded"), ("bad-bytes", "HTTP 503: \ufffd")):
         server = FakeServer(mode)
         try:
             with pytest.raises(SystemExit) as stop:
@@ -130,3 +138,26 @@ def test_bench_serve_counts_tokens_not_events_and_plots_one_token_answers(capsys
         # (4 x new tokens: not 4 x (new + 1) events, nor the events with text alone)
         assert row["failed"] == 0 and row["output_tokens"] == want and row["input_tokens"] == 4 * 3, row
         assert (row["tpot_p50_ms"] is None) == (new == 1) and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_bench_serve_counts_a_stream_cut_short_as_failed_and_reads_tight_sse(capsys):
+    """A stream that ends cleanly before its end (no finish_reason, no [DONE]) is a failed request, not
+    a short answer in the figures; "data:" without its optional space is an event."""
+    server = FakeServer("cut")
+    try:
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "1",
+                     "--num-prompts", "4", "--prompt-len", "3", "--new", "5", "--vocab", "500", "--json"]) == 0
+    finally:
+        server.stop()
+    out = capsys.readouterr()
+    row = json.loads(out.out.splitlines()[-1])
+    assert (row["requests"], row["failed"], row["output_tokens"]) == (4, 2, 2 * 5), row  # (requests: sent)
+    assert "the stream ended before its end" in out.err
+    server = FakeServer("tight")
+    try:
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "1",
+                     "--num-prompts", "2", "--prompt-len", "3", "--new", "4", "--vocab", "500", "--json"]) == 0
+    finally:
+        server.stop()
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (row["failed"], row["output_tokens"]) == (0, 2 * 4)

@@ -20,6 +20,7 @@ model dtype on torch's path), both here with the same thread count. Per step we 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
@@ -206,7 +207,7 @@ def run_model_bench(args) -> int:
         for batch in args.batch:
             tps = bench_transformers(args.model, dtype, all_prompts[:batch], args.new)
             if tps is None:
-                print("transformers is not installed: no baseline", flush=True)
+                print("transformers is not installed: no baseline", file=sys.stderr, flush=True)
                 break
             ours = next(r for r in rows if r.get("batch") == batch and r["impl"] == "moemesh")["tok_per_s"]
             rows.append({"impl": "transformers", "batch": batch, "tok_per_s": round(tps, 1),

@@ -2,7 +2,9 @@
 
 A local mesh serves `--concurrency` greedy streams; once every stream is under way (and the
 throughput before has been measured), one stage worker is SIGKILLed. The launcher restarts it and
-the coordinator recovers. Per stream: the gap from the kill to its next token; overall: requests
+the coordinator recovers. Per stream: the gap from the kill to its next token that the rebuilt
+pipeline made (tokens read after the kill but before the coordinator saw the loss were made before
+it, in steps already under way); overall: requests
 lost (the goal is 0), requests and tokens recomputed, the coordinator's recovery time, and output
 throughput before the kill and after the pipeline serves again. Each stream's tokens are checked
 against an undisturbed run of the same requests (greedy), so a repeated or skipped token counts as
@@ -50,17 +52,21 @@ async def _measure(mesh: LocalMesh, prompts, params, victim: str) -> dict:
         before = (sum(map(len, got)) - n0) / (time.monotonic() - t0)
         mesh.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
+        noticed = None  # when the coordinator has seen the loss: tokens read before then were made before it
         while True:  # when the pipeline serves again (the recovery is over)
             st = await client.status()
+            if noticed is None and (st.phase != "serving" or st.recoveries):
+                noticed = time.monotonic()
             if st.recoveries and st.serving:
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01 if noticed is None else 0.05)
         serving_again = time.monotonic()
         await asyncio.gather(*tasks)
         done = time.monotonic()
         status = await client.status()
-        # a stream that had finished before the kill has no gap (it is not counted)
-        gaps = sorted(next(t - killed for t in ts if t > killed) for ts in times if ts and ts[-1] > killed)
+        # each stream's first token the rebuilt pipeline made (one that had finished before the loss was
+        # seen has none: not counted), from the kill
+        gaps = sorted(next(t - killed for t in ts if t > noticed) for ts in times if ts and ts[-1] > noticed)
         if not gaps:
             raise CLIError(f"every stream had finished when the worker was killed: nothing measures the "
                            f"recovery (give more --new tokens than {params.max_tokens})")

@@ -75,17 +75,21 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    tokens, chunks, error = 0, 0, None
+    tokens, chunks, error, ended = 0, 0, None, False
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
-                error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
             else:
                 async for line in resp.content:
-                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    if not line.startswith(b"data:"):  # (SSE: "data:", its one space optional)
+                        continue
+                    payload = line[5:].removeprefix(b" ")
+                    if payload.strip() == b"[DONE]":
+                        ended = True
                         continue
                     try:
-                        chunk = json.loads(line[6:])
+                        chunk = json.loads(payload)
                     except ValueError:
                         error = f"not a JSON event in the stream: {line[:100]!r}"
                         break
@@ -101,6 +105,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
                     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                         tokens = usage["completion_tokens"]
                     choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+                    ended = ended or any(c.get("finish_reason") for c in choices)
                     # one event per step that produced tokens, its text perhaps empty (a character not yet
                     # whole, a special token: vLLM's benchmark counts those too); only a last event with no
                     # text and its finish_reason is no token
@@ -115,6 +120,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
+    if error is None and not ended and chunks:  # (a stream cut short that closed cleanly is no served request)
+        error = "the stream ended before its end (no finish_reason, no [DONE])"
     if error is None and tokens == 0:  # no usage from this server: a chunk per token
         tokens = chunks
     if error is None and tokens == 0:  # (a reply that is not an event stream of tokens: not a served request)

@@ -203,7 +203,9 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
     base = None
     if not args.no_baseline:
         try:
-            r = bench_in_process(base_settings, prompts, params)
+            # (at most --concurrency sequences at once, as the meshes are driven)
+            r = bench_in_process(EngineSettings.derive(base_settings, max_seqs=min(base_settings.max_seqs,
+                                                                                   args.concurrency)), prompts, params)
         except ValueError as e:  # (the requests do not fit this engine's context or KV cache)
             raise CLIError(f"the in-process baseline: {e}") from None
         base = r["tokens"] / r["seconds"]
@@ -215,7 +217,9 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
     worker_counts = sorted({pp * tp for pp in args.pp for tp in args.tp} - {1}) if args.ceiling else []
     for engines in worker_counts:
         try:
-            r = bench_ceiling(base_settings, prompts, params, engines)
+            # (each engine its share of --concurrency at once)
+            share = min(base_settings.max_seqs, math.ceil(args.concurrency / engines))
+            r = bench_ceiling(EngineSettings.derive(base_settings, max_seqs=share), prompts, params, engines)
         except RuntimeError as e:
             raise CLIError(f"--ceiling: {e}") from None
         ceilings[engines] = r["tokens"] / r["seconds"]
@@ -290,7 +294,8 @@ def _one_round(job: _Job, keys_dir: str | None, tag: dict) -> list[dict]:
         if other:  # what the prefix cache buys, same layout, same run
             on, off = (row, other) if caching == "on" else (other, row)
             row["caching_on_ttft_speedup"] = round(off["ttft_p50_ms"] / max(on["ttft_p50_ms"], 1e-6), 2)
-            row["caching_on_time_speedup"] = round(off["seconds"] / on["seconds"], 2)
+            # (the same tokens either way: the ratio of their rates, not of the rounded seconds)
+            row["caching_on_time_speedup"] = round(on["tok_per_s"] / max(off["tok_per_s"], 1e-9), 2)
         rows.append(row)
         _emit(row, args.json)
     return rows
