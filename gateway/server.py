@@ -73,6 +73,7 @@ MAX_PROMPTS = 256  # prompts in one completions request
 # --coordinator-timeout, 10 s, they register again and it recovers, once it answers)
 COORDINATOR_LOST = 30.0
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
+DRAIN_MARGIN = 2.0  # seconds past --drain-timeout for the requests it ended to say so (Gateway._drain)
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
 
 
@@ -190,6 +191,7 @@ class Gateway:
         self.responses_store = responses_api.ResponseStore(self.cfg.max_stored_responses)
         self.created = int(time.time())
         self._stopping = False
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._poller = asyncio.ensure_future(self._poll_status())
 
     def _set_max_model_len(self, n: int) -> None:
@@ -199,9 +201,25 @@ class Gateway:
 
     async def stop(self, app: web.Application) -> None:
         self._stopping = True  # (asyncio.wait_for of Python 3.11 can swallow a cancel that meets its result)
+        if getattr(self, "_drain_timer", None) is not None:
+            self._drain_timer.cancel()
         self._poller.cancel()
         await asyncio.gather(self._poller, return_exceptions=True)
         await self.client.close()
+
+    async def _drain(self, app: web.Application) -> None:
+        """Stopping (SIGTERM): the gateway listens no more, and aiohttp waits for the requests under way.
+        Those still open --drain-timeout seconds from now end then, each with an error (an error event and
+        [DONE] in a stream; a 503), and their sequences are aborted. (aiohttp's own timeout would let a
+        stream go on for a second --drain-timeout, then cut it mid-chunk with no word.)"""
+        def cut() -> None:
+            if self.client is not None and self.client.streams:
+                log.warning("requests still open at the drain timeout end now", extra={"fields": {
+                    "requests": len(self.client.streams), "seconds": self.cfg.drain_timeout}})
+                self.client.fail_all(f"the gateway is stopping: requests still open after --drain-timeout "
+                                     f"{self.cfg.drain_timeout:g} s were ended")
+
+        self._drain_timer = asyncio.get_running_loop().call_later(self.cfg.drain_timeout, cut)
 
     async def _poll_status(self) -> None:
         """The coordinator's status twice a second. Silent, it is down (/health says so) but its
@@ -253,6 +271,7 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.on_startup.append(self.start)
+        app.on_shutdown.append(self._drain)
         app.on_cleanup.append(self.stop)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -1180,7 +1199,8 @@ class Gateway:
             await resp.prepare(request)
             await write(send_raw, all_events())
             await asyncio.wait_for(resp.write_eof(), self.cfg.stream_timeout)
-        except ConnectionResetError:  # the client left: every sequence of the request is aborted
+        except ConnectionError:  # the client left (reset, or closed while a write waited on it, which
+            # aiohttp says as "Connection lost"): every sequence of the request is aborted
             await events.aclose()
         except asyncio.CancelledError:
             raise  # (aiohttp cancels the handler of a client that left: _gather's cleanup aborts)
@@ -1737,8 +1757,10 @@ async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, 
     gw = Gateway(cfg)
     if down is not None:
         down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
+    # (the drain ends what is still open at --drain-timeout itself: `Gateway._drain`; the margin lets those
+    # requests write their error and end before aiohttp cancels them)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.drain_timeout,
+                           shutdown_timeout=cfg.drain_timeout + DRAIN_MARGIN,
                            auto_decompress=False)  # (bodies are decoded by decoded_body)
     try:
         await runner.setup()  # (waits for the pipeline to serve)

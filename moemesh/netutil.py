@@ -30,8 +30,8 @@ def run(coro, stop_on_sigterm: bool = False) -> object:
     """asyncio.run on uvloop: on Ctrl-C the main task is cancelled and every task cleaned up. With
     `stop_on_sigterm`, SIGTERM (a service manager's stop: `docker stop`, systemd, a pod's deletion)
     does the same and run returns None: the HTTP gateway stops listening and gives the requests in
-    flight --drain-timeout to finish (5 s; then it cancels the rest and waits as long again for
-    them). A second SIGTERM ends the process at once."""
+    flight --drain-timeout to finish (5 s; then those still open end with a 503, given up to 2 s more
+    to say so: gateway/server.py `Gateway._drain`). A second SIGTERM ends the process at once."""
     # (a loop's signal handlers exist on the main thread only: elsewhere SIGTERM keeps its default)
     stop_on_sigterm = stop_on_sigterm and threading.current_thread() is threading.main_thread()
     with asyncio.Runner(loop_factory=new_event_loop) as runner:

@@ -568,6 +568,6 @@ class GatewaySettings(MeshSecurity):
                                        "buffers full) before its request is aborted and its KV blocks freed",
                                  parse=positive_float)
     drain_timeout: float = flag(5.0, "seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish after "
-                                     "the gateway stops listening; it then cancels the rest and waits as long "
-                                     "again for them to end", parse=positive_float)
+                                     "the gateway stops listening; those still open then end with a 503 (an "
+                                     "error event and [DONE] in a stream), within 2 s more", parse=positive_float)
     max_body_bytes: int = 8 << 20

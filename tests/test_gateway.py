@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -54,9 +55,10 @@ class Server:
             time.sleep(0.2)
         raise AssertionError("server did not come up")
 
-    def stop(self):
+    def stop(self) -> tuple[bytes, bytes]:
+        """Stops it (Ctrl-C); its (stdout, stderr)."""
         os.killpg(self.proc.pid, signal.SIGINT)
-        self.proc.communicate(timeout=30)
+        return self.proc.communicate(timeout=30)
 
 
 def http(method: str, url: str, body=None, headers=None, raw: bytes | None = None):
@@ -1704,8 +1706,24 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
         assert metric(server, "vllm:kv_cache_usage_perc") == 0  # its blocks are back in the pool
         sleeper.close()
         assert http("GET", f"{server.url}/ready")[0] == 200
+        # one that leaves (a reset) while the gateway waits to write to it: aborted, and no error logged
+        # (aiohttp says "Connection lost", a ConnectionError that is no ConnectionResetError)
+        leaver = socket.socket()
+        leaver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        leaver.connect(("127.0.0.1", server.port))
+        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(1.0)
+        leaver.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        leaver.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and metric(server, "vllm:num_requests_running") > 0:
+            time.sleep(0.2)
+        assert metric(server, "vllm:num_requests_running") == 0
+        assert metric(server, "moemesh:slow_clients_aborted_total") == 1
     finally:
-        server.stop()
+        _, err = server.stop()
+    assert b"request failed mid-stream" not in err and b"Traceback" not in err, err[-3000:]
 
 
 def _rss(pid) -> int:
@@ -2047,7 +2065,8 @@ def test_the_gateway_binds_every_address_its_host_names_on_one_port():
 def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model, drain):
     """A service manager's stop (`docker stop`, systemd, a pod's deletion) is SIGTERM: `serve` stops
     listening, lets the stream in flight finish within --drain-timeout (5 s), stops its mesh and exits
-    0, as on Ctrl-C; a shorter --drain-timeout cuts the stream."""
+    0, as on Ctrl-C; a shorter --drain-timeout ends the stream then, with an error event and [DONE] (not
+    a connection cut mid-chunk a second drain timeout later)."""
     s = Server(model, "--pp", "2", *(["--drain-timeout", drain] if drain else []))
     try:
         body = {"model": "tiny-mixtral", "prompt": "The quick brown fox", "max_tokens": 120, "temperature": 0,
@@ -2061,7 +2080,9 @@ def test_sigterm_stops_serve_once_the_requests_in_flight_have_finished(model, dr
             events = [first.decode()] + [line.decode() for line in r]
         data = [e[len("data: "):].strip() for e in events if e.startswith("data: ")]
         if drain:
-            assert data[-1] != "[DONE]" and len(data) < 100, data[-3:]  # (cut long before its 120 tokens)
+            assert data[-1] == "[DONE]" and len(data) < 100, data[-3:]  # (ended long before its 120 tokens)
+            error = json.loads(data[-2])["error"]
+            assert "--drain-timeout" in error["message"] and error["code"] == 503, error
             assert s.proc.wait(timeout=30) == 0
             return
         assert data[-1] == "[DONE]", data[-3:]
