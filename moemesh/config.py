@@ -205,11 +205,12 @@ _REQUIRED = object()
 
 class _Fields:
     """config.json's object, read field by field: each reader checks its field's type and range and
-    raises ConfigError naming the field. A field left out, or null, takes the default given (transformers'
-    own); without a default it is required."""
+    raises ConfigError naming the field (after `prefix`, for an object inside it: "rope_scaling."). A
+    field left out, or null, takes the default given (transformers' own); without a default it is
+    required."""
 
-    def __init__(self, raw: dict[str, Any]):
-        self.raw = raw
+    def __init__(self, raw: dict[str, Any], prefix: str = ""):
+        self.raw, self.prefix = raw, prefix
 
     def __contains__(self, name: str) -> bool:
         return name in self.raw
@@ -226,7 +227,7 @@ class _Fields:
         if value is not None:
             return value, True
         if default is _REQUIRED:
-            raise ConfigError(f"required field {name!r} is {'null' if name in self.raw else 'missing'}")
+            raise ConfigError(f"required field {self.prefix + name!r} is {'null' if name in self.raw else 'missing'}")
         return default, False
 
     def int(self, name: str, default=_REQUIRED, minimum: int = 1, maximum: int = MAX_SIZE,
@@ -238,46 +239,46 @@ class _Fields:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
-            raise ConfigError(f"{name} is {value!r}, not {kind}")
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, not {kind}")
         if value > maximum:
-            raise ConfigError(f"{name} is {value!r}, more than the {maximum:,} moemesh takes")
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, more than the {maximum:,} moemesh takes")
         return value
 
     def ints(self, name: str) -> tuple[int, ...]:
         value, _ = self._value(name, [])
         if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-            raise ConfigError(f"{name}={value!r} must be a list of layer indices")
+            raise ConfigError(f"{self.prefix}{name}={value!r} must be a list of layer indices")
         return tuple(value)
 
     def bool(self, name: str, default: bool) -> bool:
         value, _ = self._value(name, default)
         if not isinstance(value, bool):
-            raise ConfigError(f"{name} is {value!r}, not true or false")
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, not true or false")
         return value
 
     def str(self, name: str, default: str) -> str:
         value, _ = self._value(name, default)
         if not isinstance(value, str):
-            raise ConfigError(f"{name} is {value!r}, not a name")
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, not a name")
         return value
 
+    def number(self, name: str, default: float) -> float:
+        value, _ = self._value(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, not a number")
+        return float(value)
+
     def eps(self, name: str, default: float) -> float:
-        eps = _number(name, self._value(name, default)[0])
+        eps = self.number(name, default)
         if not 0 <= eps < 1:
-            raise ConfigError(f"{name} is {eps!r}, not a number in [0, 1)")
+            raise ConfigError(f"{self.prefix}{name} is {eps!r}, not a number in [0, 1)")
         return eps
 
     def object(self, name: str) -> dict:
         value, _ = self._value(name, {})
         if not isinstance(value, dict):
-            raise ConfigError(f"{name} is {value!r}, not an object")
+            raise ConfigError(f"{self.prefix}{name} is {value!r}, not an object")
         return value
-
-
-def _number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} is {value!r}, not a number")
-    return value
 
 
 def _frozen(d: dict) -> dict:
@@ -365,18 +366,16 @@ def _rope_config(raw: "_Fields", default_theta: float, max_positions: int) -> Ro
         raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
         raise ConfigError(f"rope_theta={theta!r} must be a finite number above 1")  # (nan: every logit nan)
-    old_len = params.get("original_max_position_embeddings", max_positions)
-    if isinstance(old_len, float) and old_len.is_integer():  # (8192.0: as transformers takes it)
-        old_len = int(old_len)
-    if isinstance(old_len, bool) or not isinstance(old_len, int) or not 1 <= old_len <= MAX_POSITIONS:
-        raise ConfigError(f"{where}.original_max_position_embeddings is {old_len!r}, not a positive integer")
+    scaling = _Fields(params, f"{where}.")
     rope = RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(_number(f"{where}.factor", params.get("factor", 1.0))),
-        low_freq_factor=float(_number(f"{where}.low_freq_factor", params.get("low_freq_factor", 1.0))),
-        high_freq_factor=float(_number(f"{where}.high_freq_factor", params.get("high_freq_factor", 4.0))),
-        original_max_position_embeddings=old_len,
+        factor=scaling.number("factor", 1.0),
+        low_freq_factor=scaling.number("low_freq_factor", 1.0),
+        high_freq_factor=scaling.number("high_freq_factor", 4.0),
+        # (8192.0 reads as 8192, as transformers takes it)
+        original_max_position_embeddings=scaling.int("original_max_position_embeddings", max_positions,
+                                                     maximum=MAX_POSITIONS, integral_float=True),
     )
     if not 0 < rope.factor < float("inf"):
         raise ConfigError(f"rope scaling factor {rope.factor!r} must be positive")

@@ -227,9 +227,8 @@ class StageExecutor:
         if fused is not None and fused.can_greedy and all(w.params is None for w in sched.seqs):
             states = [self._fed(sched, w) for w in sched.seqs]
             if all(self._plain_greedy(st) for st in states):
-                limits = (self.runner.kv_cache.shape[2], self.runner.max_positions)
                 out = fused.greedy([w.token_ids[0] for w in sched.seqs], [w.context_len for w in sched.seqs],
-                                   step.block_tables, k, self.runner.block_size, limits)
+                                   step.block_tables, k, self.runner.block_size, self.runner.limits)
                 for row in out[:-1]:  # fed back in: the sequences' tokens up to the last step's input
                     for st, t in zip(states, row):
                         st.tokens.append(t)

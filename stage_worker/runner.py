@@ -87,6 +87,12 @@ class StageRunner:
         # decode steps in one native call for all the stage's layers, where every layer can take that path
         self.fused = FusedDecode.build(self.model, tp.size, dtype)
 
+    @property
+    def limits(self) -> tuple[int, int]:
+        """(KV blocks, rotary positions) of this stage: what the native kernels' indices must stay inside
+        (stage_worker/context.py `build_context` checks a step against them)."""
+        return self.kv_cache.shape[2], self.max_positions
+
     @staticmethod
     def kv_bytes_per_block(config: ModelConfig, num_layers: int, block_size: int, tp: TPGroup,
                            dtype: torch.dtype) -> int:
@@ -109,8 +115,8 @@ class StageRunner:
         # (a stream from the wire is a host tensor: a stage on a GPU computes on its own device)
         hidden, residual = (stream.to(self.device) if stream is not None else None), None
         native = self.model.backend == "native"
-        limits = (self.kv_cache.shape[2], self.max_positions) if native else None
-        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device, limits)
+        ctx = build_context(step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device,
+                            self.limits if native else None)
         with forward_context(ctx):
             owned = self.model.has_embedding  # (the embedding's output is this step's own to overwrite)
             if owned:

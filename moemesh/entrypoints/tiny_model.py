@@ -74,11 +74,11 @@ class TinyModelSpec:
         for name in ("num_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_heads",
                      "num_kv_heads", "num_experts", "top_k", "max_position_embeddings", "vocab_size",
                      "shared_expert_intermediate_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-            if getattr(self, name) > (MAX_LAYERS if name == "num_layers" else MAX_SIZE):
-                raise ValueError(f"{name} must be at most {MAX_LAYERS if name == 'num_layers' else MAX_SIZE:,}, "
-                                 f"got {getattr(self, name):,}")
+            value, most = getattr(self, name), MAX_LAYERS if name == "num_layers" else MAX_SIZE
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value > most:
+                raise ValueError(f"{name} must be at most {most:,}, got {value:,}")
         if self.head_dim is not None and not 1 <= self.head_dim <= MAX_SIZE:
             raise ValueError(f"head_dim must be between 1 and {MAX_SIZE:,}, got {self.head_dim}")
         if self.arch not in ARCHS:
