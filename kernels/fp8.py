@@ -3,7 +3,7 @@
 Legend: E = experts (the leading dimension of a stacked expert weight).
 
 A tensor t is stored as q (e4m3) and a float32 scale, t ~ q * scale, the scale mapping t's largest
-magnitude to 448 (`fp8_scale`) unless given: one per tensor, or one per expert (`expert_scales`,
+finite magnitude to 448 (`fp8_scale`) unless given: one per tensor, or one per expert (`expert_scales`,
 `quantize_fp8_per_expert`). Torch only, no Triton, so that the Triton wrapper
 (moemesh_kernels.fused_moe_triton), its tuner, the FP8 layers (stage_worker.layers.fp8) and the checkpoint
 writer all import it from below.
@@ -19,11 +19,17 @@ FP8_MIN_NORMAL = 2.0 ** -6  # below it (times the scale) values are subnormal: s
 MIN_AMAX = 1e-12  # an all-zero tensor still gets a positive scale (AutoFP8 clamps the same way)
 
 
-def fp8_scale(t: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale that maps t's largest magnitude to 448: float32, 0-dim."""
+def finite_amax(t: torch.Tensor) -> torch.Tensor:
+    """t's largest finite magnitude (0-dim; 0 for an empty t): an infinity or a NaN in one row of a batch
+    leaves the scale, and so every other row, as it would be without it."""
     if t.numel() == 0:
-        return torch.ones((), dtype=torch.float32, device=t.device)
-    return t.detach().abs().amax().float().clamp(min=MIN_AMAX) / FP8_MAX
+        return torch.zeros((), dtype=t.dtype, device=t.device)
+    return torch.nan_to_num(t.detach().abs(), nan=0.0, posinf=0.0).amax()
+
+
+def fp8_scale(t: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale that maps t's largest finite magnitude to 448: float32, 0-dim."""
+    return finite_amax(t).float().clamp(min=MIN_AMAX) / FP8_MAX
 
 
 def expert_scales(w: torch.Tensor) -> torch.Tensor:
@@ -43,7 +49,7 @@ def quantize_fp8(t: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[to
     - |x| < 2^-6 (subnormal): fixed spacing 2^-9, absolute error <= 2^-10 * scale; |x| <= 2^-10 flushes
       to zero.
     So everywhere |q * scale - t| <= 2^-4 |t| + 2^-10 * scale (plus float32 rounding of t / scale, ~2^-24
-    relative). Zero stays exactly zero. With the default scale nothing clamps; with a given one (static
+    relative). Zero stays exactly zero. With the default scale nothing finite clamps; with a given one (static
     activations) larger values saturate at +-448 * scale.
     """
     scale = fp8_scale(t) if scale is None else scale.float()

@@ -126,6 +126,8 @@ class ModelConfig:
         if head_dim < 1:  # (left out: hidden_size // num_attention_heads, as transformers derives it)
             raise ConfigError(f"hidden_size {hidden} is smaller than num_attention_heads {heads} (and there is no "
                               f"head_dim)")
+        if head_dim % 2:  # (rotary embeddings turn a head's dimensions in pairs)
+            raise ConfigError(f"head_dim {head_dim} is odd: rotary embeddings need an even head size")
         if raw.str("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         # (a context length bounds no allocation: the rotary tables stop at what the KV cache holds; 8192.0

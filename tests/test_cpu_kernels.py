@@ -589,6 +589,20 @@ def test_tied_router_scores_go_where_torch_topk_puts_them(E, K):
         torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("E,K", [(2, 1), (8, 2), (128, 8)])
+def test_a_router_row_whose_softmax_is_nan_takes_torch_topks_experts(E, K):
+    """A NaN logit, a +inf one or a row of -inf make the softmax all NaN: torch.topk ranks E NaNs, and so
+    does the kernel (with its C++ part built in)."""
+    if not lib.torch_tie_order:
+        pytest.skip("no C++ compiler: ties go to the lower expert (kernels/README.md)")
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(E))
+    logits[0, E // 2], logits[1, 0], logits[2] = float("nan"), float("inf"), float("-inf")
+    want_w, want_ids = select_experts(logits, K, True)
+    got_w, got_ids = cpu_gemm.topk_softmax(logits, K, True, lib)
+    assert torch.equal(got_ids, want_ids)
+    assert got_w[:3].isnan().all() and want_w[:3].isnan().all()
+
+
 def test_without_a_cxx_compiler_ties_go_to_the_lower_expert(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-cxx"))
     with caplog.at_level("WARNING", logger="moemesh.kernels"):

@@ -345,6 +345,35 @@ def test_experts_16bit_checkpoint_one_scale_per_expert():
     assert rel(layer.quant_method.apply(layer, x, weights, ids), fused_experts(x, w13, w2, weights, ids)) < 0.15
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_row_leaves_the_other_rows_finite(backend, bad):
+    """Dynamic activation scales come from the finite values: an infinity or a NaN in one request's row
+    leaves every other row of the batch finite (it had made every row NaN). A NaN row weighs in the
+    scales as a row of zeros would; an infinity saturates at 448 times the scale."""
+    g = torch.Generator().manual_seed(6)
+    E, K, H, I, T = 4, 2, 64, 32, 6
+    moe = FusedMoE(E, K, H, I, renormalize=True, tp=TPGroup(), quant=ONLINE)
+    load_experts(moe, torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g),
+                 torch.randn(E, H, I, generator=g), *[None] * 3)
+    lin = ColumnParallelLinear(H, 48, bias=False, tp=TPGroup(), quant=ONLINE)
+    load(lin, "weight", torch.randn(48, H, generator=g))
+    for layer in (moe, lin):
+        layer.backend = backend
+        layer.process_weights_after_loading()
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    zeroed, bad_x = x.clone(), x.clone()
+    zeroed[3] = 0
+    bad_x[3] = 0
+    bad_x[3, 0] = bad
+    others = [0, 1, 2, 4, 5]
+    for run in (lambda v: lin(v), lambda v: moe(v, logits)):
+        got = run(bad_x)
+        assert torch.isfinite(got[others]).all()
+        if bad != bad:
+            torch.testing.assert_close(got[others], run(zeroed)[others], rtol=0, atol=0)
+
+
 # -- checkpoint writer ------------------------------------------------------------------------
 
 

@@ -150,7 +150,8 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
     for bad, match in [({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor"),
                        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                                           "high_freq_factor": 4.0}}, "low_freq_factor < high_freq_factor"),
-                       ({"num_attention_heads": 4, "num_key_value_heads": 3, "head_dim": 2}, "multiple of")]:
+                       ({"num_attention_heads": 4, "num_key_value_heads": 3, "head_dim": 2}, "multiple of"),
+                       ({"head_dim": 9}, "head_dim 9 is odd"), ({"hidden_size": 10}, "head_dim 5 is odd")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_hf({**base, "model_type": "llama", **bad})
 

@@ -1884,17 +1884,20 @@ void mm_topk_softmax(int64_t T, int64_t E, const float *logits, int64_t ld, int6
             id[k] = best;
         }
 #ifdef MM_TORCH_ORDER
-        /* the K-th logit tied with one left out (or a NaN): which of the tied experts torch.topk
-         * takes (topk_order.cpp) */
+        /* the K-th logit tied with one left out: which of the tied experts torch.topk takes
+         * (topk_order.cpp). A row whose softmax is all NaN (a NaN logit, a +inf, or all -inf) is
+         * ranked as torch ranks it: over E NaNs. */
         const float kth = l[id[K - 1]];
         int64_t tied = 0, tied_in = 0;
-        int nan = 0;
-        for (int64_t e = 0; e < E; e++) {
-            nan |= l[e] != l[e];
-            tied += l[e] == kth;
-        }
+        for (int64_t e = 0; e < E; e++) tied += l[e] == kth;
         for (int64_t k = 0; k < K; k++) tied_in += l[id[k]] == kth;
-        if (nan || tied > tied_in) mm_torch_topk_order(l, E, K, id);
+        if (sum != sum) {
+            float nans[E];
+            for (int64_t e = 0; e < E; e++) nans[e] = __builtin_nanf("");
+            mm_torch_topk_order(nans, E, K, id);
+        } else if (tied > tied_in) {
+            mm_torch_topk_order(l, E, K, id);
+        }
 #endif
         for (int64_t k = 0; k < K; k++) w[k] = __builtin_expf(l[id[k]] - m) / sum;
         if (renormalize) {

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.config import ConfigError, ModelConfig, check_fp8_checkpoint, check_quantization
-from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_per_expert
+from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, finite_amax, fp8_scale, quantize_fp8, quantize_fp8_per_expert
 from stage_worker.layers.linear import cpu_gemm_layout
 
 # a fused module here -> the checkpoint modules it is made of (CausalLM.packed_modules)
@@ -306,7 +306,7 @@ class Fp8FusedMoEMethod:
         if static:
             h_scale = layer.w2_input_scale
         else:
-            h_scale = fp8_scale(torch.stack([h.abs().amax() for *_, h in routed]))  # over every routed row
+            h_scale = fp8_scale(torch.stack([finite_amax(h) for *_, h in routed]))  # over every routed row
         for tokens, weights, e, h in routed:
             w2 = dequantize_fp8(layer.w2_weight[e], layer.w2_weight_scale[e])  # [H, I]
             out.index_add_(0, tokens, F.linear(fake_quantize_fp8(h, h_scale), w2) * weights[:, None])
