@@ -541,6 +541,9 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     E = w13.data.shape[0]
     check_layout(w13, lib)
     check_layout(w2, lib)
+    # (the C code trusts these: a mismatch would read past a weight or a row)
+    assert w13.k == H and w13.n == 2 * w2.k and w2.n == H and w2.data.shape[0] == E, (x.shape, w13.n, w13.k, w2.n, w2.k)
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T, (topk_ids.shape, topk_weights.shape)
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(T, H, dtype=torch.float32)
@@ -612,6 +615,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     T, heads, D = x.shape
     assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == D
     assert positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert cos.shape == sin.shape and cos.shape[1] == D, (cos.shape, sin.shape, D)
     if T:
         lib.lib.mm_rotary(T, heads, D, x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
                           sin.data_ptr())
