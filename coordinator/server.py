@@ -57,8 +57,8 @@ from moemesh.protocol import (MAX_KV_BLOCKS, PROTOCOL_VERSION, TIMELINE_SPANS, A
                               ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register,
                               Repoint, RequestOutput,
                               ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
-                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_client_message_bytes,
-                              max_result_bytes, worker_message_bytes)
+                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_activation_bytes,
+                              max_client_message_bytes, max_result_bytes, worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -69,6 +69,10 @@ STALL = 1.0  # seconds the watchdog may wake late before the delay counts as thi
 # seconds a link between stages may take to connect for the first time before the status names it
 # (connecting on a network takes milliseconds; one that never connects fails every step)
 UNREACHED_AFTER = 3.0
+# seconds since a rank's worker was last heard (it heartbeats every half second) within which another
+# process's claim on that rank is refused: a second worker started for the rank, not a restart (a
+# restarted one starts Python first; refused anyway, it is started again and taken)
+LIVE_HOLDER = 1.5
 
 
 class ZmqPipeline:
@@ -123,6 +127,7 @@ class Coordinator:
                                             self.model_config.max_position_embeddings).max_model_len
         self.workers_sock.setsockopt(zmq.MAXMSGSIZE, max_result_bytes(cfg.max_batched_tokens, cfg.max_seqs,
                                                                         cfg.num_scheduler_steps))
+        self.activation_bytes = max_activation_bytes(self.model_config.hidden_size, cfg.max_batched_tokens)
         self.worker_message_bytes = worker_message_bytes(self.model_config.hidden_size, cfg.max_batched_tokens,
                                                          cfg.max_seqs, max_len, cfg.block_size)
         self.clients_sock.setsockopt(zmq.MAXMSGSIZE, max_client_message_bytes(max_len))
@@ -319,7 +324,8 @@ class Coordinator:
         if self.cfg.tp > 1:
             for peer in list(self.registry.workers.values()):
                 self.registry.lose(peer)
-                asyncio.ensure_future(self._send_worker(peer.identity, Shutdown()))
+                asyncio.ensure_future(self._send_worker(peer.identity, Shutdown(
+                    reason=f"its stage starts over at a fresh rendezvous: {reason}")))
         self._requeue_all()
         self._check_links()  # (a link of a worker gone is no longer waited for)
         if not recovering:
@@ -434,7 +440,7 @@ class Coordinator:
     async def _on_worker(self, identity: bytes, msg) -> None:
         reg = self.registry
         if isinstance(msg, Register):
-            reason = None
+            reason = held = None
             if msg.protocol != PROTOCOL_VERSION:  # it would misread schedules or send what this one misreads
                 reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} speaks protocol {msg.protocol}, this "
                           f"coordinator {PROTOCOL_VERSION}: run the same moemesh version on every host")
@@ -443,6 +449,13 @@ class Coordinator:
                           f"{msg.max_message_bytes} bytes, but this model's activations or schedules at "
                           f"--max-batched-tokens {self.cfg.max_batched_tokens} need {self.worker_message_bytes}: "
                           f"start it with --max-message-bytes {self.worker_message_bytes}")
+            elif 0 < msg.max_activation_bytes < self.activation_bytes:  # (the previous stage's would be dropped)
+                reason = (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} takes activations up to "
+                          f"{msg.max_activation_bytes} bytes, but a step of this model at --max-batched-tokens "
+                          f"{self.cfg.max_batched_tokens} sends {self.activation_bytes}: start it with "
+                          f"--max-activation-bytes {self.activation_bytes} (or without the flag)")
+            elif (held := self._live_holder(identity, msg)) is not None:
+                reason = held
             else:  # no keys: the previous stage would send its activations (users' hidden states) there
                 try:
                     check_exposure(self.cfg.mesh_keys, self.cfg.insecure_mesh, warn=False,  # (the worker said so)
@@ -453,7 +466,7 @@ class Coordinator:
             if reason is not None:
                 log.error("worker refused", extra={"fields": {"reason": reason}})
                 await self._send_worker(identity, Shutdown(refused=reason))
-                if reg.phase is Phase.REGISTERING:  # a misconfiguration: say so now, not at a timeout
+                if reg.phase is Phase.REGISTERING and held is None:  # a misconfiguration: say so now, not at a timeout
                     self._fail(reason)
                 return
             old = reg.workers.get((msg.pp_rank, msg.tp_rank))
@@ -484,7 +497,9 @@ class Coordinator:
             # coordinator that died before this one: it exits, is started again and registers afresh
             # (not once the pipeline is down: nothing would take it, it would only restart in a loop)
             if reg.phase is not Phase.DOWN:
-                await self._send_worker(identity, Shutdown())
+                await self._send_worker(identity, Shutdown(reason=(
+                    "the pipeline does not hold this worker: dropped after a silence, its rank taken by a worker "
+                    "that registered since, or registered with a coordinator that has restarted")))
             return
         reg.seen(w)
         if isinstance(msg, Heartbeat):
@@ -504,6 +519,21 @@ class Coordinator:
                 self.bad_worker(ProtocolError(f"Ready with {msg.num_blocks} KV blocks from pp={w.pp_rank} "
                                               f"tp={w.tp_rank} while {w.phase.value}"), repr(identity))
                 return
+            if msg.model_config:
+                try:
+                    differ = self.model_config.differences(msg.model_config)
+                except ConfigError as e:
+                    self.bad_worker(ProtocolError(f"Ready from pp={w.pp_rank} tp={w.tp_rank}: {e}"), repr(identity))
+                    return
+                if differ:  # (its shapes would not meet the other stages', or its numbers would differ)
+                    reason = (f"stage worker pp={w.pp_rank} tp={w.tp_rank} loaded a checkpoint whose config.json "
+                              f"differs from the coordinator's ({'; '.join(differ[:4])}"
+                              f"{'; ...' if len(differ) > 4 else ''}): every host needs the same model at --model "
+                              f"{self.cfg.model}")
+                    log.error("worker refused", extra={"fields": {"reason": reason}})
+                    await self._send_worker(identity, Shutdown(refused=reason))
+                    self._lost(w, reason)
+                    return
             reg.ready(w, msg.num_blocks)
         elif isinstance(msg, StepResult):
             if w.rank != (self.cfg.pp - 1, 0):
@@ -513,6 +543,18 @@ class Coordinator:
             await self._on_result(msg)
         elif isinstance(msg, WorkerFailed):
             self._lost(w, f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} failed: {msg.error}")
+
+    def _live_holder(self, identity: bytes, msg: Register) -> str | None:
+        """Why `msg` is refused where another process holds its rank and was heard from within
+        LIVE_HOLDER seconds (two workers started for one rank would otherwise take it from each other
+        at every restart); None where the rank is free, its holder silent, or the claim its own."""
+        old = self.registry.workers.get((msg.pp_rank, msg.tp_rank))
+        if old is None or old.identity == identity or self.registry.clock() - old.last_seen > LIVE_HOLDER:
+            return None
+        return (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} (pid {msg.pid}) claims a rank whose worker "
+                f"({old.identity.decode(errors='replace')}, at {old.data_address}) is alive: is a second worker "
+                f"started with --pp-rank {msg.pp_rank} --tp-rank {msg.tp_rank}? (a restarted worker is taken once "
+                f"the old one has been silent {LIVE_HOLDER:g} s)")
 
     def _check_links(self) -> None:
         """Logs a link between stages that never connected (a wrong --advertise-host, a key the next
@@ -585,7 +627,7 @@ class Coordinator:
                 behind = [w for w in workers if w.last_step < step]
                 if behind or (self.cfg.tp > 1 and workers):
                     w = (behind or workers)[0]
-                    await self._send_worker(w.identity, Shutdown())
+                    await self._send_worker(w.identity, Shutdown(reason=f"{why}: replaced"))
                     self._lost(w, f"{why} at stage worker pp={w.pp_rank} tp={w.tp_rank}")
                     continue
             await self._reset_pipeline(why)

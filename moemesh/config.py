@@ -8,7 +8,7 @@ the one place that knows the spellings. Everything downstream reads `ModelConfig
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,23 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def to_json(self) -> str:
+        """Every field as JSON: what a stage worker says it loaded (`differences` reads it)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def differences(self, loaded: str) -> list[str]:
+        """The fields in which the config `loaded` (another's to_json) differs from this one, each as
+        "name: theirs there, ours here"; [] where they agree. ConfigError for what is not such JSON."""
+        try:
+            theirs = json.loads(loaded)
+        except ValueError as e:
+            raise ConfigError(f"not a model config: {e}") from None
+        if not isinstance(theirs, dict):
+            raise ConfigError("not a model config: not an object")
+        ours = json.loads(self.to_json())
+        return [f"{name}: {theirs.get(name)!r} there, {ours.get(name)!r} here"
+                for name in sorted(set(ours) | set(theirs)) if theirs.get(name) != ours.get(name)]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -190,6 +190,8 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     rendezvous_address: str = ""  # a free tcp://host:port for its stage's process group (used from tp rank 0)
     max_message_bytes: int = 0  # the largest message its sockets take (--max-message-bytes; 0: not said)
     protocol: int = 0  # PROTOCOL_VERSION of the worker's code (0: a worker from before there was one)
+    max_activation_bytes: int = 0  # the largest activations its data socket takes (0: max_message_bytes)
+    instance: str = ""  # random per process: a rank claimed by a second process, not the same one again
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):
@@ -212,6 +214,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     pp_rank: int
     tp_rank: int
     num_blocks: int
+    model_config: str = ""  # the loaded checkpoint's config as JSON (ModelConfig's fields; "": not said)
 
 
 class Start(msgspec.Struct, tag="start", frozen=True):
@@ -246,6 +249,7 @@ class WorkerFailed(msgspec.Struct, tag="worker_failed", frozen=True):
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     refused: str = ""  # a registration the coordinator refused: why (the worker exits non-zero saying so)
+    reason: str = ""  # why else the worker is told to stop (it logs it as it exits)
 
 
 class Reset(msgspec.Struct, tag="reset", frozen=True):

@@ -171,7 +171,7 @@ class StageWorker:
         rendezvous = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
         self._connect_control()
         self.registration = Register(cfg.pp_rank, cfg.tp_rank, address, cfg.device, os.getpid(), rendezvous,
-                                     cfg.max_message_bytes, PROTOCOL_VERSION)
+                                     cfg.max_message_bytes, PROTOCOL_VERSION, cfg.max_activation_bytes)
         await self._send(self.registration)
         log.info("registering", extra={"fields": {"coordinator": cfg.coordinator, "address": address}})
         heartbeat = asyncio.ensure_future(self._heartbeat())  # alive while waiting for the others, too
@@ -228,7 +228,8 @@ class StageWorker:
         if load.exception() is not None:
             start.cancel()
             raise load.exception()
-        await self._send(Ready(cfg.pp_rank, cfg.tp_rank, load.result()))
+        num_blocks, loaded = load.result()
+        await self._send(Ready(cfg.pp_rank, cfg.tp_rank, num_blocks, loaded.to_json()))
         if await start is None:
             return 0
         start = start.result()
@@ -295,7 +296,8 @@ class StageWorker:
         refused.close(linger=0)
         await self._send(self.registration)
 
-    async def _load(self, a: Assignment) -> int:
+    async def _load(self, a: Assignment) -> tuple[int, ModelConfig]:
+        """Loads the assigned layers: (KV blocks, the config of the checkpoint found at the model path)."""
         cfg = self.cfg
         mc = ModelConfig.from_dir(a.model)
         dtype = torch_dtype(resolve_dtype(a.dtype, mc, cfg.device))
@@ -332,7 +334,7 @@ class StageWorker:
             self.next_address = a.next_address
         if self.next_address is not None:  # (a Repoint during the load wins over the assignment)
             self._connect_next(self.next_address)
-        return num_blocks
+        return num_blocks, mc
 
     def _reset(self, epoch: int, first_step: int, in_order: bool = True) -> None:
         """A new epoch: drops the steps below `first_step` not yet run and the activations waiting
@@ -407,6 +409,8 @@ class StageWorker:
                 if msg.refused:  # (its registration: a rank outside the layout, another version, ...)
                     log.error("refused by the coordinator", extra={"fields": {"reason": msg.refused}})
                     self.refused = msg.refused
+                elif msg.reason:
+                    log.warning("told to stop by the coordinator", extra={"fields": {"reason": msg.reason}})
                 return None  # told to stop before serving
             if isinstance(msg, Repoint):  # the next stage was replaced while this one was starting
                 self.next_address = msg.next_address
@@ -478,6 +482,9 @@ class StageWorker:
                 self._connect_next(msg.next_address)
                 log.info("next stage replaced", extra={"fields": {"address": msg.next_address}})
             elif isinstance(msg, Shutdown):
+                if msg.reason or msg.refused:
+                    log.warning("told to stop by the coordinator", extra={"fields": {
+                        "reason": msg.reason or msg.refused}})
                 self.stopping.set()
                 return
             else:

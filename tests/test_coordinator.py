@@ -529,7 +529,7 @@ def test_an_overdue_step_resets_the_pipeline_and_a_stuck_stage_is_replaced(tiny)
     assert (status.step_resets, status.recoveries, status.phase) == (1, 1, "recovering")
 
 
-@pytest.mark.parametrize("case", ["message-limit", "protocol", "exposed"])
+@pytest.mark.parametrize("case", ["message-limit", "activation-limit", "protocol", "exposed"])
 def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tiny, case):
     """A message limit below what the model needs (naming the flag), a worker of another protocol
     version (an older one says none), which could misread schedules without an error, or, on a
@@ -543,6 +543,9 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
             if case == "message-limit":
                 bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1", max_message_bytes=1000,
                                protocol=PROTOCOL_VERSION)
+            elif case == "activation-limit":  # (ZeroMQ would drop the previous stage's activations unsaid)
+                bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1",
+                               protocol=PROTOCOL_VERSION, max_activation_bytes=100)
             elif case == "protocol":
                 bad = Register(0, 0, "tcp://127.0.0.1:7000", "cpu", 1, "tcp://127.0.0.1:1")
             else:
@@ -563,10 +566,91 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
     assert status.phase == "down"
     if case == "message-limit":
         assert "--max-message-bytes" in status.failure and "takes messages up to 1000" in status.failure
+    elif case == "activation-limit":
+        assert "takes activations up to 100 bytes" in status.failure and "--max-activation-bytes" in status.failure
     elif case == "protocol":
         assert f"speaks protocol 0, this coordinator {PROTOCOL_VERSION}" in status.failure
     else:
         assert "listens on tcp://10.1.2.3:7000, not loopback, and the mesh has no keys" in status.failure
+
+
+def test_a_worker_that_loaded_another_checkpoint_is_refused_naming_the_fields(tiny):
+    """A stage host whose --model path holds another checkpoint (another hidden size) would register,
+    load and then drop every activation as the wrong shape, each request hanging to --step-timeout: its
+    Ready carries the config it loaded, and the start fails naming the fields that differ."""
+    import dataclasses
+
+    from moemesh.config import ModelConfig
+    from moemesh.protocol import Ready, Shutdown
+
+    ours = ModelConfig.from_dir(tiny)
+    other = dataclasses.replace(ours, hidden_size=2 * ours.hidden_size).to_json()
+
+    async def scenario():
+        coord, task, sock = await _with_a_hand_played_worker(tiny, ready_timeout=30)
+        try:
+            await sock.send_multipart(Codec.encode(reg(0, 0)))
+            while not isinstance(Codec(CoordinatorMessage).decode(await sock.recv_multipart())[0], Assignment):
+                pass
+            await sock.send_multipart(Codec.encode(Ready(0, 0, 64, other)))
+            while True:
+                msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+                if not isinstance(msg, Ping):
+                    break
+            return msg, await _status(coord.addresses["clients"])
+        finally:
+            sock.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    msg, status = asyncio.run(scenario())
+    differ = f"hidden_size: {2 * ours.hidden_size} there, {ours.hidden_size} here"
+    assert isinstance(msg, Shutdown) and differ in msg.refused
+    assert status.phase == "down" and f"differs from the coordinator's ({differ})" in status.failure
+
+
+def test_a_second_worker_for_a_live_rank_is_refused_and_a_restarted_one_taken(tiny, monkeypatch):
+    """Two workers started for one rank took it from each other at every restart, each leaving without
+    a word: a claim on a rank whose worker was heard within LIVE_HOLDER seconds is refused naming the
+    flags (the pipeline keeps its worker); once the holder has been silent that long, the claim is a
+    restart and is taken."""
+    import coordinator.server as server
+    from moemesh.protocol import Shutdown
+
+    monkeypatch.setattr(server, "LIVE_HOLDER", 1.0)
+
+    async def next_message(sock):
+        while True:
+            msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+            if not isinstance(msg, Ping):
+                return msg
+
+    async def scenario():
+        coord, task, first = await _with_a_hand_played_worker(tiny, pp=2, register_timeout=30)
+        second = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        second.connect(coord.addresses["workers"])
+        try:
+            await first.send_multipart(Codec.encode(reg(1, 0)))
+            await asyncio.sleep(0.2)
+            await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 2,
+                                                              "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)))
+            refused = await next_message(second)
+            held = await _status(coord.addresses["clients"])
+            await asyncio.sleep(1.3)  # (the first falls silent: it died, and this is its restart)
+            await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 3,
+                                                              "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)))
+            await asyncio.sleep(0.3)
+            return refused, held, coord.registry.workers[(1, 0)].data_address
+        finally:
+            first.close(linger=0)
+            second.close(linger=0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    refused, held, address = asyncio.run(scenario())
+    assert isinstance(refused, Shutdown) and "is a second worker started with --pp-rank 1 --tp-rank 0?" in refused.refused
+    assert held.phase == "registering" and held.failure is None
+    assert address == "tcp://127.0.0.1:7999"
 
 
 def test_a_worker_never_runs_a_schedule_after_a_lost_one(tiny):
