@@ -53,12 +53,12 @@ from moemesh.layout import MlpHandoff, resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
-from moemesh.protocol import (MAX_KV_BLOCKS, PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest, Assignment,
-                              ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError, Ready, Register,
-                              Repoint, RequestOutput,
-                              ResendRequest, Reset, Schedule, Shutdown, Start, StatusReply, StatusRequest, StepResult,
-                              StepSpan, UNKNOWN_REQUEST, WorkerFailed, WorkerMessage, max_activation_bytes,
-                              max_client_message_bytes, max_result_bytes, worker_message_bytes)
+from moemesh.protocol import (MAX_KV_BLOCKS, MAX_REQUEST_ID, PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest,
+                              Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError,
+                              Ready, Register, Repoint, RequestOutput, ResendRequest, Reset, Schedule, Shutdown,
+                              Start, StatusReply, StatusRequest, StepResult, StepSpan, UNKNOWN_REQUEST, WorkerFailed,
+                              WorkerMessage, max_activation_bytes, max_client_message_bytes, max_result_bytes,
+                              worker_message_bytes)
 from moemesh.settings import CoordinatorSettings
 
 log = get_logger("coordinator")
@@ -883,5 +883,5 @@ def _generate_request_id(header) -> str | None:
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
     if isinstance(raw, dict) and raw.get("type") == "generate" and isinstance(raw.get("request_id"), str):
-        return raw["request_id"][:256]
+        return raw["request_id"][:MAX_REQUEST_ID]
     return None

@@ -50,6 +50,9 @@ TENSOR_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int
 
 
 MAX_TENSOR_DIMS = 8  # (a stage's tensors have 1 to 3)
+# characters of a client's request id (the gateway's are under 64): ended requests keep theirs for a while
+MAX_REQUEST_ID = 256
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID)]
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
@@ -60,13 +63,13 @@ class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
 # -- client link --------------------------------------------------------------------------------
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
-    request_id: str
+    request_id: RequestId
     prompt_ids: list[int]
     params: SamplingParams
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
-    request_id: str
+    request_id: RequestId
 
 
 class StatusRequest(msgspec.Struct, tag="status", frozen=True):
@@ -100,7 +103,7 @@ UNKNOWN_REQUEST = 404  # a RequestOutput's error_status for a resend of a reques
 class ResendRequest(msgspec.Struct, tag="resend", frozen=True):
     """A client missed outputs of a request (its link to the coordinator dropped): its tokens from
     `start` on again, and its end if it has ended."""
-    request_id: str
+    request_id: RequestId
     start: int
 
 

@@ -312,6 +312,9 @@ def test_a_request_that_fails_validation_gets_an_error_and_a_handler_bug_fails_o
         bad = msgspec.msgpack.encode({"type": "generate", "request_id": "r1", "prompt_ids": [1, 2],
                                       "params": {"temperature": -3}})
         invalid = await _client_exchange(coord.addresses["clients"], [bad])
+        long_id = msgspec.msgpack.encode({"type": "generate", "request_id": "x" * 300, "prompt_ids": [1, 2],
+                                          "params": {}})
+        too_long = await _client_exchange(coord.addresses["clients"], [long_id])
 
         def broken(*a, **k):
             raise KeyError("a bug")
@@ -322,12 +325,14 @@ def test_a_request_that_fails_validation_gets_an_error_and_a_handler_bug_fails_o
         alive = await _status(coord.addresses["clients"])
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return invalid, failed, alive
+        return invalid, too_long, failed, alive
 
-    invalid, failed, alive = asyncio.run(scenario())
+    invalid, too_long, failed, alive = asyncio.run(scenario())
     assert invalid.request_id == "r1" and invalid.error_status == 400 and "invalid request" in invalid.error
+    # (ids past 256 characters are refused: ended requests keep theirs for a while)
+    assert too_long.request_id == "x" * 256 and too_long.error_status == 400 and "length" in too_long.error
     assert failed.request_id == "r2" and failed.error_status == 500 and "KeyError" in failed.error
-    assert alive.malformed_messages == 1 and alive.failure is None
+    assert alive.malformed_messages == 2 and alive.failure is None
 
 
 def test_the_launcher_gives_up_on_a_silent_coordinator_at_its_deadline():
