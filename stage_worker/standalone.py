@@ -62,6 +62,8 @@ class Recorder:
 
 def recorded_run(directory: str | None) -> dict:
     """What a recording's run.json says (nothing for synthetic input, or a recording made before it)."""
+    if directory and not Path(directory).is_dir():
+        raise LoadError(f"--replay {directory}: no such directory (a --record directory)")
     path = Path(directory) / RUN_FILE if directory else None
     if path is None or not path.is_file():
         return {}
@@ -99,6 +101,9 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
     steps = list(_recorded(recording)) if recording else [_synthetic(mc, runner, tokens, seqs, block_size)]
     worst = 0.0
     for sched, stream, expected in steps:
+        if stream is not None:  # (as a stage receives it: in its compute dtype)
+            _check_stream(stream, sched, mc, recording)
+            stream = stream.to(torch_dtype(compute))
         started = time.perf_counter()
         got, per_layer = _timed_run(executor, sched, stream)
         seconds = time.perf_counter() - started
@@ -121,7 +126,7 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
             out(f"  residual stream: shape {list(got.shape)} mean {got.mean():.4g} std {got.std():.4g} "
                 f"absmax {got.abs().max():.4g}")
             if expected is not None:
-                diff = (got - expected).abs().max().item()
+                diff = (got.float() - expected.float()).abs().max().item()
                 worst = max(worst, diff)
                 out(f"  max abs difference from the recording: {diff:.3g}")
     if recording:
@@ -129,6 +134,15 @@ def run_standalone(model: str, layers: range, recording: str | None, tokens: int
         out(f"{'matches' if ok else 'DIFFERS FROM'} the recording (worst difference {worst:.3g})")
         return 0 if ok else 1
     return 0
+
+
+def _check_stream(stream: torch.Tensor, sched: Schedule, mc: ModelConfig, recording: str | None) -> None:
+    """LoadError where a recorded residual stream cannot be this model's input for its step."""
+    tokens = sum(len(w.token_ids) for w in sched.seqs)
+    if tuple(stream.shape) != (tokens, mc.hidden_size):
+        raise LoadError(f"--replay {recording}: step {sched.step_id}'s residual stream is {tuple(stream.shape)}, but "
+                        f"its {tokens} tokens in this --model (hidden_size {mc.hidden_size}) need "
+                        f"{(tokens, mc.hidden_size)}: a recording of another model?")
 
 
 def _timed_run(executor: StageExecutor, sched: Schedule, stream):

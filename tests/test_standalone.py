@@ -22,6 +22,10 @@ def test_synthetic_input_reports_every_layer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "layer 1:" in out and "layer 2:" in out and "layer 3:" not in out
     assert "residual stream: shape [20, 64]" in out
+    # (in bfloat16 the stage takes its input in bfloat16, as a live stage's previous one sends it)
+    assert main(["stage-worker", "--standalone", "--model", str(tmp_path), "--layers", "1:3", "--tokens", "20",
+                 "--dtype", "bfloat16"]) == 0
+    assert "residual stream: shape [20, 64]" in capsys.readouterr().out
 
 
 def test_a_recording_made_before_stages_sent_one_tensor_is_read_as_their_sum():
@@ -116,6 +120,17 @@ def test_a_replay_takes_its_layers_from_the_recording_and_refuses_others(tmp_pat
 
     assert "loaded layers 2:4" in out and "matches the recording" in out
     assert ("a fused decode step" in out) == (native() is not None)  # (the native kernels' one call per layer)
+    # a float32 recording replayed in bfloat16 (its numbers differ; it runs)
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp1-tp0"),
+                 "--dtype", "bfloat16"]) in (0, 1)
+    assert "bfloat16" in capsys.readouterr().out
+    wider = tmp_path / "wider"  # (another model: its residual stream is wider than the recording's)
+    build_hf_model("mixtral", wider, hidden_size=96)
+    for argv, said in ((["--model", str(wider), "--replay", str(rec / "pp1-tp0")], "a recording of another model?"),
+                       (["--model", str(model), "--replay", str(tmp_path / "none")], "no such directory")):
+        with pytest.raises(SystemExit) as e:
+            main(["stage-worker", "--standalone", *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err
     for argv in (["--layers", "0:2", "--replay", str(rec / "pp1-tp0")], ["--replay", str(tmp_path)]):
         with pytest.raises(SystemExit) as e:
             main(["stage-worker", "--standalone", "--model", str(model), *argv])
