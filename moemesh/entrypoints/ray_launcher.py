@@ -170,16 +170,19 @@ class RayMesh(LocalMesh):
 
     def stop(self) -> None:
         self._stop_watching()  # (no actor replaced while they are killed)
-        if self.actors:
+        if self.actors and not self._started_ray:  # (a Ray this process started goes whole, below)
             import ray
 
             for actor in self.actors:
                 ray.kill(actor)
             for group in self.groups:
                 ray.util.remove_placement_group(group)
-            self.actors.clear()
+        self.actors.clear()
         super().stop()
         if self._started_ray:
+            # (its processes, the actors' among them, end with it; one by one, a GCS that a SIGTERM to the
+            # whole process group has ended, as `timeout` and systemd's default send, would make each Ray
+            # call wait a minute)
             import ray
 
             ray.shutdown()
