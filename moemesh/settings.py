@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -153,12 +154,12 @@ def auto_mix(text: str) -> tuple[int, int]:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise ValueError
     return value
 
 
-positive_float.__name__ = "positive number"
+positive_float.__name__ = "positive finite number"
 
 
 def json_object(text: str) -> str:

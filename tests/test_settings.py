@@ -122,3 +122,18 @@ def test_byte_and_seed_flags_take_more_than_the_count_cap():
     for parse, bad in ((positive_int, 1 << 41), (byte_count, 1 << 61), (seed_int, 1 << 63), (threads_int, 1025)):
         with pytest.raises(ValueError):
             parse(str(bad))
+
+
+def test_a_positive_number_flag_refuses_infinity_and_nan():
+    """--lr inf trained a NaN model, and a timeout of inf waits forever: both are refused, naming the flag."""
+    from moemesh.entrypoints.cli import main
+    from moemesh.settings import positive_float
+
+    assert positive_float("2e-3") == 2e-3
+    for bad in ("inf", "-inf", "nan", "0", "-1"):
+        with pytest.raises(ValueError):
+            positive_float(bad)
+    for argv in (["train-demo", "--out", "x", "--lr", "inf"], ["train-demo", "--out", "x", "--seed", str(1 << 64)]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
