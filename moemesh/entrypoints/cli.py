@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--if-missing", action="store_true", help="keys already there are fine: keep them (for a "
                                                             "one-shot container that runs at every start)")
 
-    td = sub.add_parser("train-demo", help="train the built-in demo model on the standard library (CPU, ~25 min)")
+    td = sub.add_parser("train-demo", help="train the built-in demo model on the standard library (CPU: about 20 min on 2 idle cores)")
     td.add_argument("--out", type=out_path, help="where to write the checkpoint (the shipped one: moemesh/demo_model)")
     td.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 800)")
     td.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default 8)")

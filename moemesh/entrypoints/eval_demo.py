@@ -22,11 +22,15 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,15 +71,19 @@ def serve(model: Path, pp: int, flags: tuple[str, ...], port: int, log_path: Pat
     """`moemesh serve` in the background; returns once it prints that it serves."""
     cmd = [sys.executable, "-m", "moemesh", "serve", "--model", str(model), "--pp", str(pp), "--port", str(port),
            "--served-model-name", SERVED_NAME, *flags]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        log.write(line)
-        if line.startswith("moemesh is serving"):
-            return proc
-        if time.monotonic() > deadline:
-            break
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        deadline = time.monotonic() + 600
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith("moemesh is serving"):
+                    return proc
+                if time.monotonic() > deadline:
+                    break
+        except BaseException:  # (Ctrl-C, SIGTERM: the server stops with this command)
+            stop(proc)
+            raise
     stop(proc)
     raise CLIError(f"moemesh serve {' '.join(cmd[4:])} did not start; see {log_path}")
 
@@ -91,7 +99,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | None, concurrency: int) -> dict:
-    """lm-eval's results and samples for TASKS against the server on `port`."""
+    """lm-eval's results and samples for TASKS against the server on `port`, from the files it writes
+    under `out` (a folder of this run's alone: one results file)."""
     args = ",".join([f"model={SERVED_NAME}", f"base_url=http://127.0.0.1:{port}/v1/completions",
                      f"tokenizer={model}", "tokenizer_backend=huggingface", "tokenized_requests=True",
                      "max_length=512", f"num_concurrent={concurrency}", "max_retries=1",
@@ -105,10 +114,21 @@ def run_lm_eval(lm_eval: str, model: Path, port: int, out: Path, limit: int | No
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "OPENAI_API_KEY": os.environ.get("MOEMESH_API_KEY", "")}
     with open(out / "lm_eval.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        # (a process group of its own, stopped whole if this command is: no lm_eval left behind)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     if code != 0:
         raise CLIError(f"lm_eval exited with status {code}; see {out / 'lm_eval.log'}")
-    (results_file,) = glob.glob(str(out / "*" / "results_*.json"))
+    results_files = glob.glob(str(out / "*" / "results_*.json"))
+    if len(results_files) != 1:
+        raise CLIError(f"lm_eval wrote {len(results_files)} results files under {out}, not one; see "
+                       f"{out / 'lm_eval.log'}")
+    (results_file,) = results_files
     samples = {t: [json.loads(x) for x in open(f)]
                for t in TASKS for f in glob.glob(str(out / "*" / f"samples_{t}_*.jsonl"))}
     return {"results": json.load(open(results_file))["results"], "samples": samples}
@@ -168,6 +188,89 @@ def transformers_row(model: Path, limit: int | None) -> dict:
             "exact_match": hits / len(items), "edit_sim": sim / len(items), "items": len(items)}
 
 
+# -- a row's run ------------------------------------------------------------------------------------
+
+QUANTIZED_FROM = "quantized_from.json"  # in the AutoFP8 copy: the checkpoint it was made from
+
+
+def checkpoint_identity(model: Path) -> dict:
+    """What tells a checkpoint from another cheaply: its resolved path, its config.json, and the size
+    and modification time of each of its files (rewritten weights change them)."""
+    model = model.resolve()
+    return {"model": str(model), "config": json.loads((model / "config.json").read_text()),
+            "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(model.iterdir())
+                      if p.is_file()}}
+
+
+def autofp8_checkpoint(model: Path, work: Path) -> Path:
+    """The AutoFP8 copy of `model` that `moemesh quantize` writes, in work/demo-fp8: the one there if
+    it was made from this checkpoint as it is now, else made again."""
+    from moemesh.entrypoints.quantize import quantize_checkpoint
+
+    served, source = work / "demo-fp8", checkpoint_identity(model)
+    try:  # (config.json is written last, and the record after it: a copy cut short has neither)
+        if (served / "config.json").is_file() and json.loads((served / QUANTIZED_FROM).read_text()) == source:
+            return served
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(served, ignore_errors=True)  # (a copy cut short left shards that a new quantize would refuse)
+    quantize_checkpoint(model, served, progress=False)
+    (served / QUANTIZED_FROM).write_text(json.dumps(source, indent=1))
+    return served
+
+
+def api_row(lm_eval: str, served: Path, pp: int, flags: tuple[str, ...], out: Path, args, tokenizer) -> dict:
+    """One row at one --pp through the API: `moemesh serve`, lm-eval against it, the server stopped;
+    their logs and output in `out`, emptied first (lm-eval adds files to what is there)."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    port = free_port()
+    proc = serve(served, pp, flags, port, out / "serve.log")
+    try:
+        raw = run_lm_eval(lm_eval, served, port, out, args.limit, args.concurrency)
+    finally:
+        stop(proc)
+    return summarize(raw, tokenizer)
+
+
+def failure(e: Exception, log: Path) -> str:
+    """What the table says of a row that failed: a CLIError's message, or an unexpected error's, with
+    its traceback written to `log`."""
+    if isinstance(e, CLIError):
+        return str(e)
+    message = f"{type(e).__name__}: {e}"
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(traceback.format_exception(e)))
+    except OSError:
+        return message
+    return f"{message} (see {log})"
+
+
+@contextmanager
+def stop_on_hangup():
+    """SIGTERM and SIGHUP end the command as Ctrl-C does, by an exception (SystemExit, with the status
+    their default action gives), so that every `finally` stops its server and lm-eval: the default
+    action ended this process alone and left them running. A signal ignored (nohup) stays ignored."""
+    signals = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) != signal.SIG_IGN]
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread handles signals)
+        signals = []
+    before = {sig: signal.getsignal(sig) for sig in signals}
+
+    def handler(signum, frame):
+        for sig in signals:  # (once: a second signal must not cut the cleanup short)
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in signals:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 def table(rows: list[tuple[str, str, dict]]) -> str:
@@ -175,7 +278,8 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
              "next line: edit similarity |", "|---|---|---|---|---|---|---|"]
     for name, pp, r in rows:
         if "error" in r:
-            lines.append(f"| {name} | {pp} | failed: {r['error']} | | | | |")
+            error = " ".join(r["error"].split()).replace("|", "\\|")  # (one line, in its cell)
+            lines.append(f"| {name} | {pp} | failed: {error} | | | | |")
             continue
         lines.append(f"| {name} | {pp} | {r['token_ppl']:.4f} | {r['byte_ppl']:.4f} | {r['bits_per_byte']:.4f} | "
                      f"{r['exact_match']:.3f} ({round(r['exact_match'] * r['items'])}/{r['items']}) | "
@@ -186,6 +290,7 @@ def table(rows: list[tuple[str, str, dict]]) -> str:
 def run_eval_demo(args) -> int:
     from tokenizers import Tokenizer
 
+    from moemesh.config import ModelConfig
     from moemesh.entrypoints.default_model import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
@@ -204,56 +309,86 @@ def run_eval_demo(args) -> int:
         pps = []
     if not pps or min(pps) < 1:
         raise CLIError(f"--pp {args.pp}: expected stage counts, e.g. 1,2")
+    layers = ModelConfig.from_dir(model).num_layers
+    if max(pps) > layers:  # (each row's server would refuse it, said only in its log)
+        raise CLIError(f"--pp {args.pp}: {max(pps)} stages, more than the model's {layers} layers (--model {model})")
     lm_eval = shutil.which(args.lm_eval) or args.lm_eval
     if not Path(lm_eval).is_file():
         raise CLIError(f"--lm-eval {args.lm_eval}: not found (pip install 'moemesh[eval]', or give its path)")
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="moemesh-eval-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.out is not None:  # (before the rows, not after them)
+        table_path = Path(args.out)
+        if table_path.is_dir():
+            raise CLIError(f"--out {args.out}: a directory (the table is written to a file)")
+        if not table_path.parent.is_dir():
+            raise CLIError(f"--out {args.out}: no directory {table_path.parent}")
+        if not os.access(table_path.parent, os.W_OK | os.X_OK) or \
+                (table_path.exists() and not os.access(table_path, os.W_OK)):
+            raise CLIError(f"--out {args.out}: not writable")
+    if args.work_dir is not None:
+        work = Path(args.work_dir)
+        if work.exists() and not work.is_dir():
+            raise CLIError(f"--work-dir {args.work_dir}: not a directory")
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"--work-dir {args.work_dir}: {e.strerror or e}") from None
+        if not os.access(work, os.W_OK | os.X_OK):
+            raise CLIError(f"--work-dir {args.work_dir}: not writable")
+    else:
+        work = Path(tempfile.mkdtemp(prefix="moemesh-eval-"))
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     results: list[tuple[str, str, dict]] = []
 
-    def emit(name: str, pp: str, r: dict, seconds: float) -> None:
+    def measure(name: str, pp: str, log: Path, fn) -> None:
+        """Runs one row's fn; its result, or its failure (an unexpected error's traceback in `log`),
+        goes to the table and the others still run."""
+        t0 = time.perf_counter()
+        try:
+            r = fn()
+        except Exception as e:
+            failed(name, pp, failure(e, log))
+            return
         results.append((name, pp, r))
         print(f"row={name!r} pp={pp} token_ppl={r['token_ppl']:.4f} byte_ppl={r['byte_ppl']:.4f} "
-              f"exact_match={r['exact_match']:.3f} edit_sim={r['edit_sim']:.4f} seconds={seconds:.0f}", flush=True)
+              f"exact_match={r['exact_match']:.3f} edit_sim={r['edit_sim']:.4f} "
+              f"seconds={time.perf_counter() - t0:.0f}", flush=True)
 
-    if wanted is None or "transformers" in wanted:
-        t0 = time.perf_counter()
-        emit("transformers (reference)", "-", transformers_row(model, args.limit), time.perf_counter() - t0)
-    for row in ROWS:
-        if wanted is not None and row.key not in wanted:
-            continue
-        served = model
-        if row.autofp8:
-            from moemesh.entrypoints.quantize import quantize_checkpoint
+    def failed(name: str, pp: str, message: str) -> None:
+        print(f"row={name!r} pp={pp} failed: {message}", flush=True)
+        results.append((name, pp, {"error": message}))
 
-            served = work / "demo-fp8"
-            if not (served / "config.json").is_file():  # (config.json is written last: a run cut short before it
-                shutil.rmtree(served, ignore_errors=True)  # left shards that a new quantize would refuse)
-                quantize_checkpoint(model, served, progress=False)
-        for pp in pps:
-            t0 = time.perf_counter()
-            out = work / f"{row.key}-pp{pp}"
-            out.mkdir(parents=True, exist_ok=True)
-            port = free_port()
-            try:
-                proc = serve(served, pp, row.serve_flags, port, out / "serve.log")
-                try:
-                    raw = run_lm_eval(lm_eval, served, port, out, args.limit, args.concurrency)
-                finally:
-                    stop(proc)
-            except CLIError as e:  # the row says so, and the others still run
-                print(f"row={row.name!r} pp={pp} failed: {e}", flush=True)
-                results.append((row.name, str(pp), {"error": str(e)}))
+    with stop_on_hangup():
+        if wanted is None or "transformers" in wanted:
+            measure("transformers (reference)", "-", work / "transformers.error.log",
+                    lambda: transformers_row(model, args.limit))
+        runs: dict[str, int] = {}  # a row's folder -> its runs so far (--pp 1,1 runs pp=1 twice)
+        for row in ROWS:
+            if wanted is not None and row.key not in wanted:
                 continue
-            emit(row.name, str(pp), summarize(raw, tokenizer), time.perf_counter() - t0)
+            try:
+                served = autofp8_checkpoint(model, work) if row.autofp8 else model
+            except Exception as e:  # (every pp of the row fails with it)
+                message = failure(e, work / "demo-fp8.error.log")
+                for pp in pps:
+                    failed(row.name, str(pp), message)
+                continue
+            for pp in pps:
+                key = f"{row.key}-pp{pp}"
+                runs[key] = runs.get(key, 0) + 1
+                out = work / (key if runs[key] == 1 else f"{key}-run{runs[key]}")
+                measure(row.name, str(pp), out / "error.log",
+                        lambda: api_row(lm_eval, served, pp, row.serve_flags, out, args, tokenizer))
 
     text = table(results)
     print(text)
     (work / "results.json").write_text(json.dumps([{"row": n, "pp": p, **r} for n, p, r in results], indent=1))
     if args.out:
-        Path(args.out).write_text(text)
-    failed = [f"{name} (pp={pp})" for name, pp, r in results if "error" in r]
-    if failed:  # (the table has the rows that ran; the command says that some did not)
-        raise CLIError(f"{len(failed)} of {len(results)} rows failed: {', '.join(failed)}; their logs are in {work}")
+        try:
+            Path(args.out).write_text(text)
+        except OSError as e:
+            raise CLIError(f"--out {args.out}: {e.strerror or e}") from None
+    failed_rows = [f"{name} (pp={pp})" for name, pp, r in results if "error" in r]
+    if failed_rows:  # (the table has the rows that ran; the command says that some did not)
+        raise CLIError(f"{len(failed_rows)} of {len(results)} rows failed: {', '.join(failed_rows)}; their logs are "
+                       f"in {work}")
     return 0

@@ -29,6 +29,7 @@ import ast
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import sysconfig
@@ -136,8 +137,17 @@ def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
 
 # -- 3. data ----------------------------------------------------------------------------------------
 
+def min_stream_tokens(context: int, batch_size: int) -> int:
+    """Tokens `batches` needs: an epoch's offset can be up to context - 1, and every epoch must still
+    cut batch_size windows of context + 1 tokens."""
+    return (batch_size + 1) * context
+
+
 def batches(stream: torch.Tensor, context: int, batch_size: int, gen: torch.Generator):
     """Endless [B, context] inputs and targets: per epoch, windows cut at a random offset, shuffled."""
+    if len(stream) < min_stream_tokens(context, batch_size):  # (an epoch would cut no batch, for ever)
+        raise ValueError(f"{len(stream)} tokens are too few for batches of {batch_size} windows of {context + 1}: "
+                         f"at least {min_stream_tokens(context, batch_size)} needed")
     while True:
         offset = int(torch.randint(0, context, (1,), generator=gen))
         n = (len(stream) - offset - 1) // context
@@ -299,12 +309,15 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 
 def train(model: DemoMixtral, stream: torch.Tensor, cfg: TrainConfig, log=print) -> None:
+    """cfg.steps optimizer steps on `stream`; FloatingPointError when the loss or the weights stop
+    being finite (a learning rate too high), before any later step builds on them."""
     context = model.spec.max_position_embeddings
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    data = batches(stream, context, cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1))
+    # (seeds are 64-bit: the data's is the next one, wrapping at 2**64)
+    data = batches(stream, context, cfg.batch_size, torch.Generator().manual_seed((cfg.seed + 1) % 2**64))
     start = window_start = time.perf_counter()
     window_loss, window_steps = 0.0, 0
     for step in range(cfg.steps):
@@ -313,11 +326,14 @@ def train(model: DemoMixtral, stream: torch.Tensor, cfg: TrainConfig, log=print)
         x, y = next(data)
         logits, balance = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the training loss is {value} at step {step + 1}")
         (loss + cfg.aux_loss_coef * balance / model.spec.num_layers).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window_loss += loss.item()
+        window_loss += value
         window_steps += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             now = time.perf_counter()
@@ -326,6 +342,8 @@ def train(model: DemoMixtral, stream: torch.Tensor, cfg: TrainConfig, log=print)
                 f"balance={balance.item() / model.spec.num_layers:.3f} lr={learning_rate(step, cfg):.2e} "
                 f"tok_per_s={tokens / (now - window_start):.0f} elapsed_s={now - start:.0f}")
             window_loss, window_steps, window_start = 0.0, 0, now
+    if not all(torch.isfinite(p).all() for p in model.parameters()):  # (the last step's update)
+        raise FloatingPointError(f"the weights are not finite after step {cfg.steps}")
 
 
 # -- held-out loss: lm-eval's rolling windows -------------------------------------------------------
@@ -382,11 +400,17 @@ def next_line_items(sources: list[tuple[str, str]], n: int, seed: int = 0,
                     max_prompt_chars: int = 1000) -> list[dict]:
     """`n` lines drawn (seeded) from the bodies of the functions in `sources` (path, text): not
     blank, not a comment, not the docstring. The prompt is the whole lines before it, at most
-    max_prompt_chars, ending in a newline; the target is the line without it."""
+    max_prompt_chars, ending in a newline; the target is the line without it. ValueError for a source
+    that does not parse, or fewer than `n` such lines."""
     candidates = []
     for rel, text in sources:
         lines = text.split("\n")
-        for node in ast.walk(ast.parse(text)):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError as e:
+            raise ValueError(f"held-out file {rel} does not parse ({e.msg}, line {e.lineno}); the next-line "
+                             f"task reads its functions") from None
+        for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             body = node.body
@@ -398,7 +422,11 @@ def next_line_items(sources: list[tuple[str, str]], n: int, seed: int = 0,
                 s = lines[ln - 1].strip()
                 if s and not s.startswith("#"):
                     candidates.append((rel, ln))
-    chosen = sorted(random.Random(seed).sample(sorted(set(candidates)), n))
+    candidates = sorted(set(candidates))
+    if len(candidates) < n:
+        raise ValueError(f"the held-out files' functions have {len(candidates)} lines for the next-line task, "
+                         f"fewer than its {n}")
+    chosen = sorted(random.Random(seed).sample(candidates, n))
     texts = dict(sources)
     items = []
     for rel, ln in chosen:
@@ -411,17 +439,27 @@ def next_line_items(sources: list[tuple[str, str]], n: int, seed: int = 0,
     return items
 
 
-
 def write_eval_data(root: Path, out_dir: Path, num_lines: int = 250, seed: int = 0) -> None:
-    """eval/demo/heldout.jsonl (one held-out file per line) and nextline.jsonl (the next-line task)."""
+    """eval/demo/heldout.jsonl (one held-out file per line) and nextline.jsonl (the next-line task).
+    ValueError, with both files left as they were, for sources that cannot make them; each is written
+    beside its place and renamed into it at the end."""
     sources = read_sources(root, held_out=True)
+    if not sources:
+        raise ValueError(f"no held-out files (1 in {HELD_OUT_ONE_IN}, by the SHA-256 of the relative path)")
+    records = {"heldout.jsonl": [{"path": rel, "text": text} for rel, text in sources],
+               "nextline.jsonl": next_line_items(sources, num_lines, seed)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "heldout.jsonl", "w") as f:
-        for rel, text in sources:
-            f.write(json.dumps({"path": rel, "text": text}) + "\n")
-    with open(out_dir / "nextline.jsonl", "w") as f:
-        for item in next_line_items(sources, num_lines, seed):
-            f.write(json.dumps(item) + "\n")
+    written: list[Path] = []
+    try:
+        for name, items in records.items():
+            written.append(out_dir / f".{name}.tmp")
+            with open(written[-1], "w") as f:
+                f.writelines(json.dumps(item) + "\n" for item in items)
+        for tmp in written:
+            os.replace(tmp, out_dir / tmp.name[1:-len(".tmp")])
+    finally:
+        for tmp in written:
+            tmp.unlink(missing_ok=True)
 
 
 def run_train_demo(args) -> int:
@@ -433,8 +471,9 @@ def run_train_demo(args) -> int:
     root = Path(args.stdlib) if args.stdlib else stdlib_root()
     if args.write_eval_data is None and args.out is None:
         raise CLIError("train-demo needs --out DIR (or --write-eval-data DIR)")
+    source = f"{'--stdlib ' if args.stdlib else 'the standard library at '}{root}"
     if not root.is_dir() or next(root.rglob("*.py"), None) is None:
-        raise CLIError(f"{'--stdlib ' if args.stdlib else 'the standard library at '}{root}: no Python sources there")
+        raise CLIError(f"{source}: no Python sources there")
     for flag, path in (("--out", args.out), ("--write-eval-data", args.write_eval_data)):
         if path is not None:  # (before the training, not after it)
             try:
@@ -442,15 +481,27 @@ def run_train_demo(args) -> int:
             except OSError as e:
                 raise CLIError(f"{flag} {path}: {e.strerror or e}") from None
     if args.write_eval_data:
-        write_eval_data(root, Path(args.write_eval_data))
+        try:
+            write_eval_data(root, Path(args.write_eval_data))
+        except ValueError as e:
+            raise CLIError(f"{source}: {e}; --write-eval-data {args.write_eval_data} is left as it was") from None
         print(f"wrote {args.write_eval_data}/heldout.jsonl and nextline.jsonl")
         return 0
     t0 = time.perf_counter()
     train_sources = read_sources(root, held_out=False)
     heldout = [text for _, text in read_sources(root, held_out=True)]
+    if not any(heldout):  # (the held-out loss, the run's result, divides by their tokens)
+        raise CLIError(f"{source}: no held-out file with text (1 in {HELD_OUT_ONE_IN} files is held out, by the "
+                       f"SHA-256 of its relative path); the held-out loss needs one")
     texts = [text for _, text in train_sources]
     tok = train_tokenizer(texts, spec.vocab_size)
     stream = token_stream(tok, texts)
+    context = spec.max_position_embeddings
+    if len(stream) < min_stream_tokens(context, cfg.batch_size):
+        raise CLIError(f"--batch-size {cfg.batch_size}: {source} has {len(stream)} training tokens; steps of "
+                       f"{cfg.batch_size} windows of {context + 1} tokens, cut at an epoch's random offset, need "
+                       f"{min_stream_tokens(context, cfg.batch_size)} (give a smaller --batch-size, or a larger "
+                       f"--stdlib)")
     print(f"stdlib={root} train_files={len(texts)} heldout_files={len(heldout)} "
           f"train_bytes={sum(len(t.encode()) for t in texts)} train_tokens={len(stream)} "
           f"vocab={tok.get_vocab_size()} prep_s={time.perf_counter() - t0:.0f}", flush=True)
@@ -461,7 +512,11 @@ def run_train_demo(args) -> int:
     print(f"params={n_params} steps={cfg.steps} batch={cfg.batch_size}x{spec.max_position_embeddings} "
           f"threads={cfg.threads} seed={cfg.seed}", flush=True)
     t1 = time.perf_counter()
-    train(model, stream, cfg, log=lambda line: print(line, flush=True))
+    try:
+        train(model, stream, cfg, log=lambda line: print(line, flush=True))
+    except FloatingPointError as e:
+        raise CLIError(f"--lr {cfg.lr}: training diverged ({e}); nothing was written to --out {args.out} "
+                       f"(try a smaller --lr)") from None
     train_seconds = time.perf_counter() - t1
 
     out = export(model, tok, spec, Path(args.out))
