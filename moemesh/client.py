@@ -24,6 +24,7 @@ from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateReq
 from moemesh.sampling import SamplingParams
 
 log = get_logger("client")
+CLOSING_WAIT = 10.0  # seconds a request id this client aborted may take to be ended before it is used again
 
 
 class PipelineFailed(RuntimeError):
@@ -58,6 +59,9 @@ class CoordinatorClient:
         self.codec = Codec(CoordinatorReply)
         self.bad = BadMessages(log, "coordinator")
         self.streams: dict[str, _Stream] = {}
+        # request ids this client aborted whose last output (the abort's answer) has not come: their
+        # outputs are dropped, and the id is not used again before (a new stream would take them)
+        self.closing: dict[str, asyncio.Event] = {}
         self.status_waiters: dict[int, asyncio.Future] = {}  # StatusRequest.nonce -> its reply, to come
         self._nonces = itertools.count(1)
         self.resends = 0  # outputs asked for again (missed on a link that dropped)
@@ -170,7 +174,11 @@ class CoordinatorClient:
                     fut.set_result(msg)
                 continue
             for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
-                if (st := self.streams.get(out.request_id)) is not None:
+                if (closed := self.closing.get(out.request_id)) is not None:
+                    if out.finish_reason is not None:
+                        del self.closing[out.request_id]
+                        closed.set()
+                elif (st := self.streams.get(out.request_id)) is not None:
                     self._arrive(out.request_id, st, out)
 
     async def status(self, timeout: float = 5.0, timeline: bool = False) -> StatusReply:
@@ -217,6 +225,13 @@ class CoordinatorClient:
         rid = request_id or f"r{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already streaming")
+        if (closed := self.closing.get(rid)) is not None:  # (aborted just now: its end is on its way)
+            try:
+                await asyncio.wait_for(closed.wait(), CLOSING_WAIT)
+            except asyncio.TimeoutError:
+                raise ValueError(f"request id {rid!r} was aborted and the coordinator has not yet ended it") from None
+            if rid in self.streams:
+                raise ValueError(f"request id {rid!r} is already streaming")
         request = GenerateRequest(rid, list(prompt_ids), params)
         st = self.streams[rid] = _Stream(request=request)
         finished = False
@@ -236,8 +251,8 @@ class CoordinatorClient:
                     return
         finally:
             del self.streams[rid]
-            if not finished:
-                self.abort(rid)
+            if not finished and self.abort(rid):
+                self.closing[rid] = asyncio.Event()
 
     def fail_all(self, error: str) -> None:
         """Ends every open stream with an error (the coordinator does not answer), and asks it to end
@@ -246,10 +261,13 @@ class CoordinatorClient:
             st.queue.put_nowait(RequestOutput(rid, [], finish_reason="error", error=error, error_status=503))
             self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
-        """Asks the coordinator to end a request (no wait: safe from a closing generator). After close()
-        there is no link to ask on: streams still open then (cancelled with their event loop) end quietly."""
+    def abort(self, request_id: str) -> bool:
+        """Asks the coordinator to end a request (no wait: safe from a closing generator); whether it was
+        asked. After close() there is no link to ask on: streams still open then (cancelled with their
+        event loop) end quietly."""
         if self.sock.closed:
-            return
+            return False
         if not self._send_now(AbortRequest(request_id)):  # (no link, or its queue full: the coordinator is gone)
             log.warning("could not send abort", extra={"fields": {"request_id": request_id}})
+            return False
+        return True

@@ -189,22 +189,28 @@ def test_abort_frees_blocks_and_spares_the_others(model, reference):
         try:
             await client.wait_serving(timeout=120)
             long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-            victim = client.generate(PROMPTS[3], long)
+            victim = client.generate(PROMPTS[3], long, request_id="x")
             first = await victim.__anext__()  # it is running
             others = asyncio.gather(*(collect(client, p, GREEDY) for p in PROMPTS[:4]))
             await victim.aclose()  # leaving the stream aborts the request
+            # its id at once again, for another prompt: none of the aborted request's outputs, nor its end
+            # (they went to the new stream, which ended "abort" after a token, the old request running on)
+            again = []
+            async for out in client.generate(PROMPTS[1], GREEDY, request_id="x"):
+                again += out.token_ids
             results = await others
             for _ in range(50):
                 st = await client.status()
                 if st.num_running == 0:
                     break
                 await asyncio.sleep(0.05)
-            return first, results, st
+            return first, again, results, st
         finally:
             await client.close()
 
-    first, results, status = run(scenario())
+    first, again, results, status = run(scenario())
     assert first.token_ids and first.finish_reason is None
+    assert again == reference[1]
     assert [t for t, _ in results] == reference[:4]
     assert status.num_free_blocks == status.num_blocks and status.num_running == 0
 
