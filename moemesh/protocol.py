@@ -194,7 +194,6 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     max_message_bytes: int = 0  # the largest message its sockets take (--max-message-bytes; 0: not said)
     protocol: int = 0  # PROTOCOL_VERSION of the worker's code (0: a worker from before there was one)
     max_activation_bytes: int = 0  # the largest activations its data socket takes (0: max_message_bytes)
-    instance: str = ""  # random per process: a rank claimed by a second process, not the same one again
 
 
 class Assignment(msgspec.Struct, tag="assignment", frozen=True):
