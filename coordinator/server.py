@@ -818,10 +818,14 @@ class Coordinator:
         self.wake.set()
 
     async def _abort(self, identity: bytes, request_id: str) -> None:
+        """Every abort is answered with an end ("abort"), also for a request held, unknown or over: the
+        client uses the id again only after it (moemesh.client)."""
         self.router.forget_held(identity, request_id)
         if self.core is not None and (out := self.core.abort(self.router.key(identity, request_id))) is not None:
             await self.router.deliver([out])
             self.wake.set()
+        else:
+            await self.router.reply(identity, RequestOutput(request_id, [], finish_reason="abort", start=-1))
 
     def waiting(self) -> int:
         """Requests not yet scheduled: queued in the core, or held until the pipeline serves."""

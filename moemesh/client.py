@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from zmq.utils.monitor import parse_monitor_message
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshKeys
 from moemesh.netutil import BadMessages, receive, set_heartbeats
-from moemesh.protocol import (AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
+from moemesh.protocol import (MAX_REQUEST_ID, AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
                               ProtocolError, RequestOutput, ResendRequest, StatusReply, StatusRequest,
                               UNKNOWN_REQUEST)
 from moemesh.sampling import SamplingParams
@@ -61,7 +62,8 @@ class CoordinatorClient:
         self.streams: dict[str, _Stream] = {}
         # request ids this client aborted whose last output (the abort's answer) has not come: their
         # outputs are dropped, and the id is not used again before (a new stream would take them)
-        self.closing: dict[str, asyncio.Event] = {}
+        # (an entry goes when the coordinator answers, or CLOSING_WAIT later: one that never will)
+        self.closing: dict[str, tuple[float, asyncio.Event]] = {}
         self.status_waiters: dict[int, asyncio.Future] = {}  # StatusRequest.nonce -> its reply, to come
         self._nonces = itertools.count(1)
         self.resends = 0  # outputs asked for again (missed on a link that dropped)
@@ -177,7 +179,7 @@ class CoordinatorClient:
                 if (closed := self.closing.get(out.request_id)) is not None:
                     if out.finish_reason is not None:
                         del self.closing[out.request_id]
-                        closed.set()
+                        closed[1].set()
                 elif (st := self.streams.get(out.request_id)) is not None:
                     self._arrive(out.request_id, st, out)
 
@@ -225,12 +227,16 @@ class CoordinatorClient:
         rid = request_id or f"r{next(self._ids)}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already streaming")
+        if len(rid) > MAX_REQUEST_ID:  # (the coordinator refuses it, under an id cut short that no stream holds)
+            raise ValueError(f"request id of {len(rid)} characters: at most {MAX_REQUEST_ID}")
         if (closed := self.closing.get(rid)) is not None:  # (aborted just now: its end is on its way)
+            deadline, ended = closed
             try:
-                await asyncio.wait_for(closed.wait(), CLOSING_WAIT)
-            except asyncio.TimeoutError:
-                raise ValueError(f"request id {rid!r} was aborted and the coordinator has not yet ended it") from None
-            if rid in self.streams:
+                await asyncio.wait_for(ended.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # (no answer: a coordinator gone, a link that dropped)
+                if self.closing.get(rid) is closed:
+                    del self.closing[rid]
+            if rid in self.streams or rid in self.closing:
                 raise ValueError(f"request id {rid!r} is already streaming")
         request = GenerateRequest(rid, list(prompt_ids), params)
         st = self.streams[rid] = _Stream(request=request)
@@ -252,7 +258,13 @@ class CoordinatorClient:
         finally:
             del self.streams[rid]
             if not finished and self.abort(rid):
-                self.closing[rid] = asyncio.Event()
+                now = time.monotonic()
+                while self.closing:  # (the oldest first: those past their wait will not be answered)
+                    oldest = next(iter(self.closing))
+                    if self.closing[oldest][0] > now:
+                        break
+                    self.closing.pop(oldest)[1].set()
+                self.closing[rid] = (now + CLOSING_WAIT, asyncio.Event())
 
     def fail_all(self, error: str) -> None:
         """Ends every open stream with an error (the coordinator does not answer), and asks it to end

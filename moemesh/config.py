@@ -103,8 +103,9 @@ class ModelConfig:
         if not isinstance(theirs, dict):
             raise ConfigError("not a model config: not an object")
         ours = json.loads(self.to_json())
-        return [f"{name}: {theirs.get(name)!r} there, {ours.get(name)!r} here"
-                for name in sorted(set(ours) | set(theirs)) if theirs.get(name) != ours.get(name)]
+        # (the fields both know: a field one version adds is not a difference between checkpoints)
+        return [f"{name}: {theirs[name]!r} there, {ours[name]!r} here"
+                for name in sorted(set(ours) & set(theirs)) if theirs[name] != ours[name]]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -199,16 +199,24 @@ def test_abort_frees_blocks_and_spares_the_others(model, reference):
             async for out in client.generate(PROMPTS[1], GREEDY, request_id="x"):
                 again += out.token_ids
             results = await others
+            with pytest.raises(ValueError, match="at most 256"):  # (refused under an id cut short: it hung)
+                await client.generate(PROMPTS[1], GREEDY, request_id="y" * 300).__anext__()
+            # an abort the coordinator has no request for (over already, or never had) is answered too: the
+            # id is free at once, not after the client's wait
+            client.abort("never-sent")
+            client.closing["never-sent"] = (time.monotonic() + 30, asyncio.Event())
+            answered = await asyncio.wait_for(client.closing["never-sent"][1].wait(), 5)
             for _ in range(50):
                 st = await client.status()
                 if st.num_running == 0:
                     break
                 await asyncio.sleep(0.05)
-            return first, again, results, st
+            return first, again, results, st, answered
         finally:
             await client.close()
 
-    first, again, results, status = run(scenario())
+    first, again, results, status, answered = run(scenario())
+    assert answered is True
     assert first.token_ids and first.finish_reason is None
     assert again == reference[1]
     assert [t for t, _ in results] == reference[:4]

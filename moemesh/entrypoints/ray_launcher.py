@@ -61,7 +61,8 @@ class RayMesh(LocalMesh):
         self.actors, self.runs, self.groups = [], {}, []
         self.placement: dict[str, tuple] = {}  # actor name -> (coordinator address, pp rank, tp rank, group)
         self.by_name: dict = {}
-        self._started_ray = False
+        self._started_ray = False  # this process called ray.init (and so ray.shutdown at stop)
+        self._own_cluster = False  # ... and that started a Ray of its own (no --ray-address)
 
     @classmethod
     def of(cls, engine, extra_env=None, ray_address: str | None = None, **changes) -> "RayMesh":
@@ -89,7 +90,7 @@ class RayMesh(LocalMesh):
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
                      **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
-            self._started_ray = True
+            self._started_ray, self._own_cluster = True, not self.ray_address
         self._actor_cls = _worker_actor()
         if self.exposed:  # (it listens on every interface: the actors reach it at this node's address)
             coordinator = f"tcp://{ray.util.get_node_ip_address()}:{coordinator.rsplit(':', 1)[1]}"
@@ -170,7 +171,7 @@ class RayMesh(LocalMesh):
 
     def stop(self) -> None:
         self._stop_watching()  # (no actor replaced while they are killed)
-        if self.actors and not self._started_ray:  # (a Ray this process started goes whole, below)
+        if self.actors and not self._own_cluster:  # (a Ray of this process's own goes whole, below)
             import ray
 
             for actor in self.actors:
@@ -180,9 +181,9 @@ class RayMesh(LocalMesh):
         self.actors.clear()
         super().stop()
         if self._started_ray:
-            # (its processes, the actors' among them, end with it; one by one, a GCS that a SIGTERM to the
-            # whole process group has ended, as `timeout` and systemd's default send, would make each Ray
-            # call wait a minute)
+            # (a Ray of its own ends whole, the actors' processes among them; one by one, a GCS that a
+            # SIGTERM to the whole process group has ended, as `timeout` and systemd's default send, would
+            # make each Ray call wait a minute)
             import ray
 
             ray.shutdown()
