@@ -25,6 +25,7 @@ from moemesh.entrypoints import eval_demo
 from moemesh.entrypoints.cli import main
 from moemesh.entrypoints.tiny_model import TinyModelSpec
 from moemesh.entrypoints.train_demo import DemoMixtral, TrainConfig, batches, is_held_out, train
+from test_cli import user_error as cli_user_error
 
 HELD_OUT = next(f"m{i}.py" for i in itertools.count() if is_held_out(f"m{i}.py"))
 TRAINED = next(f"m{i}.py" for i in itertools.count() if not is_held_out(f"m{i}.py"))
@@ -33,15 +34,9 @@ TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "64", "--heads", "4
 
 
 def user_error(capsys, argv: list[str], no_output: bool = False) -> str:
-    """Runs a command that must fail cleanly (status 2, one error line, no traceback); returns its
-    stderr. no_output: it printed nothing (no rows: it failed before any work)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    out, err = capsys.readouterr()
-    assert not (no_output and out), out
-    assert "Traceback" not in err and err.startswith("moemesh: error:"), err
+    """test_cli's, and the error is one `moemesh: error:` line."""
+    err = cli_user_error(capsys, argv, no_output)
+    assert err.startswith("moemesh: error:"), err
     return err
 
 
