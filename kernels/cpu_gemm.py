@@ -542,7 +542,8 @@ def fused_moe(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight, topk_weights
     check_layout(w13, lib)
     check_layout(w2, lib)
     # (the C code trusts these: a mismatch would read past a weight or a row)
-    assert w13.k == H and w13.n == 2 * w2.k and w2.n == H and w2.data.shape[0] == E, (x.shape, w13.n, w13.k, w2.n, w2.k)
+    assert w13.k == H and w13.n == 2 * w2.k and w2.n == H and w2.data.shape[0] == E, \
+        (x.shape, w13.n, w13.k, w2.n, w2.k)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == T, (topk_ids.shape, topk_weights.shape)
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()

@@ -122,6 +122,14 @@ async def _status(address: str):
         sock.close(linger=0)
 
 
+async def _next_message(sock):
+    """The coordinator's next message to a played worker that is not a Ping (its pings may come first)."""
+    while True:
+        msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
+        if not isinstance(msg, Ping):
+            return msg
+
+
 async def _scripted_worker(address: str, ready: asyncio.Event):
     """Registers as the only rank, heartbeats, takes its assignment, and never reports Ready."""
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -136,10 +144,7 @@ async def _scripted_worker(address: str, ready: asyncio.Event):
     try:
         await sock.send_multipart(Codec.encode(reg(0, 0)))
         beats = asyncio.ensure_future(beat())
-        while True:  # (the coordinator's pings may come first)
-            msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
-            if not isinstance(msg, Ping):
-                break
+        msg = await _next_message(sock)
         assert isinstance(msg, Assignment) and (msg.layer_start, msg.layer_end) == (0, 2)
         ready.set()
         await asyncio.sleep(3600)
@@ -556,10 +561,7 @@ def test_a_worker_that_cannot_serve_this_pipeline_fails_the_start_saying_why(tin
             else:
                 bad = Register(0, 0, "tcp://10.1.2.3:7000", "cpu", 1, "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)
             await sock.send_multipart(Codec.encode(bad))
-            while True:
-                msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
-                if not isinstance(msg, Ping):
-                    break
+            msg = await _next_message(sock)
             assert isinstance(msg, Shutdown)
             return await _status(coord.addresses["clients"])
         finally:
@@ -598,10 +600,7 @@ def test_a_worker_that_loaded_another_checkpoint_is_refused_naming_the_fields(ti
             while not isinstance(Codec(CoordinatorMessage).decode(await sock.recv_multipart())[0], Assignment):
                 pass
             await sock.send_multipart(Codec.encode(Ready(0, 0, 64, other)))
-            while True:
-                msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
-                if not isinstance(msg, Ping):
-                    break
+            msg = await _next_message(sock)
             return msg, await _status(coord.addresses["clients"])
         finally:
             sock.close(linger=0)
@@ -624,12 +623,6 @@ def test_a_second_worker_for_a_live_rank_is_refused_and_a_restarted_one_taken(ti
 
     monkeypatch.setattr(server, "LIVE_HOLDER", 1.0)
 
-    async def next_message(sock):
-        while True:
-            msg, _ = Codec(CoordinatorMessage).decode(await asyncio.wait_for(sock.recv_multipart(), 5))
-            if not isinstance(msg, Ping):
-                return msg
-
     async def scenario():
         coord, task, first = await _with_a_hand_played_worker(tiny, pp=2, register_timeout=30)
         second = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -639,7 +632,7 @@ def test_a_second_worker_for_a_live_rank_is_refused_and_a_restarted_one_taken(ti
             await asyncio.sleep(0.2)
             await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 2,
                                                               "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)))
-            refused = await next_message(second)
+            refused = await _next_message(second)
             held = await _status(coord.addresses["clients"])
             await asyncio.sleep(1.3)  # (the first falls silent: it died, and this is its restart)
             await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 3,

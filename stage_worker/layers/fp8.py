@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.config import ConfigError, ModelConfig, check_fp8_checkpoint, check_quantization
-from moemesh_kernels.fp8 import FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, finite_amax, fp8_scale, quantize_fp8, quantize_fp8_per_expert
+from moemesh_kernels.fp8 import (FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, finite_amax, fp8_scale, quantize_fp8,
+                                 quantize_fp8_per_expert)
 from stage_worker.layers.linear import cpu_gemm_layout
 
 # a fused module here -> the checkpoint modules it is made of (CausalLM.packed_modules)
