@@ -55,6 +55,7 @@ class WorkerInfo:
     next_unreached: float = 0.0  # seconds its link to the next stage has been connecting, never connected
     relinks: int = 0  # times it made that link again after a refused handshake (its heartbeat says)
     relinked: bool = False  # made again since it last connected: what it held then was dropped
+    pid: int = 0  # its process id on its host (as it registered)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -102,7 +103,8 @@ class WorkerRegistry:
         old = self.workers.get(key)
         if old is not None:
             self._by_identity.pop(old.identity, None)
-        w = WorkerInfo(identity, msg.pp_rank, msg.tp_rank, msg.data_address, msg.rendezvous_address, self.clock())
+        w = WorkerInfo(identity, msg.pp_rank, msg.tp_rank, msg.data_address, msg.rendezvous_address, self.clock(),
+                       pid=msg.pid)
         self.workers[key] = self._by_identity[identity] = w
         if len(self.workers) == self.pp * self.tp:
             self.all_registered.set()

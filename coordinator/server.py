@@ -108,6 +108,7 @@ class Coordinator:
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
+        self.announce = None  # where a launcher reads this process's lines (`run`'s announce)
         self.workers_sock = self.ctx.socket(zmq.ROUTER)
         self.clients_sock = self.ctx.socket(zmq.ROUTER)
         for s in (self.workers_sock, self.clients_sock):
@@ -185,6 +186,7 @@ class Coordinator:
         if on_sigterm:
             before = signal.getsignal(signal.SIGTERM)
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.stop)
+        self.announce = announce
         if announce is not None:  # one line for a launcher to read
             print("MOEMESH_COORDINATOR " + json.dumps(self.addresses), file=announce, flush=True)
         log.info("listening", extra={"fields": self.addresses})
@@ -321,9 +323,11 @@ class Coordinator:
         log.warning("worker lost, recovering", extra={"fields": {"reason": reason, "epoch": self.registry.epoch
                                                                   + (0 if recovering else 1)}})
         self.registry.lose(w)
+        self._tell_launcher(w, reason)
         if self.cfg.tp > 1:
             for peer in list(self.registry.workers.values()):
                 self.registry.lose(peer)
+                self._tell_launcher(peer, f"a peer of its stage was lost: {reason}")
                 asyncio.ensure_future(self._send_worker(peer.identity, Shutdown(
                     reason=f"its stage starts over at a fresh rendezvous: {reason}")))
         self._requeue_all()
@@ -333,6 +337,18 @@ class Coordinator:
             # now, with the epoch: a Ping sent before _recover runs must not pair it with the old first step
             self.registry.first_step = self.core.next_step_id
             self.recovering = asyncio.ensure_future(self._recover_or_fail())
+
+    def _tell_launcher(self, w, reason: str) -> None:
+        """One line for the launcher that reads this process's announcements: a worker counted lost,
+        which it kills if the process is still there LOST_GRACE seconds later (stopped, or stuck where
+        it cannot hear its Shutdown), so that it is started again."""
+        if self.announce is None:
+            return
+        try:
+            print("MOEMESH_LOST " + json.dumps({"pp": w.pp_rank, "tp": w.tp_rank, "pid": w.pid, "reason": reason}),
+                  file=self.announce, flush=True)
+        except (OSError, ValueError):  # (nobody reads any more: the launcher is gone, and this process with it)
+            pass
 
     def _requeue_all(self) -> None:
         """The steps in flight are void (their results dropped when they come); every unfinished

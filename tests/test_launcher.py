@@ -101,9 +101,11 @@ def test_a_dead_coordinator_ends_the_parent_with_a_clear_error(model):
     assert wait_gone(kids) == []
 
 
-def test_a_dead_stage_worker_is_restarted_and_generate_completes(model):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_dead_stage_worker_is_restarted_and_generate_completes(model, sig):
     """The launcher starts the killed worker again; the coordinator recovers; the output is what
-    an undisturbed run prints."""
+    an undisturbed run prints. A stopped worker (alive, silent) is counted lost by the coordinator,
+    which tells the launcher: it kills the process and starts it again."""
     undisturbed = subprocess.run(
         [sys.executable, "-m", "moemesh", "generate", "--model", str(model), "--prompt-ids", "1,2,3",
          "--max-tokens", "1500", "--ignore-eos", "--temperature", "0", "--json"], cwd=REPO, capture_output=True,
@@ -120,12 +122,16 @@ def test_a_dead_stage_worker_is_restarted_and_generate_completes(model):
         assert line, (seen, proc.communicate())
         seen += line
     time.sleep(0.5)  # (into the run: 1,500 tokens take several seconds)
-    os.kill(max(children(proc.pid)), signal.SIGKILL)  # the last started: a stage worker
+    victim = max(children(proc.pid))  # the last started: a stage worker
+    os.kill(victim, sig)
     out, err = proc.communicate(timeout=120)
     err = seen + err
     assert proc.returncode == 0, err
     assert json.loads(out)["token_ids"] == json.loads(undisturbed.stdout)["token_ids"]
     assert len(json.loads(out)["token_ids"]) == 1500 and b"restarting" in err  # killed mid-run
+    if sig == signal.SIGSTOP:
+        assert b"killing a worker the coordinator counted lost" in err and f"pid={victim}".encode() in err
+    assert not alive(victim)
 
 
 def test_serve_and_generate_give_their_coordinator_its_timeouts(model):

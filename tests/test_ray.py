@@ -4,12 +4,15 @@ instance; the same coordinator and ZeroMQ data path (with mesh keys, as across n
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
 from hf_models import build_hf_model, hf_greedy
 from moemesh.netutil import run
 from moemesh.sampling import SamplingParams
+from test_launcher import alive
 from test_mesh import generate_all
 
 ray = pytest.importorskip("ray", reason="ray is not installed")
@@ -51,6 +54,19 @@ def test_ray_actors_serve_like_processes(tmp_path, monkeypatch):
                                                                         ignore_eos=True)))
         assert [t for t, _ in results] == want and status.recoveries >= 1
         assert mesh.died is None and len(mesh.actors) == 4
+        # an actor's process stops (alive, silent): the coordinator counts it lost and says so, the
+        # launcher kills the actor, and it is replaced as a dead one is
+        stopped = mesh.pids["ray actor pp=0 tp=1"]
+        os.kill(stopped, signal.SIGSTOP)
+        recoveries = status.recoveries
+        results, status = run(generate_all(mesh, PROMPTS, SamplingParams(max_tokens=6, temperature=0,
+                                                                        ignore_eos=True)))
+        assert [t for t, _ in results] == want and status.recoveries > recoveries
+        assert mesh.died is None and mesh.pids["ray actor pp=0 tp=1"] != stopped
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and alive(stopped):
+            time.sleep(0.2)
+        assert not alive(stopped)
     finally:
         mesh.stop()
     assert not ray.is_initialized()
@@ -102,7 +118,7 @@ def test_an_actor_ray_cannot_start_fails_its_restart_instead_of_holding_the_watc
         raise TimeoutError("GetTimeoutError")
 
     class Actor:
-        node_ip = types.SimpleNamespace(remote=lambda: "ref")
+        where = types.SimpleNamespace(remote=lambda: "ref")
 
     class ActorClass:
         def options(self, **_):

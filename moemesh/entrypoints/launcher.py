@@ -3,7 +3,10 @@ processes on free ports. `moemesh generate --pp N` and `moemesh serve` use it.
 
 A stage worker that exits on its own is started again with the same flags (at most
 `MAX_RESTARTS` in any minute, each after a short backoff), and the coordinator's recovery takes
-the replacement in; the coordinator itself, or a worker past that budget, ends the mesh.
+the replacement in; the coordinator itself, or a worker past that budget, ends the mesh. A worker
+the coordinator counts lost while its process lives on (stopped, or stuck where it cannot hear its
+Shutdown) is killed `LOST_GRACE` seconds later, and so started again too: the coordinator says
+which on its stdout, where the launcher read its announcement.
 
 No orphans: every child is in the launcher's care (terminated, then killed, on exit, on Ctrl-C
 and when any one of them dies), and asks the kernel to send it SIGTERM if the launcher itself dies
@@ -38,6 +41,7 @@ class LaunchError(RuntimeError):
 
 MAX_RESTARTS = 5  # restarts of one child in any 60 s
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)  # seconds before the n-th restart within that minute
+LOST_GRACE = 2.0  # seconds a worker the coordinator counted lost has to exit on its own before it is killed
 
 
 def available_cores() -> int:
@@ -111,6 +115,8 @@ class LocalMesh:
         self.restart_coordinator = False  # `serve` sets it (its gateway reconnects); a driver's requests die with it
         self._stopping = False
         self._watcher: threading.Thread | None = None
+        self._heard: tuple[subprocess.Popen | None, bytes] = (None, b"")  # (coordinator, its unfinished line)
+        self.lost: dict[int, tuple[float, str]] = {}  # pid -> (when to kill it, why the coordinator lost it)
 
     @classmethod
     def of(cls, engine: EngineSettings, extra_env: dict | None = None, **changes) -> "LocalMesh":
@@ -144,9 +150,10 @@ class LocalMesh:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         threads = str(self.worker.threads or 1)
         env = {**child_environment(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
+        # (the coordinator's stdout unbuffered: the watch reads it with os.read once the announcement is in)
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+                                bufsize=0, preexec_fn=die_with_parent)
         self.procs[name], self.argv[name] = proc, args
         return proc
 
@@ -226,6 +233,7 @@ class LocalMesh:
     def _watch_children(self) -> None:
         due: dict[str, tuple[float, str]] = {}  # child -> (when its restart is due, how it ended)
         while not self._stopping:
+            self._heed_coordinator()
             ended = self._check_children()
             if ended is not None and not self._stopping:  # (children that `stop` ends are not deaths)
                 name, died = ended
@@ -245,6 +253,44 @@ class LocalMesh:
                         return None if self._stopping else self._down(died)
                     self._waiting.discard(name)
             self._stop.wait(0.1)
+
+    def _heed_coordinator(self) -> None:
+        """Reads the lines the coordinator printed since the last look (all of them: a pipe nobody
+        reads would stop it once full) and kills each worker it counted lost that has not ended
+        LOST_GRACE seconds later."""
+        coord = self.procs.get("coordinator")
+        if coord is not None and coord.stdout is not None and not coord.stdout.closed:
+            heard, pending = self._heard
+            if heard is not coord:  # (a restarted coordinator: what the last one left unfinished is void)
+                pending = b""
+            while select.select([coord.stdout], [], [], 0)[0]:
+                chunk = os.read(coord.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    break  # (it ended: the watch sees that)
+                pending += chunk
+            *lines, pending = pending.split(b"\n")
+            self._heard = (coord, pending[-(1 << 16):])
+            for line in lines:
+                if line.startswith(b"MOEMESH_LOST "):
+                    try:
+                        lost = json.loads(line.split(b" ", 1)[1])
+                        pid, reason = int(lost["pid"]), str(lost["reason"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    self.lost.setdefault(pid, (time.monotonic() + LOST_GRACE, reason))
+        now = time.monotonic()
+        for pid, (at, reason) in list(self.lost.items()):
+            if now >= at:
+                del self.lost[pid]
+                self._kill_lost(pid, reason)
+
+    def _kill_lost(self, pid: int, reason: str) -> None:
+        """Kills this launcher's worker process `pid` if it still runs (the watch then restarts it)."""
+        for name, proc in self.procs.items():
+            if name.startswith("stage-worker") and proc.pid == pid and proc.poll() is None:
+                log.warning("killing a worker the coordinator counted lost", extra={"fields": {
+                    "child": name, "pid": pid, "seconds_since": LOST_GRACE, "reason": reason}})
+                proc.kill()
 
     def _down(self, died: str) -> None:
         """The mesh is down for good: say so (`died`), and reap the children that end from now on."""

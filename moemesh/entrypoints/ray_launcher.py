@@ -34,8 +34,10 @@ def _worker_actor():
     class StageWorkerActor:
         """Runs one stage worker in the actor's process until the coordinator shuts it down."""
 
-        def node_ip(self) -> str:
-            return ray.util.get_node_ip_address()
+        def where(self) -> tuple[str, int]:
+            """(its node's address, its process id: the worker's, which the coordinator names when it
+            counts the worker lost)"""
+            return ray.util.get_node_ip_address(), os.getpid()
 
         def run(self, argv: list[str]) -> int:
             """`argv`: the worker's settings as flags (WorkerSettings.to_argv), as a process would get them."""
@@ -61,6 +63,7 @@ class RayMesh(LocalMesh):
         self.actors, self.runs, self.groups = [], {}, []
         self.placement: dict[str, tuple] = {}  # actor name -> (coordinator address, pp rank, tp rank, group)
         self.by_name: dict = {}
+        self.pids: dict[str, int] = {}  # actor name -> its process id
         self._started_ray = False  # this process called ray.init (and so ray.shutdown at stop)
         self._own_cluster = False  # ... and that started a Ray of its own (no --ray-address)
 
@@ -118,7 +121,7 @@ class RayMesh(LocalMesh):
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
         ).remote()
         try:
-            host = ray.get(actor.node_ip.remote(), timeout=PLACEMENT_TIMEOUT)
+            host, self.pids[name] = ray.get(actor.where.remote(), timeout=PLACEMENT_TIMEOUT)
         except TimeoutError:  # (ray.exceptions.GetTimeoutError)
             ray.kill(actor)
             raise LaunchError(f"Ray did not start {name} within {PLACEMENT_TIMEOUT:.0f} s "
@@ -151,6 +154,17 @@ class RayMesh(LocalMesh):
             log.error("actor restart failed", extra={"fields": {"actor": name, "error": f"{type(e).__name__}: {e}"}})
             return False
         return True
+
+    def _kill_lost(self, pid: int, reason: str) -> None:
+        """Kills the actor whose process is `pid` if its worker still runs (the watch then replaces it)."""
+        super()._kill_lost(pid, reason)
+        import ray
+
+        for name, actor_pid in self.pids.items():
+            if actor_pid == pid and name in self.runs and name in self.by_name:
+                log.warning("killing a worker the coordinator counted lost", extra={"fields": {
+                    "actor": name, "pid": pid, "reason": reason}})
+                ray.kill(self.by_name[name])
 
     def _check_children(self) -> tuple[str | None, str] | None:
         """(name, description) of a process or actor that ended (the watcher restarts it)."""
