@@ -70,10 +70,10 @@ class ChatTemplate:
         return cls(source, tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        kwargs = {"tools": None, "documents": None, **kwargs}
+        # (a request's chat_template_kwargs override the special tokens, as transformers lets them)
+        kwargs = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens, **kwargs)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except TemplateError:
             raise
         except Exception as e:  # a template bug (or a message it cannot handle): the client's request fails

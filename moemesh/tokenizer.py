@@ -122,6 +122,21 @@ class TextTokenizer:
         # (a character's first byte: in the last 3)
         return bool(whole_characters(b"".join(self.token_bytes(t) for t in ids[-4:]))[1])
 
+    def whole_prefix(self, ids: list[int], end: int | None = None) -> int:
+        """The largest b <= end (default: all of them) where ids[:b] ends at a whole character, told by
+        the bytes (a decode's U+FFFD cannot tell: a byte-fallback decoder turns every byte of a run of
+        <0xNN> pieces into one when any of them is not whole). A character's bytes span at most 4
+        tokens."""
+        end = len(ids) if end is None else end
+        tail = [self.token_bytes(t) for t in ids[max(0, end - 4):end]]
+        b, inside = end, len(whole_characters(b"".join(tail))[1])  # (the bytes of the character begun)
+        for piece in reversed(tail):  # back to the token its first byte is in, that one included
+            if inside <= 0:
+                break
+            inside -= len(piece)
+            b -= 1
+        return b
+
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self._tok.get_added_tokens_decoder())

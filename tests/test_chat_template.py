@@ -303,3 +303,11 @@ def test_generation_block_renders_its_body(model_dir, tmp_path):
     ours, theirs = _both(d, MULTI_TURN, False)
     assert "assistant: Hi, how can I help?" in theirs
     assert ours == theirs
+
+
+def test_a_requests_template_kwargs_override_the_special_tokens():
+    """chat_template_kwargs: {"bos_token": ...} replaces the tokenizer's, as transformers' apply_chat_template
+    lets it (it had been a 400: bos_token given twice)."""
+    template = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}", {"bos_token": "<s>"})
+    assert template.render(SYSTEM_USER[:1], False) == "<s>" + SYSTEM_USER[0]["content"]
+    assert template.render(SYSTEM_USER[:1], False, bos_token="") == SYSTEM_USER[0]["content"]
