@@ -119,6 +119,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], eos_token_ids: tuple[int, ...] | None = None) -> "ModelConfig":
         model_type = raw.get("model_type")
+        if model_type is None:
+            archs = raw.get("architectures")
+            implied = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(archs[0]) \
+                if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+            raise ConfigError("config.json has no model_type" + (f" (its architectures say {implied!r}: add "
+                                                                  f'"model_type": "{implied}")' if implied else ""))
         if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
             archs = raw.get("architectures")
             arch = archs[0] if isinstance(archs, list) and archs else model_type
@@ -152,34 +158,51 @@ class ModelConfig:
         # reads as 8192, as transformers takes it)
         max_positions = raw.int("max_position_embeddings", defaults["max_position_embeddings"], maximum=MAX_POSITIONS,
                                 integral_float=True)
-        sliding = raw.int("sliding_window", None) if raw.bool("use_sliding_window", model_type == "mixtral") \
-            else None
+        # Mixtral's attention slides wherever sliding_window is set (it has no use_sliding_window); the
+        # Qwen MoE models' where use_sliding_window says so, 4096 wide unless sliding_window says
+        # otherwise (null: no window)
+        if model_type == "mixtral":
+            sliding = raw.int("sliding_window", None)
+        elif raw.bool("use_sliding_window", False) and not ("sliding_window" in raw and raw["sliding_window"] is None):
+            sliding = raw.int("sliding_window", defaults["sliding_window"])
+        else:
+            sliding = None
         if sliding is not None and sliding < max_positions:
-            raise ConfigError(f"sliding_window={sliding} attention is not supported")
+            raise ConfigError(f"sliding_window={sliding} attention is not supported" +
+                              ("" if model_type == "mixtral" else " (use_sliding_window is true)"))
 
         intermediate = raw.int("intermediate_size")
         num_experts = 0
         if model_type != "llama":
-            num_experts = raw.int("num_local_experts" if "num_local_experts" in raw else "num_experts", 0, minimum=0)
+            # (transformers' Mixtral and Qwen3-MoE take either name; Qwen2-MoE only num_experts)
+            name = "num_local_experts" if "num_local_experts" in raw and model_type != "qwen2_moe" else "num_experts"
+            num_experts = raw.int(name, defaults["num_experts"], minimum=0)
         moe = {}
         if num_experts:
             top_k = raw.get("num_experts_per_tok")
+            top_k = defaults["num_experts_per_tok"] if top_k is None else top_k
             if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
                 raise ConfigError(f"num_experts_per_tok={top_k!r} must be between 1 and the {num_experts} experts")
+            qwen = model_type != "mixtral"  # (fields transformers' Mixtral does not read)
             moe = dict(
                 num_experts=num_experts,
                 top_k=top_k,
                 # Mixtral's experts use `intermediate_size`; Qwen MoE has a separate field.
-                moe_intermediate_size=raw.int("moe_intermediate_size", intermediate),
+                moe_intermediate_size=(raw.int("moe_intermediate_size", defaults["moe_intermediate_size"])
+                                       if qwen else intermediate),
                 # Mixtral always renormalises the top-k weights; Qwen says so in its config.
-                norm_topk_prob=True if model_type == "mixtral" else raw.bool("norm_topk_prob", False),
-                shared_expert_intermediate_size=raw.int("shared_expert_intermediate_size",
-                                                        defaults.get("shared_expert_intermediate_size", 0),
-                                                        minimum=0),
+                norm_topk_prob=raw.bool("norm_topk_prob", False) if qwen else True,
+                # (Qwen3-MoE has no shared expert)
+                shared_expert_intermediate_size=(raw.int("shared_expert_intermediate_size",
+                                                         defaults["shared_expert_intermediate_size"], minimum=0)
+                                                 if model_type == "qwen2_moe" else 0),
                 # (0 reads as 1: every layer sparse)
-                decoder_sparse_step=raw.int("decoder_sparse_step", 1, minimum=0) or 1,
-                mlp_only_layers=raw.ints("mlp_only_layers"),
+                decoder_sparse_step=(raw.int("decoder_sparse_step", 1, minimum=0) or 1) if qwen else 1,
+                mlp_only_layers=raw.ints("mlp_only_layers") if qwen else (),
             )
+        # (left out: the architecture's default; null: one per attention head, as transformers fills in)
+        kv_default = heads if "num_key_value_heads" in raw else defaults["num_key_value_heads"] or heads
+        num_kv_heads = raw.int("num_key_value_heads", kv_default)
         attention_bias = raw.bool("attention_bias", False)
         if eos_token_ids is None:
             eos_token_ids = _as_tuple(raw.get("eos_token_id"))
@@ -193,7 +216,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=raw.int("num_hidden_layers", maximum=MAX_LAYERS),
             num_heads=heads,
-            num_kv_heads=raw.int("num_key_value_heads", heads),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=intermediate,
             rms_norm_eps=raw.eps("rms_norm_eps", defaults["rms_norm_eps"]),
@@ -367,19 +390,28 @@ def _eos_ids(raw: dict, generation_config: Path) -> tuple[int, ...]:
 
 
 # transformers' defaults for fields a config.json may leave out, by architecture (its config classes')
+# (num_key_value_heads None: one per attention head)
 HF_DEFAULTS = {
-    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
+                "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2},
     "qwen2_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-                  "shared_expert_intermediate_size": 5632},
-    "qwen3_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "llama": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+                  "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "sliding_window": 4096},
+    "qwen3_moe": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                  "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "sliding_window": 4096},
+    "llama": {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "num_key_value_heads": None},
 }
 
 
 def _rope_config(raw: "_Fields", default_theta: float, max_positions: int) -> RopeConfig:
-    # transformers 5.x: rope_parameters {rope_theta, rope_type, ...}; the hub: rope_theta + rope_scaling
-    params = {**raw.object("rope_scaling"), **raw.object("rope_parameters")}
-    where = "rope_parameters" if "rope_parameters" in raw else "rope_scaling"
+    # transformers 5.x: rope_parameters {rope_theta, rope_type, ...}; the hub: rope_theta + rope_scaling. A
+    # rope_scaling given (a model card's recipe added to a saved config) replaces rope_parameters whole, as
+    # transformers takes it
+    scaling_given = raw.object("rope_scaling")
+    params = dict(scaling_given or raw.object("rope_parameters"))
+    where = "rope_scaling" if scaling_given else "rope_parameters"
     theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -65,11 +65,19 @@ class CheckpointReader:
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             self.weight_map: dict[str, str] = read_index(index)["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():  # (transformers reads it alone: a stray file beside it is
+            # no part of the model)
+            self.weight_map = {name: "model.safetensors" for name in _header_names(self.dir / "model.safetensors")}
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
                 raise LoadError(f"no *.safetensors files in {self.dir}")
-            self.weight_map = {name: f.name for f in files for name in _header_names(f)}
+            self.weight_map = {}
+            for f in files:
+                for name in _header_names(f):
+                    if self.weight_map.setdefault(name, f.name) != f.name:
+                        raise LoadError(f"tensor {name!r} is in both {self.weight_map[name]} and {f.name} in "
+                                        f"{self.dir}, which has no model.safetensors.index.json to say which")
 
     def get(self, name: str) -> LazyTensor:
         file = self.weight_map.get(name)

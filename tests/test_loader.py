@@ -110,7 +110,7 @@ def test_unsupported_architecture_lists_the_supported(single, tmp_path):
 
 def test_config_spellings():
     base = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                intermediate_size=8, num_experts_per_tok=1)
+                num_key_value_heads=2, intermediate_size=8, num_experts_per_tok=1)
     hub = ModelConfig.from_hf({**base, "num_experts": 4, "rope_theta": 5e5,
                                "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     new = ModelConfig.from_hf({**base, "num_local_experts": 4,
@@ -129,8 +129,8 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
     """What transformers' config classes fill in for a missing field (Mixtral's rope_theta 1e6 and eps
     1e-5, Qwen2-MoE's 5632-wide shared expert), Qwen2-MoE's qkv_bias switch, no attention biases for
     Mixtral (transformers has none), and rope scalings or head counts that cannot work refused."""
-    base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
-                num_experts_per_tok=1)
+    base = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=8, num_experts_per_tok=1)
     mixtral = ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4, "attention_bias": True})
     assert (mixtral.rope.theta, mixtral.rms_norm_eps, mixtral.max_position_embeddings) == (1e6, 1e-5, 131072)
     assert not mixtral.qkv_bias and not mixtral.o_bias
@@ -154,6 +154,63 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
                        ({"head_dim": 9}, "head_dim 9 is odd"), ({"hidden_size": 10}, "head_dim 5 is odd")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig.from_hf({**base, "model_type": "llama", **bad})
+
+
+def test_config_fields_are_read_as_transformers_reads_them(tmp_path):
+    """The fields whose reading differed from transformers' (the oracle: its AutoConfig on the same
+    config.json): a rope_scaling added beside rope_parameters replaces it; Mixtral slides wherever sliding_window is set, the Qwen MoE
+    models 4096 wide when use_sliding_window alone is set; each architecture's own defaults for the
+    head, expert and width counts, and fields only the architectures that have them read."""
+    import transformers
+
+    def theirs(config: dict):  # (as transformers loads a checkpoint's config.json)
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        return transformers.AutoConfig.from_pretrained(d)
+
+    base = dict(vocab_size=10, hidden_size=16, num_hidden_layers=2, num_attention_heads=8, intermediate_size=8)
+    qwen3 = {**base, "model_type": "qwen3_moe", "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    linear = {**qwen3, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    hf = theirs(linear).rope_parameters
+    ours = ModelConfig.from_hf(linear).rope
+    assert (ours.rope_type, ours.factor, ours.theta) == (hf["rope_type"], hf["factor"], hf["rope_theta"]) \
+        == ("linear", 4.0, 1e4)
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        ModelConfig.from_hf({**qwen3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    mixtral = {**base, "model_type": "mixtral"}
+    with pytest.raises(ConfigError, match="sliding_window=8"):
+        ModelConfig.from_hf({**mixtral, "sliding_window": 8, "use_sliding_window": False})
+    with pytest.raises(ConfigError, match="sliding_window=4096.*use_sliding_window"):
+        ModelConfig.from_hf({**qwen3, "use_sliding_window": True})
+    assert ModelConfig.from_hf({**qwen3, "use_sliding_window": True, "sliding_window": None})
+    # left out: transformers' defaults (Mixtral: 8 KV heads, 8 experts, top 2; Qwen3-MoE: 768 wide experts)
+    hf = theirs(mixtral)
+    ours = ModelConfig.from_hf({**mixtral, "decoder_sparse_step": 2, "mlp_only_layers": [0]})
+    assert (ours.num_kv_heads, ours.num_experts, ours.top_k) == (hf.num_key_value_heads, hf.num_local_experts,
+                                                                 hf.num_experts_per_tok) == (8, 8, 2)
+    assert (ours.decoder_sparse_step, ours.mlp_only_layers) == (1, ())  # (Mixtral's layers are all sparse)
+    no_width = {k: v for k, v in qwen3.items()}
+    ours = ModelConfig.from_hf({**no_width, "shared_expert_intermediate_size": 32})
+    assert (ours.moe_intermediate_size, ours.shared_expert_intermediate_size) == (768, 0)  # (no shared expert)
+    assert ModelConfig.from_hf({**mixtral, "num_key_value_heads": None}).num_kv_heads == 8  # (null: one per head)
+    with pytest.raises(ConfigError, match="no model_type.*'mixtral'"):
+        ModelConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"]})
+
+
+def test_a_stray_weights_file_beside_model_safetensors_is_not_read(single, tmp_path):
+    """Without an index transformers reads model.safetensors alone; without either, a tensor in two
+    files is refused (the last file in name order had won, silently)."""
+    shutil.copytree(single, tmp_path / "m")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    save_file({name: torch.zeros_like(weights[name])}, str(tmp_path / "m" / "model_old.safetensors"))
+    _, stats = load_model(tmp_path / "m", progress=False)
+    assert stats.files_opened == {"model.safetensors"} and name in stats.bytes_by_tensor
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "model-a.safetensors")
+    with pytest.raises(LoadError, match=f"{name}.*both model-a.safetensors and model_old.safetensors"):
+        load_model(tmp_path / "m", progress=False)
 
 
 def test_fp8_codes_where_moemesh_loads_floats_and_a_broken_index_are_refused(single, tmp_path):

@@ -102,6 +102,37 @@ def test_layouts_the_model_cannot_take_are_refused():
         check_layout(dense, 2, expert_parallel=True)
 
 
+def test_a_vocabulary_smaller_than_the_ranks_rows_leaves_the_last_ranks_padding_only():
+    """5 tokens over 4 ranks (2 rows each): rank 3 starts past the vocabulary (its load had failed
+    with a negative row count); the ranks' rows still add up to the table, padding zero."""
+    import torch
+
+    from stage_worker.layers.vocab import VocabParallelEmbedding
+
+    table = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    rows = []
+    for rank in range(4):
+        shard = VocabParallelEmbedding(5, 3, TPGroup(rank, 4))
+        shard.weight_loader(shard.weight, table)
+        rows.append(shard.weight.data[:shard.end - shard.start])
+        assert not shard.weight.data[shard.end - shard.start:].any()
+    assert torch.equal(torch.cat(rows), table) and [len(r) for r in rows] == [2, 2, 1, 0]
+
+
+def test_cuda_meshes_need_a_gpu_for_every_worker_before_any_starts(tmp_path, monkeypatch):
+    import torch
+
+    from moemesh_kernels.backend import BackendError
+
+    build_hf_model("mixtral", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    LocalMesh.of(EngineSettings(model=str(tmp_path), pp=3, device="cuda"))._check_workers_can_run()
+    with pytest.raises(BackendError, match=r"--device cuda, one GPU for each of the 4 \(--pp x --tp\) workers, "
+                                           r"needs cuda:3: this host has 3 CUDA devices"):
+        LocalMesh.of(EngineSettings(model=str(tmp_path), pp=2, tp=2, device="cuda"))._check_workers_can_run()
+
+
 def test_the_coordinator_refuses_a_bad_layout_before_any_worker_starts(tmp_path, capsys):
     from moemesh.entrypoints.cli import main
 

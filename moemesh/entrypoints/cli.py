@@ -538,7 +538,10 @@ def cmd_stage(args) -> int:
     check_exposure(stage.mesh_keys, stage.insecure_mesh, host=stage.host, coordinator=stage.coordinator)
     from moemesh_kernels.backend import check_device
 
-    check_device(stage.device)
+    if stage.device == "cuda":  # (rank i on cuda:i)
+        check_device(f"cuda:{stage.tp - 1}", f"--device cuda, one GPU for each of the --tp {stage.tp} ranks, needs")
+    else:
+        check_device(stage.device)
     return run_stage(StageSettings.derive(stage, threads=threads_per_worker(stage.threads, stage.tp)))
 
 

@@ -184,11 +184,16 @@ class LocalMesh:
         from moemesh_kernels.backend import check_device, resolve_backend
         from stage_worker.loader import check_checkpoint
 
-        check_device(self.worker.device)
+        workers = self.coordinator.pp * self.coordinator.tp
+        # (cuda: one GPU a worker, worker i on cuda:i)
+        if self.worker.device == "cuda":
+            check_device(f"cuda:{workers - 1}", f"--device cuda, one GPU for each of the {workers} (--pp x --tp) "
+                                                f"workers, needs")
+        else:
+            check_device(self.worker.device)
         if self.coordinator.moe_backend == "native":
             resolve_backend("native", self.worker.device)
         check_checkpoint(self.coordinator.model)
-        workers = self.coordinator.pp * self.coordinator.tp
         memory = host_memory()
         if self.worker.device == "cpu" and self.worker.num_kv_blocks is None and self.worker.kv_memory * workers > memory:
             raise ConfigError(f"--kv-memory {self.worker.kv_memory} for each of the {workers} stage workers is "

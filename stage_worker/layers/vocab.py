@@ -17,7 +17,8 @@ class VocabParallel(nn.Module):
         self.tp = tp
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
-        self.start = tp.rank * self.rows_per_rank
+        # (a vocabulary smaller than tp x (tp - 1) leaves the last ranks padding rows only)
+        self.start = min(tp.rank * self.rows_per_rank, vocab_size)
         self.end = min(self.start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
