@@ -507,8 +507,9 @@ class Coordinator:
             log.info("failure report for a worker no longer in the pipeline", extra={"fields": {
                 "pp_rank": msg.pp_rank, "tp_rank": msg.tp_rank, "error": msg.error}})
             return
-        if w is None:
-            self.bad_worker(ProtocolError(f"{type(msg).__name__} from an unregistered worker"), repr(identity))
+        if w is None:  # (well-formed, and usual around a recovery or a restart: not counted as malformed)
+            log.info("message from a worker not in the pipeline, told to exit", extra={"fields": {
+                "type": type(msg).__name__, "identity": repr(identity)}})
             # a worker this pipeline dropped (silent too long, a stage peer), or one registered with a
             # coordinator that died before this one: it exits, is started again and registers afresh
             # (not once the pipeline is down: nothing would take it, it would only restart in a loop)

@@ -42,41 +42,47 @@ class Metrics:
                                          labels, registry=r)
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted",
                                      labels, registry=r)
-        self.recoveries = Gauge("moemesh:recoveries", "Workers lost and the pipeline rebuilt without them", labels,
-                                registry=r)
-        self.recovery_seconds = Gauge("moemesh:recovery_seconds", "Seconds spent recovering, in all", labels,
-                                      registry=r)
-        self.requests_resumed = Gauge("moemesh:requests_resumed", "Sequences recomputed after a recovery", labels,
-                                      registry=r)
-        self.worker_restarts = Gauge("moemesh:worker_restarts", "Lost stage workers replaced by a restarted "
-                                     "process, since the coordinator started", labels, registry=r)
-        self.mesh_refused = Gauge("moemesh:mesh_handshakes_refused", "Connections to mesh sockets refused for a "
-                                  "missing or unknown CurveZMQ key, since the coordinator started", labels, registry=r)
-        self.malformed = Gauge("moemesh:malformed_messages", "Mesh messages that did not decode or could not be "
-                               "handled, since the coordinator started", labels, registry=r)
+        # (the coordinator's running totals, as counters: monotonic across a coordinator started afresh)
+        self.recoveries = Counter("moemesh:recoveries", "Workers lost and the pipeline rebuilt without them", labels,
+                                  registry=r)
+        self.recovery_seconds = Counter("moemesh:recovery_seconds", "Seconds spent recovering, in all", labels,
+                                        registry=r)
+        self.requests_resumed = Counter("moemesh:requests_resumed", "Sequences recomputed after a recovery", labels,
+                                        registry=r)
+        self.worker_restarts = Counter("moemesh:worker_restarts", "Lost stage workers replaced by a restarted "
+                                       "process", labels, registry=r)
+        self.mesh_refused = Counter("moemesh:mesh_handshakes_refused", "Connections to mesh sockets refused for a "
+                                    "missing or unknown CurveZMQ key", labels, registry=r)
+        self.malformed = Counter("moemesh:malformed_messages", "Mesh messages that did not decode or could not be "
+                                 "handled", labels, registry=r)
         self.slow_clients = Counter("moemesh:slow_clients_aborted", "Streaming requests aborted because their "
                                     "client stopped reading (--stream-timeout)", labels, registry=r)
         # every series there from the start (as vLLM's), so that rates and alerts see zeros, not "no data"
         for metric in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
-                       self.slow_clients):
+                       self.slow_clients, self.recoveries, self.recovery_seconds, self.requests_resumed,
+                       self.worker_restarts, self.mesh_refused, self.malformed):
             metric.labels(model)
         for reason in FINISHED_REASONS:
             self.requests.labels(model, reason)
         self._last_busy: tuple[float, list[float]] | None = None
-        self._last_totals = (0,) * 6  # the coordinator's running totals at the last status (see update_from_status)
+        self._last_totals = (0,) * 12  # the coordinator's running totals at the last status (see update_from_status)
         self._instance = None  # the coordinator that reported them
+
+    def coordinator_silent(self, streams: int) -> None:
+        """No status comes: the gauges say what this gateway knows (its requests still in flight), not
+        the last status's figures, frozen."""
+        m = self.model
+        self.running.labels(m).set(streams)
+        self.waiting.labels(m).set(0)
+        self.kv_usage.labels(m).set(0)
+        self.stage_busy.clear()
+        self._last_busy = None
 
     def update_from_status(self, status, now: float) -> None:
         m = self.model
         self.running.labels(m).set(status.num_running)
         self.waiting.labels(m).set(status.num_waiting)
         self.kv_usage.labels(m).set(1 - status.num_free_blocks / status.num_blocks if status.num_blocks else 0)
-        self.recoveries.labels(m).set(status.recoveries)
-        self.recovery_seconds.labels(m).set(status.recovery_seconds)
-        self.requests_resumed.labels(m).set(status.requests_resumed)
-        self.mesh_refused.labels(m).set(status.mesh_refused)
-        self.worker_restarts.labels(m).set(status.workers_replaced)
-        self.malformed.labels(m).set(status.malformed_messages)
         if self._last_busy is not None:
             then, busy = self._last_busy
             dt = max(now - then, 1e-9)
@@ -85,11 +91,14 @@ class Metrics:
         self._last_busy = (now, list(status.stage_busy_seconds))
         # the coordinator's running totals, as counters: what they rose by since the last status
         totals = (status.prefix_cache_queries, status.prefix_cache_hits, status.num_preemptions, status.spec_drafts,
-                  status.spec_draft_tokens, status.spec_accepted_tokens)
+                  status.spec_draft_tokens, status.spec_accepted_tokens, status.recoveries, status.recovery_seconds,
+                  status.requests_resumed, status.workers_replaced, status.mesh_refused, status.malformed_messages)
         if status.instance != self._instance or any(t < last for t, last in zip(totals, self._last_totals)):
             self._last_totals = (0,) * len(totals)  # a new coordinator counts from zero again
         self._instance = status.instance
         for counter, total, last in zip((self.prefix_queries, self.prefix_hits, self.preemptions, self.spec_drafts,
-                                         self.spec_draft_tokens, self.spec_accepted), totals, self._last_totals):
+                                         self.spec_draft_tokens, self.spec_accepted, self.recoveries,
+                                         self.recovery_seconds, self.requests_resumed, self.worker_restarts,
+                                         self.mesh_refused, self.malformed), totals, self._last_totals):
             counter.labels(m).inc(max(0, total - last))
         self._last_totals = totals

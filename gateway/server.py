@@ -257,6 +257,7 @@ class Gateway:
                     log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams),
                                                                     "silent_seconds": round(now - silent_since, 1)}})
                     self.client.fail_all(reason)
+                self.metrics.coordinator_silent(len(self.client.streams))
             await asyncio.sleep(0.5)
 
     def fail(self, reason: str) -> None:

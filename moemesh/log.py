@@ -1,4 +1,5 @@
-"""Structured, quiet-by-default logging: one `key=value` line per event on stderr."""
+"""Structured, quiet-by-default logging: one `key=value` line per event on stderr, the libraries'
+records (aiohttp, asyncio, Ray, Python warnings) in the same format, at warning and above."""
 
 from __future__ import annotations
 
@@ -14,18 +15,37 @@ class KeyValueFormatter(logging.Formatter):
                f"msg={record.getMessage()!r}"
         for key, value in getattr(record, "fields", {}).items():
             line += f" {key}={value!r}" if isinstance(value, str) else f" {key}={value}"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+        if record.exc_info and record.exc_info[1] is not None:  # (on the same line: one line an event)
+            exc = record.exc_info[1]
+            line += f" exception={f'{type(exc).__name__}: {exc}'!r} traceback={self.formatException(record.exc_info)!r}"
         return line
+
+
+class _ClientsMalformedRequests(logging.Filter):
+    """aiohttp's server logs every malformed HTTP request a client sends (bad framing, a bad header) as
+    an error with its traceback: the client's fault, which any client could make fill the log. Kept
+    for --log-level debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and type(exc).__module__ == "aiohttp.http_exceptions":
+            return logging.getLogger("moemesh").isEnabledFor(logging.DEBUG)
+        return True
 
 
 def setup_logging(level: str = "warning") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter())
-    root = logging.getLogger("moemesh")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    handler.addFilter(_ClientsMalformedRequests())
+    handler.moemesh = True  # (the one to replace when called again; others' handlers, a test's, stay)
+    ours = logging.getLogger("moemesh")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level.upper())
+    ours.propagate = False
+    root = logging.getLogger()  # every other logger: warnings and errors, in the same format
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "moemesh", False)] + [handler]
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)
 
 
 def get_logger(name: str) -> logging.Logger:

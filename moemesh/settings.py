@@ -226,10 +226,10 @@ class Settings:
             if var in environ:
                 default, required = _from_env(var, environ[var]), False
             kwargs = dict(dest=f.name, default=default, help=change.get("help", spec.help))
-            if f.type in (bool, "bool"):
-                action = parser.add_argument(option_name(f.name), action="store_true", **kwargs)
-                if isinstance(default, _EnvText):  # (argparse converts a string default with the action's type)
-                    action.type = _env_bool
+            if f.type in (bool, "bool"):  # --flag, or --flag=false to turn off what a MOEMESH_* variable set
+                # (argparse converts a string default, a variable's, with the type too)
+                parser.add_argument(option_name(f.name), nargs="?", const=True, type=_flag_bool,
+                                    metavar="true|false", **kwargs)
                 continue
             if isinstance(default, _EnvText):  # parsed by argparse only if this command runs without the flag
                 kwargs["type"] = _env_checked(spec)
@@ -272,7 +272,8 @@ class Settings:
             value = getattr(self, f.name)
             if value is None or value is False:
                 continue
-            argv += [option_name(f.name)] if value is True else [option_name(f.name), render(value)]
+            # (one item, --flag=value: a value that starts with "-" is not taken for a flag)
+            argv.append(option_name(f.name) if value is True else f"{option_name(f.name)}={render(value)}")
         return argv
 
     def to_env(self) -> dict[str, str]:
@@ -296,7 +297,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def _from_env(var: str, raw: str) -> _EnvText:
-    text = _EnvText(raw)
+    text = _EnvText(raw.strip())  # (a value a compose file or a shell quoted with its spaces)
     text.var = var
     return text
 
@@ -305,6 +306,15 @@ def _env_bool(text: _EnvText) -> bool:
     """A boolean flag's MOEMESH_* value (argparse names the flag with the error)."""
     if text.lower() not in _TRUE + _FALSE:
         raise argparse.ArgumentTypeError(f"{text.var}={str(text)!r} is not 1/0, true/false, yes/no or on/off")
+    return text.lower() in _TRUE
+
+
+def _flag_bool(text: str) -> bool:
+    """A boolean flag's value: --flag=false, or its MOEMESH_* variable's."""
+    if isinstance(text, _EnvText):
+        return _env_bool(text)
+    if text.lower() not in _TRUE + _FALSE:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 1/0, true/false, yes/no or on/off")
     return text.lower() in _TRUE
 
 
@@ -331,7 +341,8 @@ def _env_checked(spec: Flag):
 
 @dataclass(frozen=True)
 class LogSettings(Settings):
-    log_level: str = flag("warning", "what the processes log", choices=("debug", "info", "warning", "error"))
+    log_level: str = flag("warning", "what the processes log", parse=str.lower,
+                          choices=("debug", "info", "warning", "error"))
 
 
 @dataclass(frozen=True)

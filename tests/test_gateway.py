@@ -1407,6 +1407,36 @@ def metric(server, name: str, **labels) -> float:
     return total
 
 
+def test_recovery_counters_survive_a_new_coordinator_and_silence_unfreezes_the_gauges():
+    """The coordinator's running totals (recoveries, restarts, refusals, malformed messages) are
+    counters: a coordinator started afresh counts from zero, the gateway's series go on. While no
+    status comes, the gauges say the gateway's own requests, not the last status frozen."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.metrics import Metrics
+    from moemesh.protocol import StatusReply
+
+    def status(instance, recoveries, running=3):
+        return StatusReply(True, 8, 4, running, 2, 0, [0.0], [0.0], 1.0, recoveries, instance=instance,
+                           recoveries=recoveries, workers_replaced=recoveries)
+
+    def sample(m, name):
+        text = generate_latest(m.registry).decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    m = Metrics("m")
+    m.update_from_status(status("a", 1), 1.0)
+    m.update_from_status(status("b", 0), 2.0)  # (a coordinator started afresh)
+    m.update_from_status(status("b", 2), 3.0)
+    for name in ("moemesh:recoveries_total", "moemesh:worker_restarts_total", "moemesh:malformed_messages_total"):
+        assert sample(m, name) == 3, name
+    assert (sample(m, "vllm:num_requests_running"), sample(m, "vllm:kv_cache_usage_perc")) == (3, 0.5)
+    m.coordinator_silent(streams=1)
+    assert (sample(m, "vllm:num_requests_running"), sample(m, "vllm:num_requests_waiting"),
+            sample(m, "vllm:kv_cache_usage_perc")) == (1, 0, 0)
+
+
 def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
     text = http("GET", f"{server.url}/metrics")[1].decode()  # every series there from the start, as vLLM's
     assert all(f'finished_reason="{reason}"' in text for reason in ("stop", "length", "abort", "error"))
@@ -1496,10 +1526,11 @@ def test_api_key_429_a_recovered_worker_and_a_dead_coordinator(model):
         while time.monotonic() < deadline and http("GET", f"{server.url}/ready")[0] != 200:
             time.sleep(0.2)
         assert json.loads(http("GET", f"{server.url}/ready")[1]) == {"ready": True, "pipeline": "serving"}
-        while time.monotonic() < deadline and metric(server, "moemesh:recoveries") < 1:
+        while time.monotonic() < deadline and metric(server, "moemesh:recoveries_total") < 1:
             time.sleep(0.2)
-        assert metric(server, "moemesh:recoveries") == 1 and metric(server, "moemesh:requests_resumed") >= 1
-        assert metric(server, "moemesh:worker_restarts") == 1
+        assert metric(server, "moemesh:recoveries_total") == 1
+        assert metric(server, "moemesh:requests_resumed_total") >= 1
+        assert metric(server, "moemesh:worker_restarts_total") == 1
         # the coordinator dies while a request streams (its first tokens have arrived, so it cannot be sent
         # again unseen): it ends with an error, /ready turns 503; `serve` starts the coordinator again on the
         # same ports, the workers (hearing nothing) exit, are started again and register with it, and the
@@ -1625,7 +1656,8 @@ def test_a_silent_coordinator_is_down_at_once_and_its_requests_wait_for_it(monke
         gateway = gs.Gateway(GatewaySettings(model=str(Path(moemesh.__file__).parent / "demo_model")))
         gateway.client, gateway.down, gateway._stopping = Silent(answers_at), down, False
         gateway.status = StatusReply(True, 8, 8, 1, 0, 0, [0.0], [0.0], 1.0, 0, instance="a")
-        gateway.max_model_len, gateway.metrics = 0, types.SimpleNamespace(update_from_status=lambda *a: None)
+        gateway.max_model_len = 0
+        gateway.metrics = types.SimpleNamespace(update_from_status=lambda *a: None, coordinator_silent=lambda *a: None)
         poller = asyncio.ensure_future(gateway._poll_status())
         while clock[0] < until:
             await asyncio.sleep(0.05)

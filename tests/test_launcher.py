@@ -149,7 +149,7 @@ def test_serve_and_generate_give_their_coordinator_its_timeouts(model):
         c = mesh.coordinator
         assert (c.worker_timeout, c.step_timeout, c.recovery_timeout) == (3, 7, 300), command
         argv = c.to_argv()
-        assert argv[argv.index("--step-timeout") + 1] == "7.0" and "--recovery-timeout" in argv
+        assert "--step-timeout=7.0" in argv and "--recovery-timeout=300.0" in argv
 
 
 def _two_free_ports_in_a_row() -> int:

@@ -40,6 +40,11 @@ def test_argv_and_environment_rebuild_the_settings(cls):
 
 def test_a_command_line_flag_beats_the_environment_and_a_bad_variable_names_both(capsys):
     assert WorkerSettings.from_argv(["--tp-rank", "0"], environ={"MOEMESH_TP_RANK": "1"}).tp_rank == 0
+    # a boolean a variable set is turned off by --flag=false (a bare --flag is true, as ever)
+    on = {"MOEMESH_INSECURE_MESH": "1"}
+    assert WorkerSettings.from_argv([], environ=on).insecure_mesh
+    assert not WorkerSettings.from_argv(["--insecure-mesh=false"], environ=on).insecure_mesh
+    assert WorkerSettings.from_argv(["--insecure-mesh"], environ={}).insecure_mesh
     with pytest.raises(SystemExit):
         WorkerSettings.from_argv([], environ={"MOEMESH_TP_RANK": "one"})
     err = capsys.readouterr().err
@@ -137,3 +142,65 @@ def test_a_positive_number_flag_refuses_infinity_and_nan():
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
+
+
+def test_values_that_start_with_a_dash_and_padded_or_upper_case_variables_reach_the_children():
+    """A path like "-demo" is a value, not a flag, in a child's argv (--model=-demo); a variable a
+    compose file quoted with its spaces, or a log level in capitals, reads as meant."""
+    from moemesh.settings import GatewaySettings
+
+    s = GatewaySettings(model="-demo", api_key="-abc")
+    assert GatewaySettings.from_argv(s.to_argv()) == s
+    env = {"MOEMESH_INSECURE_MESH": " 1", "MOEMESH_PORT": " 8100 "}
+    parsed = GatewaySettings.from_argv([], environ=env)
+    assert (parsed.insecure_mesh, parsed.port) == (True, 8100)
+    assert LogSettings.from_argv([], environ={"MOEMESH_LOG_LEVEL": "INFO"}).log_level == "info"
+    assert LogSettings.from_argv(["--log-level", "DEBUG"]).log_level == "debug"
+
+
+def test_library_records_are_one_structured_line_and_a_clients_malformed_request_is_not_logged(capsys):
+    """aiohttp's, asyncio's and Python's warnings come out as moemesh's key=value lines, a traceback on
+    the same line; the error aiohttp logs for each malformed request a client sends stays out of the
+    log below --log-level debug (any client could fill it)."""
+    import logging
+    import warnings
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from moemesh.log import setup_logging
+
+    setup_logging("warning")
+    try:
+        server = logging.getLogger("aiohttp.server")
+        for exc in (BadHttpMessage("bad framing"), RuntimeError("a handler's bug")):
+            try:
+                raise exc
+            except Exception:
+                server.exception("Error handling request")
+        warnings.warn("a library warning")
+        logging.getLogger("asyncio").info("not at warning")
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("ts=") and "logger=aiohttp.server" in lines[0]
+        assert "exception=\"RuntimeError: a handler's bug\"" in lines[0] and "traceback='Traceback" in lines[0]
+        assert "logger=py.warnings" in lines[1] and "UserWarning: a library warning" in lines[1]
+        setup_logging("debug")
+        try:
+            raise BadHttpMessage("bad framing")
+        except Exception:
+            server.exception("Error handling request")
+        assert "BadHttpMessage" in capsys.readouterr().err
+    finally:
+        setup_logging("warning")
+        logging.captureWarnings(False)
+
+
+def test_a_token_budget_whose_messages_a_worker_could_not_take_is_refused_naming_the_flags(tmp_path):
+    """--max-batched-tokens 1e10: the workers' derived --max-message-bytes is past what their flags take;
+    refused here, not by every worker in a restart loop that never names the user's flag."""
+    from hf_models import build_hf_model
+    from moemesh.errors import ConfigError
+
+    build_hf_model("mixtral", tmp_path)
+    with pytest.raises(ConfigError, match="--max-batched-tokens 10000000000 with --max-seqs"):
+        LocalMesh.of(EngineSettings(model=str(tmp_path), max_batched_tokens=10_000_000_000))

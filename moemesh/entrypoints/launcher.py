@@ -41,6 +41,7 @@ class LaunchError(RuntimeError):
 
 MAX_RESTARTS = 5  # restarts of one child in any 60 s
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)  # seconds before the n-th restart within that minute
+MAX_MESSAGE_BYTES = 1 << 40  # the most --max-message-bytes / --max-activation-bytes take
 LOST_GRACE = 2.0  # seconds a worker the coordinator counted lost has to exit on its own before it is killed
 
 
@@ -65,9 +66,14 @@ def worker_message_limits(engine: EngineSettings) -> dict[str, int]:
     mc = ModelConfig.from_dir(engine.model)
     max_len = SchedulerConfig.for_model(engine.max_batched_tokens, engine.max_seqs, engine.max_model_len,
                                         mc.max_position_embeddings).max_model_len
-    return {"max_message_bytes": worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs,
-                                                      max_len, engine.block_size),
-            "max_activation_bytes": max_activation_bytes(mc.hidden_size, engine.max_batched_tokens)}
+    limits = {"max_message_bytes": worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs,
+                                                        max_len, engine.block_size),
+              "max_activation_bytes": max_activation_bytes(mc.hidden_size, engine.max_batched_tokens)}
+    if max(limits.values()) > MAX_MESSAGE_BYTES:  # (what a worker's flags take: refused there, in a restart loop)
+        raise ConfigError(f"--max-batched-tokens {engine.max_batched_tokens} with --max-seqs {engine.max_seqs}: a "
+                          f"step's messages to a stage worker could be {max(limits.values()):,} bytes, more than "
+                          f"the {MAX_MESSAGE_BYTES:,} one takes")
+    return limits
 
 
 # not a role's settings: every process reads them (the last two: the CPU kernels' prefetch policy
@@ -329,7 +335,7 @@ class LocalMesh:
         """Starts child `name` again as it was started; whether it did."""
         if name == "coordinator":
             ports = {"--port": self.worker_address.rsplit(":", 1)[1], "--client-port": self.client_address.rsplit(":", 1)[1]}
-            argv = [ports.get(prev, arg) for prev, arg in zip([None, *self.argv[name]], self.argv[name])]
+            argv = [f"{flag}={ports[flag]}" if (flag := arg.split("=", 1)[0]) in ports else arg for arg in self.argv[name]]
             try:
                 self._read_announcement(self._spawn(name, argv))
             except LaunchError as e:

@@ -15,6 +15,7 @@ restart budget, and the coordinator's recovery takes the replacement in.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
@@ -39,13 +40,17 @@ def _worker_actor():
             counts the worker lost)"""
             return ray.util.get_node_ip_address(), os.getpid()
 
-        def run(self, argv: list[str]) -> int:
-            """`argv`: the worker's settings as flags (WorkerSettings.to_argv), as a process would get them."""
+        def run(self, argv: list[str], log_level: str = "warning") -> int:
+            """`argv`: the worker's settings as flags (WorkerSettings.to_argv), as a process would get them;
+            it logs as a process would (on stderr, which Ray hands to the driver)."""
             import torch
 
+            from moemesh.log import setup_logging
             from moemesh.netutil import run
             from moemesh.settings import WorkerSettings
             from stage_worker.worker import StageWorker
+
+            setup_logging(log_level)
 
             settings = WorkerSettings.from_argv(argv)
             torch.set_num_threads(settings.threads or 1)
@@ -91,7 +96,9 @@ class RayMesh(LocalMesh):
             raise LaunchError("--launcher ray needs Ray: pip install 'ray>=2.40'") from None
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
+            # (the actors' stderr, their workers' log lines, forwarded here; Ray's own at our --log-level)
+            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=True,
+                     logging_level=logging.getLogger("moemesh").getEffectiveLevel(),
                      **({} if self.ray_address else {"num_cpus": max(2, os.cpu_count() or 2)}))
             self._started_ray, self._own_cluster = True, not self.ray_address
         self._actor_cls = _worker_actor()
@@ -132,7 +139,7 @@ class RayMesh(LocalMesh):
                                       device="cuda:0" if gpu else "cpu")  # (Ray shows the actor its one GPU)
         self.actors.append(actor)
         self.by_name[name] = actor
-        self.runs[name] = actor.run.remote(worker.to_argv())
+        self.runs[name] = actor.run.remote(worker.to_argv(), os.environ.get("MOEMESH_LOG_LEVEL", "warning"))
 
     def _restartable(self, name: str) -> bool:
         return name in self.placement or super()._restartable(name)
