@@ -158,9 +158,10 @@ def test_fields_a_config_leaves_out_take_transformers_defaults_and_bad_ones_are_
 
 def test_config_fields_are_read_as_transformers_reads_them(tmp_path):
     """The fields whose reading differed from transformers' (the oracle: its AutoConfig on the same
-    config.json): a rope_scaling added beside rope_parameters replaces it; Mixtral slides wherever sliding_window is set, the Qwen MoE
-    models 4096 wide when use_sliding_window alone is set; each architecture's own defaults for the
-    head, expert and width counts, and fields only the architectures that have them read."""
+    config.json): a rope_scaling added beside rope_parameters replaces it; Mixtral slides wherever
+    sliding_window is set, the Qwen MoE models 4096 wide when use_sliding_window alone is set; each
+    architecture's own defaults for the head, expert and width counts, and fields only the
+    architectures that have them read."""
     import transformers
 
     def theirs(config: dict):  # (as transformers loads a checkpoint's config.json)

@@ -335,7 +335,8 @@ class LocalMesh:
         """Starts child `name` again as it was started; whether it did."""
         if name == "coordinator":
             ports = {"--port": self.worker_address.rsplit(":", 1)[1], "--client-port": self.client_address.rsplit(":", 1)[1]}
-            argv = [f"{flag}={ports[flag]}" if (flag := arg.split("=", 1)[0]) in ports else arg for arg in self.argv[name]]
+            argv = [f"{flag}={ports[flag]}" if (flag := arg.split("=", 1)[0]) in ports else arg
+                    for arg in self.argv[name]]
             try:
                 self._read_announcement(self._spawn(name, argv))
             except LaunchError as e:
