@@ -665,7 +665,7 @@ class Gateway:
         fields = {k: v for k, v in fields.items() if v is not None}
         if fields.get("top_k") == -1:
             fields["top_k"] = 0  # (-1: off, as vLLM spells it)
-        seed = body.seed
+        seed = None if body.seed == -1 else body.seed  # (-1: no seed, as vLLM reads it)
         if seed is not None:  # any 64-bit integer, signed or not (vLLM takes the signed; the sampler's are 63-bit)
             if not -(1 << 63) <= seed < 1 << 64:
                 raise HTTPError(400, "seed must be a 64-bit integer", "seed")

@@ -40,7 +40,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self):
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 <= self.temperature < float("inf"), "temperature must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.top_k < 1 << 31, "top_k must be in [0, 2^31) (0 turns it off; the HTTP API takes -1 too)"),
             (self.seed is None or 0 <= self.seed < 1 << 63, "seed must be in [0, 2^63)"),

@@ -5,7 +5,7 @@ table) and allowed_token_ids (only those are), bad_words (a word's last token, w
 with the rest of it), logit_bias (added to the logits, as OpenAI's and vLLM's), min_tokens (EOS and
 stop tokens banned until enough tokens exist), repetition penalty (prompt and output tokens),
 presence and frequency penalties (output tokens), then greedy rows take the argmax; the others
-apply temperature, top-k, top-p and min-p and draw once by the exponential race (argmax of
+apply temperature, min-p, top-k and top-p and draw once by the exponential race (argmax of
 p / Exp(1) noise, which samples from p). A seeded request draws its noise from a generator seeded
 by (seed, index of the token being sampled), so its tokens do not depend on what else is in the
 batch, on the pipeline layout, or on a recomputation after preemption.
@@ -135,7 +135,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int
 def verify_sampled(logits: torch.Tensor, params: SamplingParams, draft: list[int],
                    generator: torch.Generator | None) -> list[int]:
     """Speculative sampling's check of draft tokens proposed with certainty (prompt lookup): logits
-    [k + 1, V], row i's distribution p_i (temperature, top-k, top-p, min-p as `sample` applies them)
+    [k + 1, V], row i's distribution p_i (temperature, min-p, top-k, top-p as `sample` applies them)
     after the sequence's tokens and draft[:i]. Draft token i is kept with probability p_i(draft[i]);
     the first refused is replaced by a draw from p_i without it (renormalized), and after k kept a
     token is drawn from p_k. Each token so made is distributed as sampling it from p_i would be (the
@@ -236,10 +236,18 @@ def _apply_penalties(row: torch.Tensor, r: SampleRow, V: int) -> None:
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[n, V] logits -> probabilities after temperature, top-k, top-p and min-p."""
+    """[n, V] logits -> probabilities after temperature, min-p, top-k and top-p, in vLLM's order (min-p
+    on the tempered distribution; top-k keeps every token tied with the k-th, as vLLM cuts by value)."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+    # (a temperature past the dtype's largest would be inf there: a banned -inf / inf is NaN, and a row of
+    # NaN draws token 0 whatever its bans)
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float64)
+    temps = temps.clamp_(max=torch.finfo(logits.dtype).max).to(device=dev, dtype=logits.dtype).unsqueeze(1)
     logits = logits / temps
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
@@ -247,7 +255,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         V = logits.shape[-1]
         rank = torch.arange(V, device=dev).unsqueeze(0)
         k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev).unsqueeze(1)
-        drop = rank >= k
+        drop = sorted_logits < sorted_logits.gather(1, k - 1)  # (below the k-th's value)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # top-p: keep the smallest prefix whose mass reaches p (always the top token); rows with
         # top_p == 1 are left alone (a float32 cumsum can round up to 1 before the tail ends)
@@ -255,9 +263,4 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         p = torch.tensor(top_p, dtype=probs.dtype, device=dev).unsqueeze(1)
         drop |= (before >= p) & (p < 1) & (rank > 0)  # (the top token stays whatever top_p is)
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return logits.softmax(dim=-1)

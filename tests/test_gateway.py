@@ -327,6 +327,13 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, "ignore_eos": True, **ok})
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, (ok, body)
         assert len(json.loads(body)["choices"]) == 1
+    # seed -1 is no seed (vLLM's reading): draws differ; a seed repeats
+    def drawn(seed):
+        body = http("POST", completions, {"prompt": "x", "max_tokens": 8, "ignore_eos": True, "temperature": 1.0,
+                                          "seed": seed})[1]
+        return json.loads(body)["choices"][0]["text"]
+
+    assert len({drawn(-1) for _ in range(3)}) > 1 and drawn(7) == drawn(7)
     status, body, _ = http("POST", completions, {"prompt": "x", "max_tokens": 2, "ignore_eos": None})
     assert status == 200, body  # (null: the default, false)
     status, body, _ = http("POST", completions, raw=b'{"prompt": "x", "temperature": 1e400}')

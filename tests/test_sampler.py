@@ -172,6 +172,31 @@ def test_top_p_exactly_reached_by_a_prefix_keeps_only_that_prefix(top_p, kept):
     assert set(seeded_draws([0.125, 0.125, 0.25, 0.5], 500, top_p=top_p)) == kept
 
 
+def test_min_p_applies_before_top_p_as_vllm_orders_them():
+    """vLLM's order: temperature, min-p, then top-k and top-p over what min-p left (renormalised). min-p
+    drops the 0.05s (below 0.2 x 0.4), leaving 0.5 / 0.3125 / 0.1875, whose first two reach top_p 0.7;
+    applied after top-p, as before, token 2 (0.65 < 0.7 before it) was drawn too."""
+    probs = [0.4, 0.25, 0.15, 0.05, 0.05, 0.05, 0.05]
+    tokens = seeded_draws(probs, N_DRAWS, top_p=0.7, min_p=0.2)
+    assert set(tokens) == {0, 1}
+    assert abs(frequencies(tokens, 7)[0].item() - 0.5 / 0.8125) < TOL
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """vLLM cuts top-k by value: three logits tied at the top with top_k=1 are all drawn."""
+    logits = torch.tensor([2.0, 2.0, 2.0, 0.0, -1.0])
+    tokens = sample(logits.repeat(600, 1), [SamplingParams(top_k=1, seed=i) for i in range(600)], [0] * 600)
+    assert set(tokens) == {0, 1, 2}
+
+
+def test_a_huge_temperature_keeps_the_bans():
+    """1e39 is past float32: the temperature as inf made a banned -inf logit NaN, the row all NaN, and
+    token 0 drawn whatever was banned. Clamped, the row is uniform over what it may draw."""
+    logits = torch.tensor([0.0, 5.0, float("-inf"), 1.0, float("-inf")])
+    tokens = sample(logits.repeat(400, 1), [SamplingParams(temperature=1e39, seed=i) for i in range(400)], [0] * 400)
+    assert set(tokens) == {0, 1, 3}
+
+
 def test_top_k_then_top_p_apply_to_the_renormalised_top_k():
     probs = [0.05, 0.15, 0.3, 0.5]
     # top_k=2 leaves {3: 0.625, 2: 0.375}; top_p=0.6 then keeps token 3 alone
@@ -216,6 +241,7 @@ def test_min_tokens_bans_eos_for_sampled_rows_and_ignores_ids_outside_the_vocab(
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.01), "top_p"),
     (dict(top_p=-0.5), "top_p"),
