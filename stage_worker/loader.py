@@ -221,10 +221,17 @@ def load_model(model_dir: str | Path, config: ModelConfig | None = None, layers:
                 raise LoadError(f"tensor {ckpt_name!r} in {tensor.file} is stored as {tensor.dtype}, but moemesh "
                                 f"loads {name} unquantized (an FP8 checkpoint's lm_head and router gates must "
                                 f"be 16/32-bit)")
+            if param.dtype == torch.float8_e4m3fn and tensor.dtype != "F8_E4M3":
+                # (e5m2 codes or a 16-bit weight would be cast by value: saturated at 448, or scaled twice)
+                raise LoadError(f"tensor {ckpt_name!r} in {tensor.file} is stored as {tensor.dtype}, but {name} is "
+                                f"an FP8 weight: an FP8 checkpoint's quantized weights must be F8_E4M3")
             try:
                 loader(param, tensor, shard)
             except ValueError as e:
                 raise LoadError(f"tensor {ckpt_name!r} in {tensor.file}: {e}") from None
+    # (the float weights a quantization or the native kernels' packing replaces are freed as they go, not
+    # held by this list until the end: a load's peak is one copy of the weights, not two)
+    params = param = None
     model.set_backend(backend)
     model.process_weights_after_loading()
     return model.eval(), reader.stats

@@ -135,3 +135,59 @@ def test_a_quantize_that_fails_part_way_leaves_no_checkpoint_behind(checkpoints,
         main(["quantize", "--model", str(original), "--out", str(kept)])
     assert [p.name for p in kept.iterdir()] == ["README.md"]
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_quantize_ended_by_sigterm_or_a_failed_write_takes_its_shards_back(checkpoints, tmp_path, monkeypatch,
+                                                                             capsys):
+    """SIGTERM (or SIGHUP) mid-write ends the command as ^C does, the shards written taken back (the
+    default action had left them, and a rerun refused the --out they were in); a write that safetensors
+    fails is --out's fault, not --model's."""
+    import os
+    import signal
+
+    from safetensors import SafetensorError
+
+    import moemesh.entrypoints.quantize as quantize
+
+    original, _ = checkpoints
+    real_save = quantize.save_file
+
+    def terminated(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(quantize, "save_file", terminated)
+    out = tmp_path / "terminated"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--model", str(original), "--out", str(out)])
+    assert exc.value.code == 128 + signal.SIGTERM and not out.exists()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # (put back)
+
+    def too_large(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: File too large")
+
+    monkeypatch.setattr(quantize, "save_file", too_large)
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", str(original), "--out", str(tmp_path / "large")])
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'large'}: Error while serializing" in err and "--model" not in err
+
+
+def test_fp8_weights_stored_in_another_format_are_refused(checkpoints, tmp_path):
+    """An FP8 parameter takes F8_E4M3 codes only: e5m2 codes (or a 16-bit weight beside a weight_scale)
+    were cast by value, saturated at 448."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from stage_worker.loader import LoadError
+
+    _, quantized = checkpoints
+    shutil.copytree(quantized, tmp_path / "q")
+    path = next((tmp_path / "q").glob("*.safetensors"))
+    tensors = load_file(str(path))
+    name = next(k for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn and "o_proj" in k)
+    for wrong in (torch.float8_e5m2, torch.bfloat16):
+        save_file({**tensors, name: tensors[name].to(wrong)}, str(path))
+        with pytest.raises(LoadError, match=f"{name}.*an FP8 weight.*F8_E4M3"):
+            engine(tmp_path / "q")

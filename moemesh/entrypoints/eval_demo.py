@@ -27,13 +27,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from moemesh.entrypoints.signals import stop_on_hangup
 from moemesh.entrypoints.tiny_model import ENDOFTEXT_ID
 from moemesh.errors import CLIError
 
@@ -245,30 +244,6 @@ def failure(e: Exception, log: Path) -> str:
     except OSError:
         return message
     return f"{message} (see {log})"
-
-
-@contextmanager
-def stop_on_hangup():
-    """SIGTERM and SIGHUP end the command as Ctrl-C does, by an exception (SystemExit, with the status
-    their default action gives), so that every `finally` stops its server and lm-eval: the default
-    action ended this process alone and left them running. A signal ignored (nohup) stays ignored."""
-    signals = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) != signal.SIG_IGN]
-    if threading.current_thread() is not threading.main_thread():  # (only the main thread handles signals)
-        signals = []
-    before = {sig: signal.getsignal(sig) for sig in signals}
-
-    def handler(signum, frame):
-        for sig in signals:  # (once: a second signal must not cut the cleanup short)
-            signal.signal(sig, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    for sig in signals:
-        signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in before.items():
-            signal.signal(sig, h)
 
 
 # -- the table --------------------------------------------------------------------------------------

@@ -25,10 +25,11 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from moemesh.entrypoints.signals import stop_on_hangup
 from moemesh_kernels.fp8 import quantize_fp8
 from stage_worker.loader import read_index
 
@@ -80,7 +81,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
     out_dir.mkdir(parents=True, exist_ok=True)
     before = set(out_dir.iterdir())
     try:
-        _write_quantized(model_dir, out_dir, handles, index, config, progress)
+        with stop_on_hangup():  # (SIGTERM, SIGHUP: taken back as after ^C)
+            _write_quantized(model_dir, out_dir, handles, index, config, progress)
     except BaseException:  # (a failure, or ^C, part way: no half-written checkpoint is left to be loaded)
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -111,7 +113,10 @@ def _write_quantized(model_dir: Path, out_dir: Path, handles: dict, index: dict 
             if bar is not None:
                 bar.update()
         out = {k: v.contiguous() for k, v in out.items()}
-        save_file(out, str(out_dir / file), metadata={"format": "pt"})
+        try:
+            save_file(out, str(out_dir / file), metadata={"format": "pt"})
+        except SafetensorError as e:  # (a write that failed: --out's fault, as an OSError says)
+            raise OSError(None, str(e), str(out_dir / file)) from None
         weight_map.update({name: file for name in out})
         total_size += sum(t.numel() * t.element_size() for t in out.values())
         total_params += sum(t.numel() for t in out.values())

@@ -15,7 +15,10 @@ w1/w3) and after loading every shard is requantized to the largest of them:
     q_i' = round(q_i * s_i / s_max)      (s_max >= s_i, so nothing can overflow)
 A shard whose scale was smaller is rounded a second time, on a grid s_max / s_i times coarser than
 its own; its error is then at most its first rounding's plus half an ULP of the coarser grid. vLLM
-does the same. Static input scales of fused shards (and of all experts) become their maximum.
+does the same. Static input scales of fused shards (and of all experts) become their maximum; with
+--expert-parallel, of the rank's own experts, so ranks may quantize activations a little differently
+(as vLLM's do). A checkpoint's KV-cache scales (k_scale, v_scale, kv_cache_scheme) are not read: the
+KV cache stays in the model's dtype.
 
 Activations are quantized too: with the checkpoint's `input_scale` ("static") or with a scale taken
 per tensor from each input ("dynamic", amax / 448). Here that is simulated: inputs and weights go
@@ -37,10 +40,6 @@ from moemesh_kernels.fp8 import (FP8_DTYPE, dequantize_fp8, fake_quantize_fp8, f
                                  quantize_fp8_per_expert)
 from stage_worker.layers.linear import cpu_gemm_layout
 
-# a fused module here -> the checkpoint modules it is made of (CausalLM.packed_modules)
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
 # -- config -----------------------------------------------------------------------------------
 
 
@@ -52,7 +51,8 @@ class Fp8Config:
         checkpoint's calibrated `input_scale`s; needs an FP8 checkpoint).
     checkpoint_is_fp8: the checkpoint already holds fp8 weights and scales; else they are quantized
         after loading.
-    ignored_layers: checkpoint module names left unquantized (e.g. "lm_head"); see `is_ignored`.
+    ignored_layers: checkpoint module names left unquantized (e.g. "lm_head"): only layers moemesh
+        never quantizes may be listed (moemesh.config refuses others at load).
     """
 
     activation_scheme: str = "dynamic"
@@ -79,19 +79,6 @@ class Fp8Config:
     @property
     def static_activations(self) -> bool:
         return self.activation_scheme == "static"
-
-    def is_ignored(self, prefix: str) -> bool:
-        """Whether the module `prefix` (checkpoint spelling, e.g. "model.layers.0.self_attn.qkv_proj")
-        stays unquantized; the model builder then passes quant=None for it. A fused module is ignored
-        if all the checkpoint modules in it are; a mix cannot be one fused weight and is refused."""
-        parent, _, leaf = prefix.rpartition(".")
-        if leaf not in _FUSED:
-            return prefix in self.ignored_layers
-        parts = [f"{parent}.{p}" if parent else p for p in _FUSED[leaf]]
-        ignored = {p in self.ignored_layers for p in parts}
-        if len(ignored) > 1:
-            raise ConfigError(f"ignored_layers lists some but not all of {parts}, which are one fused layer here")
-        return ignored.pop()
 
     def linear_method(self) -> "Fp8LinearMethod":
         return Fp8LinearMethod(self)
@@ -208,8 +195,8 @@ class Fp8LinearMethod:
 class Fp8FusedMoEMethod:
     """w13_weight [E, 2I, H] and w2_weight [E, H, I] fp8; w13_weight_scale [E, 2] (w1, w3) while loading,
     [E] after; w2_weight_scale [E]; static activations: w13_input_scale [E, 2] and w2_input_scale [E]
-    while loading, 0-dim after (one scale for all experts' inputs, as a fused GPU kernel quantizes the
-    routed rows together).
+    while loading, 0-dim after (one scale for all of the rank's experts' inputs, as a fused GPU kernel
+    quantizes the routed rows together).
 
     Parameter names are what `FusedMoE.checkpoint_sources` maps to the checkpoint: w13_weight_scale ->
     `experts.{e}.w1.weight_scale` and `experts.{e}.w3.weight_scale`, and so on."""
