@@ -77,6 +77,9 @@ def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     if settings.speculative_config is not None:
         settings = _from_vllm(settings)
     if not settings.num_speculative_tokens:
+        if settings.speculative_sampling:  # (it would do nothing, silently)
+            raise ConfigError("--speculative-sampling drafts for sampled requests too: it needs "
+                              "--num-speculative-tokens (or --speculative-config)")
         return None
     lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
     if lo > hi:

@@ -524,6 +524,8 @@ def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_s
             config(text)
     with pytest.raises(ConfigError, match="not both"):
         config('{"num_speculative_tokens": 2}', num_speculative_tokens=3)
+    with pytest.raises(ConfigError, match="--speculative-sampling .* needs --num-speculative-tokens"):
+        ngram_config(EngineSettings(model="m", speculative_sampling=True))  # (it had done nothing, silently)
 
 
 def test_the_cli_takes_vllms_speculative_config(model_dir, capsys):

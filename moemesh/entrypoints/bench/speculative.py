@@ -100,7 +100,7 @@ def run_speculative_bench(args) -> int:
                                           num_speculative_tokens=k, ngram_prompt_lookup_min=args.lookup_min,
                                           ngram_prompt_lookup_max=args.lookup_max,
                                           speculative_disable_by_batch_size=biggest,
-                                          speculative_sampling=args.temperature > 0), progress=None)
+                                          speculative_sampling=k > 0 and args.temperature > 0), progress=None)
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up
         for batch in args.batch:
             best, stats = 0.0, None
