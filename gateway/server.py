@@ -1370,7 +1370,7 @@ class Gateway:
     def _echo(self, ids: list[int]) -> str:
         """Token ids' echo: as they decode, up to a character they end inside of (told by the bytes),
         which the generated text starts with, whole (IncrementalDetokenizer)."""
-        return self.tokenizer.decode(ids[:self.tokenizer.whole_prefix(ids)], skip_special_tokens=False)
+        return self.tokenizer.whole_text(ids, skip_special_tokens=False)
 
     def _chat_delta(self, index: int, d: Delta, tools: ToolMode | None, thinking: ReasoningMode | None,
                     streams: dict[int, ToolStream], splits: dict[int, ReasoningStream]) -> tuple[dict, str | None, bool]:

@@ -94,7 +94,7 @@ class TextTokenizer:
         byte; else its text in UTF-8 (a special token's, an ordinary SentencePiece piece's)."""
         piece = self._tok.id_to_token(token_id)
         if piece is not None and token_id not in self._added_ids:
-            if self._byte_level:  # (where "<0x41>" would be six bytes of text)
+            if self.byte_level:  # (where "<0x41>" would be six bytes of text)
                 if all(c in _BYTE_OF for c in piece):
                     return bytes(_BYTE_OF[c] for c in piece)
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
@@ -116,6 +116,15 @@ class TextTokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    def whole_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The tokens' decode up to the character they end inside of, if they do: a byte-level
+        decode's one U+FFFD for it left out, or with byte fallback the decode of the tokens before it."""
+        if not self.ends_inside_character(ids):
+            return self.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.byte_level:
+            return self.decode(ids, skip_special_tokens=skip_special_tokens)[:-1]
+        return self.decode(ids[:self.whole_prefix(ids)], skip_special_tokens=skip_special_tokens)
+
     def ends_inside_character(self, ids: list[int]) -> bool:
         """Whether the tokens' bytes end inside a character: its first bytes there, the rest to come
         (not a U+FFFD the text holds, nor an invalid byte, which stay what they are)."""
@@ -123,10 +132,11 @@ class TextTokenizer:
         return bool(whole_characters(b"".join(self.token_bytes(t) for t in ids[-4:]))[1])
 
     def whole_prefix(self, ids: list[int], end: int | None = None) -> int:
-        """The largest b <= end (default: all of them) where ids[:b] ends at a whole character, told by
-        the bytes (a decode's U+FFFD cannot tell: a byte-fallback decoder turns every byte of a run of
-        <0xNN> pieces into one when any of them is not whole). A character's bytes span at most 4
-        tokens."""
+        """The largest b <= end (default: all of them) where ids[:b] ends before the token a character
+        not yet whole begins in, told by the bytes (a decode's U+FFFD cannot tell: a byte-fallback
+        decoder turns every byte of a run of <0xNN> pieces into one when any of them is not whole). A
+        character's bytes span at most 4 tokens. (A byte-level token may hold whole characters before
+        the first bytes of the next: those are left out too; `whole_text` keeps them.)"""
         end = len(ids) if end is None else end
         tail = [self.token_bytes(t) for t in ids[max(0, end - 4):end]]
         b, inside = end, len(whole_characters(b"".join(tail))[1])  # (the bytes of the character begun)
@@ -142,7 +152,7 @@ class TextTokenizer:
         return frozenset(self._tok.get_added_tokens_decoder())
 
     @cached_property
-    def _byte_level(self) -> bool:
+    def byte_level(self) -> bool:
         """Whether the decoder maps a byte alphabet back to bytes (a ByteLevel decoder, alone or in a
         sequence)."""
         import json

@@ -169,6 +169,7 @@ def test_library_records_are_one_structured_line_and_a_clients_malformed_request
 
     from moemesh.log import setup_logging
 
+    logging.captureWarnings(False)  # (an earlier test's command left it on, under another test's warnings)
     setup_logging("warning")
     try:
         server = logging.getLogger("aiohttp.server")
