@@ -1,5 +1,6 @@
 """Structured, quiet-by-default logging: one `key=value` line per event on stderr, the libraries'
-records (aiohttp, asyncio, Ray, Python warnings) in the same format, at warning and above."""
+records (aiohttp, asyncio, Python warnings) in the same format, at warning and above. (Ray's
+logger keeps a handler and format of its own.)"""
 
 from __future__ import annotations
 

@@ -51,7 +51,10 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _int_at_least(low: int, name: str, high: int = 1 << 40):
+MAX_COUNT = 1 << 40  # the most a count, size or byte flag takes (_int_at_least)
+
+
+def _int_at_least(low: int, name: str, high: int = MAX_COUNT):
     """An integer flag's parser, refusing values below `low` or above `high` (by default 2^40: no count,
     size or byte figure of a host comes near it, and a larger one would overflow a C integer in ZeroMQ
     or torch before anything said which flag it was); `name` is what argparse's errors say."""

@@ -156,12 +156,20 @@ def test_a_quantize_ended_by_sigterm_or_a_failed_write_takes_its_shards_back(che
         real_save(tensors, path, metadata=metadata)
         os.kill(os.getpid(), signal.SIGTERM)
 
+    real_rmtree = quantize.shutil.rmtree
+
+    def terminated_again(path, ignore_errors=False):  # (a second SIGTERM, to the whole group: waits)
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
     monkeypatch.setattr(quantize, "save_file", terminated)
+    monkeypatch.setattr(quantize.shutil, "rmtree", terminated_again)
     out = tmp_path / "terminated"
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--model", str(original), "--out", str(out)])
     assert exc.value.code == 128 + signal.SIGTERM and not out.exists()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # (put back)
+    monkeypatch.setattr(quantize.shutil, "rmtree", real_rmtree)
 
     def too_large(tensors, path, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: File too large")
@@ -191,3 +199,15 @@ def test_fp8_weights_stored_in_another_format_are_refused(checkpoints, tmp_path)
         save_file({**tensors, name: tensors[name].to(wrong)}, str(path))
         with pytest.raises(LoadError, match=f"{name}.*an FP8 weight.*F8_E4M3"):
             engine(tmp_path / "q")
+
+
+def test_quantize_reads_the_files_the_loader_reads(checkpoints, tmp_path):
+    """Without an index, model.safetensors alone (a stray file beside it had been quantized and written
+    into --out too, where the loader would not read it)."""
+    import shutil
+
+    original, _ = checkpoints
+    shutil.copytree(original, tmp_path / "m")
+    shutil.copy(tmp_path / "m" / "model.safetensors", tmp_path / "m" / "consolidated.safetensors")
+    assert main(["quantize", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "q")]) == 0
+    assert sorted(p.name for p in (tmp_path / "q").glob("*.safetensors")) == ["model.safetensors"]

@@ -315,3 +315,35 @@ def test_a_fault_of_the_watch_itself_says_the_mesh_is_down(model, monkeypatch):
     started = time.monotonic()
     mesh.stop()
     assert not watcher.is_alive() and time.monotonic() - started < 5
+
+
+def test_a_lost_line_kills_that_ranks_worker_only_if_it_is_that_process(monkeypatch):
+    """MOEMESH_LOST names the ranks and the pid: a pid is one host's, so a worker of other ranks with
+    the same pid (another host's, a Ray node's) is left alone, and so is a rank's worker already
+    replaced by a new process."""
+    import types
+
+    from moemesh.entrypoints import launcher
+    from moemesh.entrypoints.launcher import LocalMesh
+
+    killed = []
+
+    def proc(name, pid):
+        return types.SimpleNamespace(pid=pid, poll=lambda: None, kill=lambda: killed.append(name), stdout=None)
+
+    r, w = os.pipe()
+    mesh = LocalMesh(None, None)
+    coordinator = types.SimpleNamespace(stdout=os.fdopen(r, "rb", buffering=0))
+    mesh.procs = {"coordinator": coordinator, "stage-worker pp=0 tp=0": proc("pp=0", 42),
+                  "stage-worker pp=1 tp=0": proc("pp=1", 42), "stage-worker pp=2 tp=0": proc("pp=2", 43)}
+    monkeypatch.setattr(launcher, "LOST_GRACE", 0.0)
+    lines = [{"pp": 1, "tp": 0, "pid": 42, "reason": "silent"}, {"pp": 2, "tp": 0, "pid": 7, "reason": "old"}]
+    os.write(w, b"a library's line\n" + b"".join(b"MOEMESH_LOST " + json.dumps(x).encode() + b"\n" for x in lines)
+             + b"MOEMESH_LOST {\"pp\": 0, \"tp\"")  # (a line not finished yet: read when it is)
+    mesh._heed_coordinator()
+    assert killed == ["pp=1"] and not mesh.lost
+    os.write(w, b": 0, \"pid\": 42, \"reason\": \"silent\"}\n")
+    mesh._heed_coordinator()
+    assert killed == ["pp=1", "pp=0"]
+    os.close(w)
+    coordinator.stdout.close()

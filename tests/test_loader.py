@@ -192,10 +192,11 @@ def test_config_fields_are_read_as_transformers_reads_them(tmp_path):
     assert (ours.num_kv_heads, ours.num_experts, ours.top_k) == (hf.num_key_value_heads, hf.num_local_experts,
                                                                  hf.num_experts_per_tok) == (8, 8, 2)
     assert (ours.decoder_sparse_step, ours.mlp_only_layers) == (1, ())  # (Mixtral's layers are all sparse)
-    no_width = {k: v for k, v in qwen3.items()}
-    ours = ModelConfig.from_hf({**no_width, "shared_expert_intermediate_size": 32})
+    ours = ModelConfig.from_hf({**qwen3, "shared_expert_intermediate_size": 32})  # (and no moe_intermediate_size)
     assert (ours.moe_intermediate_size, ours.shared_expert_intermediate_size) == (768, 0)  # (no shared expert)
-    assert ModelConfig.from_hf({**mixtral, "num_key_value_heads": None}).num_kv_heads == 8  # (null: one per head)
+    sixteen = {**mixtral, "hidden_size": 32, "num_attention_heads": 16}  # (not Mixtral's default 8 KV heads)
+    assert ModelConfig.from_hf({**sixteen, "num_key_value_heads": None}).num_kv_heads == 16  # (null: one per head)
+    assert ModelConfig.from_hf(sixteen).num_kv_heads == 8
     with pytest.raises(ConfigError, match="no model_type.*'mixtral'"):
         ModelConfig.from_hf({**base, "architectures": ["MixtralForCausalLM"]})
 

@@ -30,7 +30,8 @@ from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.protocol import max_activation_bytes, worker_message_bytes
-from moemesh.settings import CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings, host_memory
+from moemesh.settings import (MAX_COUNT, CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings,
+                              host_memory)
 
 log = get_logger("launcher")
 
@@ -41,7 +42,6 @@ class LaunchError(RuntimeError):
 
 MAX_RESTARTS = 5  # restarts of one child in any 60 s
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)  # seconds before the n-th restart within that minute
-MAX_MESSAGE_BYTES = 1 << 40  # the most --max-message-bytes / --max-activation-bytes take
 LOST_GRACE = 2.0  # seconds a worker the coordinator counted lost has to exit on its own before it is killed
 
 
@@ -69,10 +69,10 @@ def worker_message_limits(engine: EngineSettings) -> dict[str, int]:
     limits = {"max_message_bytes": worker_message_bytes(mc.hidden_size, engine.max_batched_tokens, engine.max_seqs,
                                                         max_len, engine.block_size),
               "max_activation_bytes": max_activation_bytes(mc.hidden_size, engine.max_batched_tokens)}
-    if max(limits.values()) > MAX_MESSAGE_BYTES:  # (what a worker's flags take: refused there, in a restart loop)
+    if max(limits.values()) > MAX_COUNT:  # (what a worker's flags take: refused there, in a restart loop)
         raise ConfigError(f"--max-batched-tokens {engine.max_batched_tokens} with --max-seqs {engine.max_seqs}: a "
                           f"step's messages to a stage worker could be {max(limits.values()):,} bytes, more than "
-                          f"the {MAX_MESSAGE_BYTES:,} one takes")
+                          f"the {MAX_COUNT:,} one takes")
     return limits
 
 
@@ -122,7 +122,8 @@ class LocalMesh:
         self._stopping = False
         self._watcher: threading.Thread | None = None
         self._heard: tuple[subprocess.Popen | None, bytes] = (None, b"")  # (coordinator, its unfinished line)
-        self.lost: dict[int, tuple[float, str]] = {}  # pid -> (when to kill it, why the coordinator lost it)
+        # (pp, tp, pid) -> (when to kill it, why the coordinator lost it): a pid is one host's, so the ranks too
+        self.lost: dict[tuple[int, int, int], tuple[float, str]] = {}
 
     @classmethod
     def of(cls, engine: EngineSettings, extra_env: dict | None = None, **changes) -> "LocalMesh":
@@ -285,23 +286,26 @@ class LocalMesh:
                 if line.startswith(b"MOEMESH_LOST "):
                     try:
                         lost = json.loads(line.split(b" ", 1)[1])
-                        pid, reason = int(lost["pid"]), str(lost["reason"])
+                        key = (int(lost["pp"]), int(lost["tp"]), int(lost["pid"]))
+                        reason = str(lost["reason"])
                     except (ValueError, KeyError, TypeError):
                         continue
-                    self.lost.setdefault(pid, (time.monotonic() + LOST_GRACE, reason))
+                    self.lost.setdefault(key, (time.monotonic() + LOST_GRACE, reason))
         now = time.monotonic()
-        for pid, (at, reason) in list(self.lost.items()):
+        for (pp, tp, pid), (at, reason) in list(self.lost.items()):
             if now >= at:
-                del self.lost[pid]
-                self._kill_lost(pid, reason)
+                del self.lost[pp, tp, pid]
+                self._kill_lost(pp, tp, pid, reason)
 
-    def _kill_lost(self, pid: int, reason: str) -> None:
-        """Kills this launcher's worker process `pid` if it still runs (the watch then restarts it)."""
-        for name, proc in self.procs.items():
-            if name.startswith("stage-worker") and proc.pid == pid and proc.poll() is None:
-                log.warning("killing a worker the coordinator counted lost", extra={"fields": {
-                    "child": name, "pid": pid, "seconds_since": LOST_GRACE, "reason": reason}})
-                proc.kill()
+    def _kill_lost(self, pp: int, tp: int, pid: int, reason: str) -> None:
+        """Kills this launcher's worker for rank (pp, tp) if it is process `pid` and still runs (the watch
+        then restarts it)."""
+        name = f"stage-worker pp={pp} tp={tp}"
+        proc = self.procs.get(name)
+        if proc is not None and proc.pid == pid and proc.poll() is None:
+            log.warning("killing a worker the coordinator counted lost", extra={"fields": {
+                "child": name, "pid": pid, "seconds_since": LOST_GRACE, "reason": reason}})
+            proc.kill()
 
     def _down(self, died: str) -> None:
         """The mesh is down for good: say so (`died`), and reap the children that end from now on."""

@@ -71,25 +71,26 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, activation_s
     if index_path.is_file():
         index = read_index(index_path)  # (LoadError, a ValueError, for one that is not an index)
         files = sorted(set(index["weight_map"].values()))
-    else:
+    else:  # (as the loader reads one: model.safetensors alone where it is there)
         index = None
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        files = ["model.safetensors"] if (model_dir / "model.safetensors").is_file() else \
+            sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     handles = {f: safe_open(str(model_dir / f), framework="pt") for f in files}  # (before anything is made)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     before = set(out_dir.iterdir())
-    try:
-        with stop_on_hangup():  # (SIGTERM, SIGHUP: taken back as after ^C)
+    with stop_on_hangup():  # (SIGTERM, SIGHUP: taken back as after ^C; a second one waits for the cleanup)
+        try:
             _write_quantized(model_dir, out_dir, handles, index, config, progress)
-    except BaseException:  # (a failure, or ^C, part way: no half-written checkpoint is left to be loaded)
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        else:
-            for path in set(out_dir.iterdir()) - before:
-                path.unlink(missing_ok=True)
-        raise
+        except BaseException:  # (a failure, or ^C, part way: no half-written checkpoint is left to be loaded)
+            if created:
+                shutil.rmtree(out_dir, ignore_errors=True)
+            else:
+                for path in set(out_dir.iterdir()) - before:
+                    path.unlink(missing_ok=True)
+            raise
     return out_dir
 
 

@@ -162,16 +162,17 @@ class RayMesh(LocalMesh):
             return False
         return True
 
-    def _kill_lost(self, pid: int, reason: str) -> None:
-        """Kills the actor whose process is `pid` if its worker still runs (the watch then replaces it)."""
-        super()._kill_lost(pid, reason)
+    def _kill_lost(self, pp: int, tp: int, pid: int, reason: str) -> None:
+        """Kills the actor of rank (pp, tp) if its process is `pid` and its worker still runs (the watch
+        then replaces it; a pid alone could be another node's)."""
+        super()._kill_lost(pp, tp, pid, reason)
         import ray
 
-        for name, actor_pid in self.pids.items():
-            if actor_pid == pid and name in self.runs and name in self.by_name:
-                log.warning("killing a worker the coordinator counted lost", extra={"fields": {
-                    "actor": name, "pid": pid, "reason": reason}})
-                ray.kill(self.by_name[name])
+        name = f"ray actor pp={pp} tp={tp}"
+        if self.pids.get(name) == pid and name in self.runs and name in self.by_name:
+            log.warning("killing a worker the coordinator counted lost", extra={"fields": {
+                "actor": name, "pid": pid, "reason": reason}})
+            ray.kill(self.by_name[name])
 
     def _check_children(self) -> tuple[str | None, str] | None:
         """(name, description) of a process or actor that ended (the watcher restarts it)."""
