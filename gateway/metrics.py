@@ -65,7 +65,14 @@ class Metrics:
         for reason in FINISHED_REASONS:
             self.requests.labels(model, reason)
         self._last_busy: tuple[float, list[float]] | None = None
-        self._last_totals = (0,) * 12  # the coordinator's running totals at the last status (see update_from_status)
+        # the coordinator's running totals (StatusReply fields), each fed to its counter (update_from_status)
+        self._totals = ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                        (self.preemptions, "num_preemptions"), (self.spec_drafts, "spec_drafts"),
+                        (self.spec_draft_tokens, "spec_draft_tokens"), (self.spec_accepted, "spec_accepted_tokens"),
+                        (self.recoveries, "recoveries"), (self.recovery_seconds, "recovery_seconds"),
+                        (self.requests_resumed, "requests_resumed"), (self.worker_restarts, "workers_replaced"),
+                        (self.mesh_refused, "mesh_refused"), (self.malformed, "malformed_messages"))
+        self._last_totals = (0,) * len(self._totals)  # as the last status had them
         self._instance = None  # the coordinator that reported them
 
     def coordinator_silent(self, streams: int) -> None:
@@ -90,15 +97,10 @@ class Metrics:
                 self.stage_busy.labels(m, str(stage)).set(min(1.0, max(0.0, (b - a) / dt)))
         self._last_busy = (now, list(status.stage_busy_seconds))
         # the coordinator's running totals, as counters: what they rose by since the last status
-        totals = (status.prefix_cache_queries, status.prefix_cache_hits, status.num_preemptions, status.spec_drafts,
-                  status.spec_draft_tokens, status.spec_accepted_tokens, status.recoveries, status.recovery_seconds,
-                  status.requests_resumed, status.workers_replaced, status.mesh_refused, status.malformed_messages)
+        totals = tuple(getattr(status, field) for _, field in self._totals)
         if status.instance != self._instance or any(t < last for t, last in zip(totals, self._last_totals)):
             self._last_totals = (0,) * len(totals)  # a new coordinator counts from zero again
         self._instance = status.instance
-        for counter, total, last in zip((self.prefix_queries, self.prefix_hits, self.preemptions, self.spec_drafts,
-                                         self.spec_draft_tokens, self.spec_accepted, self.recoveries,
-                                         self.recovery_seconds, self.requests_resumed, self.worker_restarts,
-                                         self.mesh_refused, self.malformed), totals, self._last_totals):
+        for (counter, _), total, last in zip(self._totals, totals, self._last_totals):
             counter.labels(m).inc(max(0, total - last))
         self._last_totals = totals

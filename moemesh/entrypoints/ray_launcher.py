@@ -139,7 +139,8 @@ class RayMesh(LocalMesh):
                                       device="cuda:0" if gpu else "cpu")  # (Ray shows the actor its one GPU)
         self.actors.append(actor)
         self.by_name[name] = actor
-        self.runs[name] = actor.run.remote(worker.to_argv(), os.environ.get("MOEMESH_LOG_LEVEL", "warning"))
+        level = logging.getLevelName(logging.getLogger("moemesh").getEffectiveLevel()).lower()  # (as ray.init's)
+        self.runs[name] = actor.run.remote(worker.to_argv(), level)
 
     def _restartable(self, name: str) -> bool:
         return name in self.placement or super()._restartable(name)
