@@ -346,6 +346,8 @@ def _env_checked(spec: Flag):
 class LogSettings(Settings):
     log_level: str = flag("warning", "what the processes log", parse=str.lower,
                           choices=("debug", "info", "warning", "error"))
+    log_format: str = flag("text", "how each log line reads: text (key=value pairs) or json (one JSON object a "
+                                   "line, for a log shipper)", parse=str.lower, choices=("text", "json"))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ ODD = {  # a value unlike the default for every flag
     "client_port": 6001, "worker_timeout": 2.5, "register_timeout": 9.0, "ready_timeout": 11.0, "recovery_timeout": 7.0,
     "coordinator": "tcp://c:1", "pp_rank": 1, "tp_rank": 1, "advertise_host": "h", "device": "cuda:1",
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5, "max_stored_responses": 7,
-    "num_kv_blocks": 77, "coordinator_timeout": 4.5, "no_huge_pages": True, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "launcher": "ray",
+    "num_kv_blocks": 77, "coordinator_timeout": 4.5, "no_huge_pages": True, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "log_format": "json", "launcher": "ray",
     "mesh_keys": "/keys", "insecure_mesh": True, "max_message_bytes": 4096, "max_activation_bytes": 2048, "api_key_file": "/ak",
     "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "max_waiting": 9, "stream_timeout": 3.5, "drain_timeout": 0.25, "step_timeout": 33.0,
     "ray_address": "ray://x:1", "generation_config": "vllm", "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "standalone": True, "layers": "0:2", "replay": "/p", "tokens": 9, "seqs": 2,
@@ -194,6 +194,58 @@ def test_library_records_are_one_structured_line_and_a_clients_malformed_request
     finally:
         setup_logging("warning")
         logging.captureWarnings(False)
+
+
+def test_json_log_lines_hold_the_event_its_fields_and_its_traceback(capsys):
+    """--log-format json: one JSON object a line, for moemesh's records and the libraries' alike; a
+    field cannot replace the event's own keys; a value JSON cannot hold is its str()."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from moemesh.log import current_format, get_logger, setup_logging
+
+    logging.captureWarnings(False)
+    setup_logging("info", "json")
+    try:
+        assert current_format() == "json"
+        log = get_logger("test")
+        log.info("stage ready", extra={"fields": {"pp": 1, "path": Path("/m"), "msg": "not the message"}})
+        try:
+            raise RuntimeError("a worker's bug")
+        except RuntimeError:
+            logging.getLogger("aiohttp.server").exception("Error handling request")
+        log.debug("below the level")
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 2, lines
+        first, second = map(json.loads, lines)
+        assert (first["level"], first["logger"], first["msg"], first["pp"], first["path"]) == \
+            ("info", "moemesh.test", "stage ready", 1, "/m")
+        assert first["ts"].endswith("Z") and "exception" not in first
+        assert second["exception"] == "RuntimeError: a worker's bug"
+        assert second["traceback"].startswith("Traceback") and second["logger"] == "aiohttp.server"
+        with pytest.raises(ValueError, match="yaml"):
+            setup_logging("info", "yaml")
+    finally:
+        setup_logging("warning")
+        logging.captureWarnings(False)
+    assert current_format() == "text"
+
+
+def test_the_log_format_goes_before_or_after_the_command_and_to_the_processes_it_starts(monkeypatch):
+    import os
+
+    from moemesh.entrypoints.launcher import child_environment
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-format", "JSON"]).log_format == "json"
+    assert parser.parse_args(["--log-format", "json", "serve"]).log_format == "json"
+    monkeypatch.setenv("MOEMESH_LOG_FORMAT", "json")
+    assert build_parser().parse_args(["serve"]).log_format == "json"
+    assert child_environment()["MOEMESH_LOG_FORMAT"] == "json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--log-format", "xml"])
+    assert os.environ["MOEMESH_LOG_FORMAT"] == "json"
 
 
 def test_a_token_budget_whose_messages_a_worker_could_not_take_is_refused_naming_the_flags(tmp_path):

@@ -329,16 +329,18 @@ _temperature.__name__ = "temperature (0 to 2)"
 
 
 def _log_level_anywhere(parser: argparse.ArgumentParser) -> None:
-    """--log-level after the command as well as before it (`moemesh serve --log-level info`): every
-    subcommand takes it too, leaving the top-level value alone unless it is given there."""
-    choices = LogSettings.flags()[0].metadata["flag"].choices
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                if "--log-level" not in sub._option_string_actions:
-                    sub.add_argument("--log-level", dest="log_level", default=argparse.SUPPRESS, choices=choices,
-                                     help="what the processes log (as before the command)")
-                _log_level_anywhere(sub)
+    """--log-level and --log-format after the command as well as before it (`moemesh serve --log-level
+    info`): every subcommand takes them too, leaving the top-level value alone unless given there."""
+    for spec in LogSettings.flags():
+        option = "--" + spec.name.replace("_", "-")
+        choices = spec.metadata["flag"].choices
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    if option not in sub._option_string_actions:
+                        sub.add_argument(option, dest=spec.name, default=argparse.SUPPRESS, choices=choices,
+                                         type=str.lower, help=spec.metadata["flag"].help + " (as before the command)")
+                    _log_level_anywhere(sub)
 
 
 def out_path(text: str) -> Path:
@@ -374,16 +376,18 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from moemesh.log import setup_logging
 
-    setup_logging(args.log_level)
-    before = os.environ.get("MOEMESH_LOG_LEVEL")
-    os.environ["MOEMESH_LOG_LEVEL"] = args.log_level  # the processes it starts log at the same level
+    setup_logging(args.log_level, args.log_format)
+    logs = {"MOEMESH_LOG_LEVEL": args.log_level, "MOEMESH_LOG_FORMAT": args.log_format}
+    before = {var: os.environ.get(var) for var in logs}
+    os.environ.update(logs)  # the processes it starts log at the same level, in the same format
     try:
         return _command(parser, args, sys.argv[1:] if argv is None else argv)
     finally:  # (main may run inside another program, as the tests run it)
-        if before is None:
-            os.environ.pop("MOEMESH_LOG_LEVEL", None)
-        else:
-            os.environ["MOEMESH_LOG_LEVEL"] = before
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
         if signal.getsignal(signal.SIGTERM) is _exit_terminated:
             signal.signal(signal.SIGTERM, on_term)
 

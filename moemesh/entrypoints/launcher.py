@@ -78,7 +78,7 @@ def worker_message_limits(engine: EngineSettings) -> dict[str, int]:
 
 # not a role's settings: every process reads them (the last two: the CPU kernels' prefetch policy
 # and AMX tiles, kernels/cpu_gemm.py, set by hand for a whole mesh)
-_PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL", "MOEMESH_PREFETCH", "MOEMESH_AMX")
+_PROCESS_WIDE = ("MOEMESH_HOME", "MOEMESH_LOG_LEVEL", "MOEMESH_LOG_FORMAT", "MOEMESH_PREFETCH", "MOEMESH_AMX")
 
 
 def child_environment() -> dict[str, str]:

@@ -19,7 +19,7 @@ import logging
 import os
 
 from moemesh.entrypoints.launcher import LaunchError, LocalMesh
-from moemesh.log import get_logger
+from moemesh.log import current_format, get_logger
 
 log = get_logger("ray")
 
@@ -40,7 +40,7 @@ def _worker_actor():
             counts the worker lost)"""
             return ray.util.get_node_ip_address(), os.getpid()
 
-        def run(self, argv: list[str], log_level: str = "warning") -> int:
+        def run(self, argv: list[str], log_level: str = "warning", log_format: str = "text") -> int:
             """`argv`: the worker's settings as flags (WorkerSettings.to_argv), as a process would get them;
             it logs as a process would (on stderr, which Ray hands to the driver)."""
             import torch
@@ -50,7 +50,7 @@ def _worker_actor():
             from moemesh.settings import WorkerSettings
             from stage_worker.worker import StageWorker
 
-            setup_logging(log_level)
+            setup_logging(log_level, log_format)
 
             settings = WorkerSettings.from_argv(argv)
             torch.set_num_threads(settings.threads or 1)
@@ -140,7 +140,7 @@ class RayMesh(LocalMesh):
         self.actors.append(actor)
         self.by_name[name] = actor
         level = logging.getLevelName(logging.getLogger("moemesh").getEffectiveLevel()).lower()  # (as ray.init's)
-        self.runs[name] = actor.run.remote(worker.to_argv(), level)
+        self.runs[name] = actor.run.remote(worker.to_argv(), level, current_format())
 
     def _restartable(self, name: str) -> bool:
         return name in self.placement or super()._restartable(name)
