@@ -152,6 +152,27 @@ def test_serve_and_generate_give_their_coordinator_its_timeouts(model):
         assert "--step-timeout=7.0" in argv and "--recovery-timeout=300.0" in argv
 
 
+def test_serve_and_generate_take_their_stages_from_the_layer_partition(model, monkeypatch):
+    """--layer-partition 1,1 without --pp: two stages, on serve as on generate; --pp, or MOEMESH_PP,
+    that disagrees is refused naming both flags; neither flag: one stage."""
+    from moemesh.entrypoints.cli import build_parser
+    from moemesh.entrypoints.generate import engine_settings_from_args
+    from moemesh.errors import CLIError
+
+    for command in ("serve", "generate"):
+        extra = ["--prompt-ids", "5,6"] if command == "generate" else []
+        settings = engine_settings_from_args(build_parser().parse_args(
+            [command, "--model", str(model), "--layer-partition", "1,1", *extra]))
+        assert (settings.pp, settings.layer_partition) == (2, (1, 1)), command
+        assert engine_settings_from_args(build_parser().parse_args([command, "--model", str(model), *extra])).pp == 1
+        with pytest.raises(CLIError, match="--layer-partition has 2 stages but --pp is 1"):
+            engine_settings_from_args(build_parser().parse_args(
+                [command, "--model", str(model), "--layer-partition", "1,1", "--pp", "1", *extra]))
+    monkeypatch.setenv("MOEMESH_PP", "1")
+    with pytest.raises(CLIError, match="--layer-partition has 2 stages but --pp is 1"):
+        engine_settings_from_args(build_parser().parse_args(["serve", "--model", str(model), "--layer-partition", "1,1"]))
+
+
 def _two_free_ports_in_a_row() -> int:
     """P with P and P + 1 both free now (each bound once to see: a port the system handed out for P
     says nothing of P + 1, which another process may hold)."""

@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     GatewaySettings.add_arguments(gw, coordinator={"required": True})
 
     sv = sub.add_parser("serve", help="start coordinator, stage workers and gateway on this machine")
-    EngineSettings.add_arguments(sv)
+    EngineSettings.add_arguments(sv, pp={"default": None, "help": "pipeline stages (default: as many as "
+                                                                 "--layer-partition gives, or 1)"})
     GatewaySettings.add_arguments(sv, coordinator=None, model=None, mesh_keys=None, insecure_mesh=None)
     LaunchSettings.add_arguments(sv)
 
