@@ -15,6 +15,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import msgspec
+
 from coordinator.block_manager import BlockManager
 from coordinator.scheduler import Scheduler, SchedulerConfig, Step
 from coordinator.sequence import Sequence
@@ -48,10 +50,17 @@ class Ended:
     num_cached_tokens: int
     had_prompt_logprobs: bool
     error: str | None = None
+    queue_seconds: float | None = None
 
     @property
     def entries(self) -> int:
         return len(self.output_ids) + sum(1 + len(lp.top) for lp in self.logprobs or ())
+
+
+def _queue_seconds(seq: Sequence) -> float | None:
+    """What a request's first output says of its wait: from its arrival to its first schedule (and
+    says again when that output is sent again: a client that missed it gets it whole)."""
+    return seq.first_scheduled - seq.arrival if seq.first_scheduled is not None else None
 
 
 def _kept(draft: tuple[int, ...], got: list[int]) -> bool:
@@ -93,8 +102,11 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        salt = params.cache_salt
+        if salt is not None:  # (kept here: the workers' schedules never carry it)
+            params = msgspec.structs.replace(params, cache_salt=None)
         seq = Sequence(next(self._seq_ids), list(prompt_ids), params, request_id=request_id,
-                       arrival=time.monotonic())
+                       arrival=time.monotonic(), cache_salt=salt.encode("utf-8", "surrogatepass") if salt else b"")
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(seq)
@@ -244,7 +256,8 @@ class EngineCore:
         """Keeps what a resend of an ended request needs (its outputs, not its prompt), for the last
         ENDED_KEPT requests."""
         ended = Ended(seq.output_ids, seq.logprobs if seq.params.logprobs is not None else None, seq.finish_reason,
-                      len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None, seq.error)
+                      len(seq.prompt_ids), seq.num_cached_tokens, seq.prompt_logprobs is not None, seq.error,
+                      _queue_seconds(seq))
         if (old := self.ended.pop(seq.request_id, None)) is not None:  # (an id used again)
             self.ended_entries -= old.entries
         if ended.entries > ENDED_ENTRIES:  # (one too big to keep: not at the cost of all the others)
@@ -265,12 +278,14 @@ class EngineCore:
             return RequestOutput(request_id, seq.output_ids[start:seq.num_streamed],
                                  seq.logprobs[start:seq.num_streamed] if wants else None,
                                  seq.prompt_logprobs if start == 0 else None, num_prompt_tokens=len(seq.prompt_ids),
+                                 queue_seconds=_queue_seconds(seq) if start == 0 else None,
                                  num_cached_tokens=seq.num_cached_tokens if start == 0 else 0, start=start)
         if (ended := self.ended.get(request_id)) is not None and not (start == 0 and ended.had_prompt_logprobs):
             return RequestOutput(request_id, ended.output_ids[start:],
                                  ended.logprobs[start:] if ended.logprobs is not None else None,
                                  finish_reason=ended.finish_reason, error=ended.error,
                                  error_status=400 if ended.error else 0, num_prompt_tokens=ended.num_prompt_tokens,
+                                 queue_seconds=ended.queue_seconds if start == 0 else None,
                                  num_cached_tokens=ended.num_cached_tokens if start == 0 else 0, start=start)
         return None
 
@@ -280,7 +295,7 @@ class EngineCore:
         first = seq.num_streamed == 0
         prompt_logprobs = seq.prompt_logprobs if first else None
         start, seq.num_streamed = seq.num_streamed, len(seq.output_ids)
-        queue = seq.first_scheduled - seq.arrival if first and seq.first_scheduled is not None else None
+        queue = _queue_seconds(seq) if first else None
         return RequestOutput(seq.request_id, new, logprobs, prompt_logprobs,
                              finish_reason=seq.finish_reason if seq.finished else None,
                              error=seq.error if seq.finished else None, error_status=400 if seq.error else 0,

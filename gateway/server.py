@@ -56,7 +56,8 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure, is_loopback
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from moemesh.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                              SamplingParams)
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -682,12 +683,18 @@ class Gateway:
                              ("bad_words", bad_words)):
             if given:
                 self._require_protocol(param, 7)
+        salt = getattr(body, "cache_salt", None)
+        if salt is not None:
+            if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+                raise HTTPError(400, f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
+                                "cache_salt")
+            self._require_protocol("cache_salt", 9)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
                                   min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()),
                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar,
                                   logit_bias=bias, allowed_token_ids=None if allowed is None else tuple(allowed),
-                                  bad_words=bad_words, **fields)
+                                  bad_words=bad_words, cache_salt=salt, **fields)
         except ValueError as e:
             raise HTTPError(400, str(e), str(e).split()[0]) from None
 
@@ -729,8 +736,8 @@ class Gateway:
 
     def _require_protocol(self, param: str, version: int) -> None:
         """A 503 where the coordinator is older than the protocol `version` that brought the sampling field
-        (a grammar: 6, logit_bias and allowed_token_ids: 7): it would drop the field it does not know of
-        and answer as if it were not given."""
+        (a grammar: 6, logit_bias and allowed_token_ids: 7, cache_salt: 9): it would drop the field it does
+        not know of and answer as if it were not given."""
         if self.status.protocol < version:
             raise HTTPError(503, f"the coordinator speaks protocol {self.status.protocol}, older than this gateway's "
                                  f"{PROTOCOL_VERSION}, and would ignore {param}: run the same moemesh version on "
@@ -848,7 +855,7 @@ class Gateway:
                 shown_ids = ids
                 if out.finish_reason == "stop" and shown_ids and not choice.detok.include_stop:
                     shown_ids = shown_ids[:-1]  # the EOS or stop token that ended it is no text (as vLLM)
-                if choice.detok.stop and len(shown_ids) > 1:  # (several tokens at once: --num-scheduler-steps)
+                if choice.detok.stop and len(ids) > 1:  # (several tokens at once: --num-scheduler-steps, drafts)
                     text = ""
                     for k, t in enumerate(shown_ids):  # a stop string ends the answer at the token that
                         text += choice.detok.add([t])  # completes it: the ones after it are not counted
@@ -909,6 +916,11 @@ class Gateway:
         tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue)) for i, p, sp in jobs]
         remaining = len(tasks)
         getter = None
+        # several sequences (n > 1, a list of prompts): nothing goes out until each has begun, so that one
+        # the coordinator refuses (429: its queue is full) refuses the whole request, as its first event
+        # (a stream's HTTP status), not after the others' first tokens were sent (vLLM admits them at once)
+        held: list | None = [] if len(tasks) > 1 else None
+        begun: set[int] = set()
         try:
             while remaining:
                 failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
@@ -923,6 +935,15 @@ class Gateway:
                 item, getter = getter.result(), None
                 if item[1] == "done":
                     remaining -= 1
+                if held is not None:
+                    held.append(item)
+                    begun.add(item[0])
+                    if len(begun) < len(tasks):
+                        continue
+                    items, held = held, None
+                    for item in items:
+                        yield item
+                    continue
                 yield item
         finally:
             if getter is not None:

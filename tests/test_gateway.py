@@ -1481,6 +1481,35 @@ def test_metrics_move_and_a_disconnect_frees_the_request(server, client):
     assert "vllm:num_preemptions_total" in http("GET", f"{server.url}/metrics")[1].decode()  # (a counter, as vLLM's)
 
 
+def test_a_cache_salt_keeps_a_prompt_from_other_tenants_prefix_cache(server, client):
+    """vLLM's cache_salt on completions, chat and responses: a salted prompt finds nothing another salt
+    (or none) cached, and finds what its own salt cached; an empty salt is a 400 naming it."""
+    import openai
+
+    prompt = "a prompt two tenants send alike, long enough for blocks " * 6
+    kw = dict(model="tiny-mixtral", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(**kw)  # (unsalted: now cached)
+
+    def cached(salt):
+        r = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "cache_salt": salt}})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-1-" + "x" * 40) == 0
+    assert cached("tenant-2-" + "y" * 40) == 0
+    assert cached("tenant-1-" + "x" * 40) >= 16
+    chat = dict(model="tiny-mixtral", messages=[{"role": "user", "content": prompt}], max_tokens=2, temperature=0)
+    client.chat.completions.create(**chat, extra_body={"cache_salt": "s1"})
+    again = client.chat.completions.create(**chat, extra_body={"cache_salt": "s1"})
+    other = client.chat.completions.create(**chat, extra_body={"cache_salt": "s2"})
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 and other.usage.prompt_tokens_details.cached_tokens == 0
+    status, body, _ = http("POST", f"{server.url}/v1/responses", {"model": "tiny-mixtral", "input": prompt,
+                                                                "max_output_tokens": 2, "cache_salt": "s3"})
+    assert status == 200 and json.loads(body)["usage"]["input_tokens_details"]["cached_tokens"] == 0, body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "extra_body": {"cache_salt": ""}})
+    assert e.value.body["param"] == "cache_salt"
+
+
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
     prompt = "a prompt the prefix cache keeps " * 8  # several full 16-token blocks
     kw = dict(model="tiny-mixtral", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -2029,6 +2058,107 @@ def test_the_models_generation_config_sets_request_defaults(model, tmp_path):
     (recommended / "generation_config.json").write_text(json.dumps({**config, "temperature": "hot"}))
     with pytest.raises(ConfigError, match="generation_config.json"):
         generation_defaults(recommended)
+
+
+def test_a_stop_string_completed_just_before_the_stop_token_of_a_burst_counts_no_token_after_it(model):
+    """An output of several tokens (a --num-scheduler-steps burst, kept drafts) that ends [the token
+    completing a stop string, the EOS]: the answer, its usage and its logprobs end at the stop string's
+    token, as when the tokens come one an output (the EOS had been counted when the burst held two)."""
+    import asyncio
+    from unittest.mock import MagicMock
+
+    from gateway.server import Gateway
+    from moemesh.protocol import RequestOutput, TokenLogprobs
+    from moemesh.sampling import SamplingParams
+    from moemesh.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(model)
+    tokens = tok.encode("hello world.") + [0]  # (whatever ends it: the last token of a "stop" output)
+
+    class Client:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def generate(self, prompt, params, request_id=None):
+            async def stream():
+                start = 0
+                for i, ids in enumerate(self.outputs):
+                    yield RequestOutput(request_id, ids, [TokenLogprobs(t, -1.0, []) for t in ids],
+                                        finish_reason="stop" if i == len(self.outputs) - 1 else None,
+                                        num_prompt_tokens=3, start=start)
+                    start += len(ids)
+            return stream()
+
+    def answer(outputs, stop):
+        gateway = object.__new__(Gateway)
+        gateway.tokenizer, gateway.metrics, gateway.model_name = tok, MagicMock(), "m"
+        gateway.client = Client(outputs)
+        queue = asyncio.Queue()
+        shown = {"stop": stop, "include_stop": False, "skip_special_tokens": True}
+        asyncio.run(gateway._run("r", 0, [5, 6, 7], SamplingParams(max_tokens=20), shown, queue))
+        items = [queue.get_nowait() for _ in range(queue.qsize())]
+        choice = items[-1][2]
+        return ("".join(p.text for _, kind, p in items if kind == "delta"), len(choice.token_ids),
+                len(choice.logprobs), choice.finish_reason)
+
+    for stop in (["."], ["world"]):
+        alone = answer([[t] for t in tokens], stop)
+        assert stop[0] not in alone[0] and alone[1] == alone[2] < len(tokens) and alone[3] == "stop", alone
+        for cut in (2, 3, len(tokens)):
+            assert answer([tokens[:-cut], tokens[-cut:]] if cut < len(tokens) else [tokens], stop) == alone, (stop, cut)
+
+
+def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_event(model):
+    """n > 1: the choices are the coordinator's requests, each admitted or refused (429, its queue full)
+    alone. One refused after another's first token had been streamed gave a 200 and then a 429 event;
+    nothing goes out now until every choice has begun, so the refusal is the request's first event (its
+    HTTP status), and a request whose choices all begin streams as before."""
+    import asyncio
+    from unittest.mock import MagicMock
+
+    from gateway.server import Gateway, HTTPError
+    from moemesh.protocol import RequestOutput, TokenLogprobs
+    from moemesh.sampling import SamplingParams
+    from moemesh.tokenizer import TextTokenizer
+
+    class Client:
+        def __init__(self, refuse: bool):
+            self.refuse = refuse
+
+        def generate(self, prompt, params, request_id=None):
+            async def stream():
+                if request_id.endswith("-1"):
+                    await asyncio.sleep(0.05)  # (after choice 0's first token)
+                    if self.refuse:
+                        yield RequestOutput(request_id, [], None, error="the queue is full", error_status=429)
+                        return
+                for k in range(3):
+                    yield RequestOutput(request_id, [5 + k], [TokenLogprobs(5 + k, -1.0, [])],
+                                        finish_reason="length" if k == 2 else None, num_prompt_tokens=3, start=k)
+            return stream()
+
+    def events(refuse: bool):
+        gateway = object.__new__(Gateway)
+        gateway.tokenizer, gateway.metrics, gateway.model_name = TextTokenizer(model), MagicMock(), "m"
+        gateway.client = Client(refuse)
+        jobs = [(i, [5, 6, 7], SamplingParams(max_tokens=3)) for i in range(2)]
+        shown = {"stop": [], "include_stop": False, "skip_special_tokens": True}
+
+        async def collect():
+            got = []
+            try:
+                async for item in gateway._gather("r", jobs, shown):
+                    got.append(item)
+            except HTTPError as e:
+                return got, e.status
+            return got, None
+        return asyncio.run(collect())
+
+    got, status = events(refuse=True)
+    assert (got, status) == ([], 429)
+    got, status = events(refuse=False)
+    assert status is None and {i for i, kind, _ in got if kind == "done"} == {0, 1}
+    assert sum(1 for _, kind, _ in got if kind == "delta") == 6
 
 
 def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its_tokens(model, tmp_path):
