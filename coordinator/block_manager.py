@@ -9,13 +9,17 @@ Prefix caching. A full block is named by a SHA-256 digest chained over its token
 
 A cryptographic hash, because the name is all a hit checks: with Python's `hash` (not seeded for
 integers) a client could craft a prefix that collides with another's and be served its K/V, as in
-vLLM's CVE-2025-25183. (`extra` stays empty today; LoRA adapters or multimodal inputs, which change
-the K/V of the same tokens, would go there.) A block gets its hash once the step that filled it has come back, so a
+vLLM's CVE-2025-25183. `extra` is the request's cache salt in its first block (vLLM's `cache_salt`,
+so every block of a salted prompt is named apart from the same tokens' unsalted or otherwise salted
+ones) and empty in the rest; LoRA adapters or multimodal inputs, which change the K/V of the same
+tokens, would go there too. A block gets its hash once the step that filled it has come back, so a
 block still being written by a step in flight is never shared. A sequence starts with the longest
 run of cached blocks its tokens name (never its last token: its logits are needed), taking a
 reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
 only when the free pool runs dry is the least recently used one evicted (its hash forgotten) and
-handed out again.
+handed out again. Two sequences that computed the same prefix side by side both keep their blocks'
+hashes (as vLLM does): a lookup takes the first block cached under a hash, and when that one is
+evicted, another copy still running or waiting in the LRU serves the prefix.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # never-cached blocks; pop() hands out low ids first
         self._refs = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
-        self._cached: dict[bytes, int] = {}  # hash -> block
+        self._cached: dict[bytes, dict[int, None]] = {}  # hash -> the blocks holding it (first: a lookup's)
         self.generation = 0  # changes whenever a hash is added or forgotten (lookups memoise on it)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
@@ -96,7 +100,10 @@ class BlockManager:
             b = self._free.pop()
         else:  # evict the least recently used cached block
             b, _ = self._evictable.popitem(last=False)
-            del self._cached[self._hash[b]]
+            copies = self._cached[self._hash[b]]
+            del copies[b]
+            if not copies:
+                del self._cached[self._hash[b]]
             self._hash[b] = None
             self.generation += 1
         self._refs[b] = 1
@@ -109,7 +116,8 @@ class BlockManager:
         B, known = self.block_size, seq.block_hashes
         while len(known) < num_blocks:
             i = len(known)
-            known.append(block_hash(known[-1] if known else None, seq.tokens(i * B, (i + 1) * B)))
+            known.append(block_hash(known[-1] if known else None, seq.tokens(i * B, (i + 1) * B),
+                                    b"" if known else seq.cache_salt))
         return known[:num_blocks]
 
     def lookup(self, seq: Sequence) -> list[int]:
@@ -125,10 +133,10 @@ class BlockManager:
             return list(memo[1])
         hits = []
         for h in self.hashes(seq, full):
-            b = self._cached.get(h)
-            if b is None:
+            copies = self._cached.get(h)
+            if copies is None:
                 break
-            hits.append(b)
+            hits.append(next(iter(copies)))
         seq.lookup_memo = ((self.generation, full), hits)
         return list(hits)
 
@@ -154,16 +162,16 @@ class BlockManager:
 
     def cache_computed(self, seq: Sequence, num_computed: int) -> None:
         """A step that brought the sequence's cache to `num_computed` tokens has come back: its blocks
-        filled by then become shareable (a hash already cached elsewhere is left alone)."""
+        filled by then become shareable (a hash cached by another block too: both copies are kept)."""
         full = min(num_computed // self.block_size, len(seq.block_ids))
         if not self.enable_caching or full <= seq.blocks_hashed:
             return
         hashes = self.hashes(seq, full)
         for i in range(seq.blocks_hashed, full):
             b, h = seq.block_ids[i], hashes[i]
-            if self._hash[b] is None and h not in self._cached:
+            if self._hash[b] is None:  # (a block taken from the cache has its hash already)
                 self._hash[b] = h
-                self._cached[h] = b
+                self._cached.setdefault(h, {})[b] = None
                 self.generation += 1
         seq.blocks_hashed = full
 

@@ -338,16 +338,18 @@ class Scheduler:
             n += 1
             if reason := self._stop_reason(seq):
                 break
+        # the draft tokens among the n taken: all n where a stop came at a kept draft, else all but the last
+        accepted = min(n, len(kept) - 1)
         self.num_drafts += 1
         self.num_drafted += len(item.draft)
-        self.num_accepted += n - 1
+        self.num_accepted += accepted
         # the sequence's record: each draft token checked (those kept, and the one refused) and kept
         checked = min(len(item.draft), n)
         seq.draft_checked = DRAFT_DECAY * seq.draft_checked + checked
-        seq.draft_kept = DRAFT_DECAY * seq.draft_kept + n - 1
+        seq.draft_kept = DRAFT_DECAY * seq.draft_kept + accepted
         # drafts refused whole, time after time, pause it for 1, 2, 4 ... 16 decodes: where the text stops
         # repeating itself (or samples far from it) its steps stop paying for rows that are not kept
-        seq.draft_misses = seq.draft_misses + 1 if n == 1 else 0
+        seq.draft_misses = seq.draft_misses + 1 if accepted == 0 else 0
         # (a probe's pause, set as it went out, stands: nothing counts it down while the step is in flight)
         seq.draft_pause = max(seq.draft_pause, min(16, 1 << (seq.draft_misses - 1)) if seq.draft_misses else 0)
         # its blocks now hold the K/V of the input token and the n - 1 drafts kept: shareable, also where

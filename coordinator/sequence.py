@@ -43,6 +43,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
     cache_counted: bool = False  # its first admission went into the cache's query and hit counts
     lookup_memo: tuple | None = None  # ((cache generation, full blocks), hits) of its last lookup
+    cache_salt: bytes = b""  # its request's cache_salt (UTF-8): hashed into its first block's name
     ngram: NgramIndex | None = None  # speculative decoding's index of its n-grams (coordinator.ngram)
     # its drafts' record (Scheduler._accept): draft tokens kept and checked, decayed (a prior of 3 in 4:
     # drafts of up to 4 tokens at first), drafts refused whole in a row, and decodes left before it drafts again

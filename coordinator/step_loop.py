@@ -16,6 +16,7 @@ being taken.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -71,21 +72,40 @@ def _from_vllm(settings: SchedulerSettings) -> SchedulerSettings:
     return dataclasses.replace(settings, **values)
 
 
+_NGRAM_FLAGS = ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max", "speculative_disable_by_batch_size")
+
+
+@functools.lru_cache(maxsize=8)
+def _unused(flags: str) -> None:  # (once a process: every command checks its settings more than once)
+    get_logger("coordinator").warning(f"{flags} given without --num-speculative-tokens: speculative decoding "
+                                      f"is off, and they do nothing")
+
+
 def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     """Speculative decoding's settings (--num-speculative-tokens and its flags, or vLLM's
     --speculative-config), checked; None when it is off."""
-    if settings.speculative_config is not None:
+    vllm = settings.speculative_config is not None
+    if vllm:
         settings = _from_vllm(settings)
+
+    def name(field: str) -> str:  # (what the user gave: a flag, or a key of --speculative-config's JSON)
+        key = next((k for k, v in _VLLM_SPECULATIVE.items() if v == field), None)
+        return f"--speculative-config's {key}" if vllm and key else "--" + field.replace("_", "-")
+
+    lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
+    if lo > hi:  # (wrong whether or not drafts are on)
+        raise ConfigError(f"{name('ngram_prompt_lookup_min')} {lo} is more than {name('ngram_prompt_lookup_max')} {hi}")
     if not settings.num_speculative_tokens:
         if settings.speculative_sampling:  # (it would do nothing, silently)
             raise ConfigError("--speculative-sampling drafts for sampled requests too: it needs "
                               "--num-speculative-tokens (or --speculative-config)")
+        defaults = {f.name: f.default for f in dataclasses.fields(SchedulerSettings)}
+        given = [f for f in _NGRAM_FLAGS if getattr(settings, f) != defaults[f]]
+        if given:  # (--num-speculative-tokens 0 turns drafts off and may leave them set: said, not refused)
+            _unused(", ".join("--" + f.replace("_", "-") for f in given))
         return None
-    lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
-    if lo > hi:
-        raise ConfigError(f"--ngram-prompt-lookup-min {lo} is more than --ngram-prompt-lookup-max {hi}")
     if settings.num_scheduler_steps > 1:
-        raise ConfigError(f"--num-speculative-tokens and --num-scheduler-steps {settings.num_scheduler_steps} "
+        raise ConfigError(f"{name('num_speculative_tokens')} and --num-scheduler-steps {settings.num_scheduler_steps} "
                           f"are two ways to take several tokens a step: choose one")
     return NgramConfig(settings.num_speculative_tokens, lo, hi, settings.speculative_disable_by_batch_size,
                        settings.speculative_sampling)

@@ -70,6 +70,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     store: bool = True  # kept for GET /v1/responses/{id} and previous_response_id (where the gateway keeps any)
     previous_response_id: str | None = None
+    cache_salt: str | None = None  # (vLLM's: the prefix cache shares this prompt only with the same salt's)
     # not supported: refused where given (`_refuse_unsupported`)
     background: bool = False
     include: list[str] | None = None
@@ -107,7 +108,8 @@ def chat_request(body: ResponsesRequest, previous: Stored | None = None) -> dict
     messages += (previous.messages if previous is not None else []) + _messages(body.input)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
                             "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
-                            "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls, "user": body.user}
+                            "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
+                            "cache_salt": body.cache_salt}
     if body.tools:
         chat["tools"] = [_tool(t) for t in body.tools]
     if body.tool_choice is not None:

@@ -55,6 +55,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None  # (vLLM's: the whitespace a JSON constraint allows)
     allowed_token_ids: list[int] | None = None  # only these tokens are sampled
     bad_words: list[str] | None = None  # words never generated (at the text's start or after a space)
+    cache_salt: str | None = None  # the prefix cache shares this prompt's blocks only with the same salt's
     # beam search (gateway/beam.py): n beams returned of best_of (default n) searched
     use_beam_search: bool = False
     length_penalty: float = 1.0  # a finished beam's score: summed logprob / generated tokens ** length_penalty

@@ -39,7 +39,9 @@ class ProtocolError(ValueError):
 # parameters may carry a structured output's grammar (`SamplingParams.grammar`: an older last stage would
 # sample without it). 7: and logit_bias, allowed_token_ids and bad_words (`SamplingParams`). 8: a decode may
 # carry draft tokens for the last stage to check (`SeqWork.draft`; an older one would sample after the last).
-PROTOCOL_VERSION = 8
+# 9: a request may carry a prefix cache salt (`SamplingParams.cache_salt`: an older coordinator would share
+# its prefix with every other request's).
+PROTOCOL_VERSION = 9
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
 

@@ -12,6 +12,7 @@ MAX_LOGIT_BIAS = 1024  # tokens a request may bias (logit_bias)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # (more than any vocabulary)
 # bad words a request may give (twice that many token sequences), and tokens in each
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 256, 64
+MAX_CACHE_SALT_CHARS = 1024  # (vLLM suggests 43: 256 random bits in base64)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing float32 logits by less overflows)
 
 
@@ -36,6 +37,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's bad_words as token sequences: a sequence's last token is banned where the output ends with the
     # rest of it (a one-token word: always)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: the prefix cache shares a prompt's blocks only with requests of the same salt (a
+    # tenant's prefixes cannot be probed by another's cached_tokens or latency). The coordinator keeps it:
+    # a schedule never carries it to a worker.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         checks = [
@@ -66,6 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (len(self.bad_words) <= 2 * MAX_BAD_WORDS
              and all(0 < len(w) <= MAX_BAD_WORD_TOKENS and all(0 <= t < 1 << 31 for t in w) for w in self.bad_words),
              f"bad_words takes at most {2 * MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} token ids"),
+            (self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+             f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters"),
         ]
         for ok, message in checks:
             if not ok:

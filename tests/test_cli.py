@@ -588,9 +588,9 @@ def test_an_error_about_a_flag_set_by_its_variable_names_the_variable(model, cap
     """The user never typed --layer-partition: the error says it came from MOEMESH_LAYER_PARTITION;
     given on the command line, it does not."""
     monkeypatch.setenv("MOEMESH_LAYER_PARTITION", "1,1")
-    err = user_error(capsys, ["serve", "--model", str(model)], no_output=True)
+    err = user_error(capsys, ["serve", "--model", str(model), "--pp", "1"], no_output=True)
     assert "(--layer-partition from MOEMESH_LAYER_PARTITION='1,1')" in err
-    err = user_error(capsys, ["serve", "--model", str(model), "--layer-partition", "1,1"], no_output=True)
+    err = user_error(capsys, ["serve", "--model", str(model), "--layer-partition", "1,1", "--pp", "1"], no_output=True)
     assert "--layer-partition" in err and "MOEMESH_" not in err
 
 

@@ -79,6 +79,29 @@ def test_a_prefix_is_shared_only_after_the_step_that_wrote_it_came_back():
     assert out["c"].num_cached_tokens == 8 and out["a"].num_cached_tokens == 0
 
 
+def test_a_cache_salt_shares_a_prefix_only_with_requests_of_the_same_salt():
+    """vLLM's cache_salt: the same prompt under another salt, or none, finds nothing cached; under the
+    same salt it finds the salted blocks; and no schedule carries the salt to a worker."""
+    c, stage = core(), FakeLastStage()
+    prompt = list(range(10, 20))
+
+    def cached(request_id, salt):
+        c.add(request_id, prompt, SamplingParams(max_tokens=3, ignore_eos=True, cache_salt=salt))
+        sched = c.next_schedule()
+        w = work(c, sched, request_id)
+        assert w.params is not None and w.params.cache_salt is None  # (the coordinator keeps it)
+        c.process_result(stage(sched))
+        return w.context_len
+
+    assert cached("a", "tenant-1") == 0
+    assert cached("b", "tenant-2") == 0  # another tenant's salt
+    assert cached("c", None) == 0  # no salt: the unsalted blocks, of which there are none yet
+    assert cached("d", "tenant-1") == 8  # the same salt: a's two full blocks
+    assert cached("e", None) == 8  # c's
+    with pytest.raises(ValueError, match="cache_salt must be 1 to 1024 characters"):
+        SamplingParams(cache_salt="")
+
+
 def test_a_chunk_still_in_flight_is_not_shared_though_an_earlier_one_came_back():
     c, stage = core(budget=8), FakeLastStage()
     prompt = list(range(10, 30))  # 20 tokens: chunks of 8
@@ -130,6 +153,33 @@ def test_references_keep_a_shared_block_and_the_last_one_leaves_it_cached():
     m.free(b)
     assert m.num_free == 6 and m.num_cached == 2
     assert m.cost(m.lookup(c)) == 2  # unreferenced: taking them uses up free blocks
+
+
+def test_a_prefix_computed_twice_side_by_side_keeps_both_copies():
+    """Two sequences that computed the same prefix at once (neither found the other's blocks cached):
+    both copies are cached (as vLLM keeps them), so when the first copy is evicted the second, still
+    running, serves the prefix; and once both are gone the hash is forgotten."""
+    m = BlockManager(7, B, enable_caching=True)
+    a, b = seq(0, range(10, 19)), seq(1, range(10, 19))
+    for s in (a, b):
+        m.grow(s, s.num_tokens)
+    for s in (a, b):  # (both steps come back after both were scheduled)
+        s.num_computed = s.num_tokens
+        m.cache_computed(s, s.num_tokens)
+    assert m.num_cached == 2 and m.lookup(seq(2, range(10, 19))) == a.block_ids[:2]
+    m.free(a)  # a's blocks wait in the LRU: the next allocations evict them
+    filler = seq(3, range(500, 516))
+    m.grow(filler, 16)  # one free block and a's three
+    assert m.num_free == 0 and not set(filler.block_ids) & set(b.block_ids)
+    c = seq(4, range(10, 19))
+    assert m.lookup(c) == b.block_ids[:2] and m.cost(m.lookup(c)) == 0  # b's copy, still referenced
+    m.take(c, m.lookup(c))
+    m.free(b)
+    m.free(c)
+    m.free(filler)
+    taker = seq(5, range(900, 928))
+    m.grow(taker, 28)  # every block: both copies evicted
+    assert m.num_cached == 0 and m.lookup(seq(6, range(10, 19))) == []
 
 
 def test_eviction_takes_the_least_recently_released_block_first():

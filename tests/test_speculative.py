@@ -358,6 +358,9 @@ def test_a_stop_among_the_kept_tokens_leaves_their_blocks_in_the_cache():
     assert sched.seqs[0].draft == 3 and sched.seqs[0].token_ids == [7, 8, 9, 5]
     core.process_result(stage(sched))  # keeps 8, then the stop token 9: the sequence ends there
     assert seq.finish_reason == "stop" and seq.output_ids == [7, 8, 9]
+    # both drafts taken were kept ones (8, and the stop 9): counted accepted, as the sequence's record
+    assert (core.scheduler.num_drafted, core.scheduler.num_accepted) == (3, 2)
+    assert seq.draft_misses == 0
     # positions 0..8 computed (the prompt, 7 and the kept 8): four full 2-token blocks for the next request
     nxt = core.add("b", [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 1], SamplingParams(max_tokens=1, temperature=0))
     assert len(core.blocks.lookup(nxt)) == 4
@@ -501,7 +504,9 @@ def test_unseeded_sampled_requests_take_drafts_and_end_as_asked(model_dir):
 
 
 
-def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_served():
+def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_served(caplog):
+    import logging
+
     from coordinator.step_loop import ngram_config
 
     def config(text, **kw):
@@ -519,13 +524,31 @@ def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_s
                           ('{"method": "ngram"}', "num_speculative_tokens is required"),
                           ('{"method": "ngram", "num_speculative_tokens": 0}', "must be a positive integer"),
                           ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
-                           '"prompt_lookup_max": 2}', "--ngram-prompt-lookup-min 3 is more than")]:
+                           '"prompt_lookup_max": 2}', "--speculative-config's prompt_lookup_min 3 is more than "
+                                                      "--speculative-config's prompt_lookup_max 2")]:
         with pytest.raises(ConfigError, match=message):
             config(text)
     with pytest.raises(ConfigError, match="not both"):
         config('{"num_speculative_tokens": 2}', num_speculative_tokens=3)
     with pytest.raises(ConfigError, match="--speculative-sampling .* needs --num-speculative-tokens"):
         ngram_config(EngineSettings(model="m", speculative_sampling=True))  # (it had done nothing, silently)
+    with pytest.raises(ConfigError, match="--ngram-prompt-lookup-min 9 is more than --ngram-prompt-lookup-max 4"):
+        ngram_config(EngineSettings(model="m", ngram_prompt_lookup_min=9))  # (wrong with drafts off too)
+    from coordinator import step_loop
+
+    step_loop._unused.cache_clear()  # (said once a process: an earlier test may have said it)
+    logger = logging.getLogger("moemesh.coordinator")
+    logger.addHandler(caplog.handler)  # (moemesh's records do not reach the root once a command set up logging)
+    try:
+        assert ngram_config(EngineSettings(model="m", ngram_prompt_lookup_min=3, speculative_disable_by_batch_size=1)) \
+            is None  # (drafts off: said, not refused)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "--ngram-prompt-lookup-min, --speculative-disable-by-batch-size given without --num-speculative-tokens" \
+        in caplog.text
+    assert ngram_config(EngineSettings(model="m")) is None
+    with pytest.raises(ConfigError, match="^--speculative-config's num_speculative_tokens and --num-scheduler-steps"):
+        config('{"num_speculative_tokens": 2}', num_scheduler_steps=4)  # (named as given)
 
 
 def test_the_cli_takes_vllms_speculative_config(model_dir, capsys):
