@@ -18,8 +18,8 @@ run of cached blocks its tokens name (never its last token: its logits are neede
 reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
 only when the free pool runs dry is the least recently used one evicted (its hash forgotten) and
 handed out again. Two sequences that computed the same prefix side by side both keep their blocks'
-hashes (as vLLM does): a lookup takes the first block cached under a hash, and when that one is
-evicted, another copy still running or waiting in the LRU serves the prefix.
+hashes (as vLLM does): a lookup takes a copy some sequence holds if there is one, and when one copy
+is evicted, another still running or waiting in the LRU serves the prefix.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class BlockManager:
             copies = self._cached.get(h)
             if copies is None:
                 break
-            hits.append(next(iter(copies)))
+            # (a copy some sequence holds costs no free block; else the first)
+            hits.append(next((b for b in copies if self._refs[b]), next(iter(copies))))
         seq.lookup_memo = ((self.generation, full), hits)
         return list(hits)
 

@@ -84,13 +84,13 @@ def _unused(flags: str) -> None:  # (once a process: every command checks its se
 def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     """Speculative decoding's settings (--num-speculative-tokens and its flags, or vLLM's
     --speculative-config), checked; None when it is off."""
-    vllm = settings.speculative_config is not None
-    if vllm:
+    keys = set(json.loads(settings.speculative_config)) if settings.speculative_config is not None else set()
+    if settings.speculative_config is not None:
         settings = _from_vllm(settings)
 
     def name(field: str) -> str:  # (what the user gave: a flag, or a key of --speculative-config's JSON)
         key = next((k for k, v in _VLLM_SPECULATIVE.items() if v == field), None)
-        return f"--speculative-config's {key}" if vllm and key else "--" + field.replace("_", "-")
+        return f"--speculative-config's {key}" if key in keys else "--" + field.replace("_", "-")
 
     lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
     if lo > hi:  # (wrong whether or not drafts are on)

@@ -992,7 +992,8 @@ class Gateway:
         """`_gather` for beam searches: every prompt's search at once; its n best beams as choices (one
         delta each, and done) when it ends."""
         n = len(jobs) // len(search)
-        tasks = {asyncio.ensure_future(self._beam_search(f"{rid}-{i}", jobs[i * n][1], s, n)): i
+        tasks = {asyncio.ensure_future(self._beam_search(f"{rid}-{i}", jobs[i * n][1], s, n,
+                                                         jobs[i * n][2].cache_salt)): i
                  for i, s in enumerate(search)}
         try:
             pending = set(tasks)
@@ -1017,11 +1018,14 @@ class Gateway:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _beam_search(self, rid: str, prompt: list[int], settings: BeamSettings, n: int):
+    async def _beam_search(self, rid: str, prompt: list[int], settings: BeamSettings, n: int,
+                           cache_salt: str | None = None):
         """One prompt's beam search: (its n best beams, the prompt tokens the prefix cache held). Each step
-        asks the coordinator for one token of every running beam with its likeliest alternatives."""
+        asks the coordinator for one token of every running beam with its likeliest alternatives (under
+        the request's cache salt: its beams share blocks with each other and its salt's requests alone)."""
         search = BeamSearch(settings)
-        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=settings.top_n)
+        step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=settings.top_n,
+                              cache_salt=cache_salt)
         start, cached, ended = time.monotonic(), 0, "abort"
         try:
             k = 0

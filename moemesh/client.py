@@ -152,9 +152,10 @@ class CoordinatorClient:
         skip = st.received - out.start
         if skip > 0 and skip >= len(out.token_ids) and out.finish_reason is None:
             return  # (all of it came already)
-        if skip:
+        if skip:  # (what the first output said, its queue time and prompt logprobs, came with it already)
             out = msgspec.structs.replace(out, token_ids=out.token_ids[skip:], start=st.received, prompt_logprobs=None,
-                                          logprobs=out.logprobs[skip:] if out.logprobs is not None else None)
+                                          logprobs=out.logprobs[skip:] if out.logprobs is not None else None,
+                                          queue_seconds=None, num_cached_tokens=0)
         st.received += len(out.token_ids)
         st.asked = False
         st.queue.put_nowait(out)

@@ -31,8 +31,8 @@ class KeyValueFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     """The same event as one JSON object a line: ts, level, logger, msg, the event's fields (a field
-    never replaces those four), and exception and traceback where there is one. Values JSON cannot
-    hold are written as their str()."""
+    never replaces those four), and exception and traceback where there is one. A value strict JSON
+    cannot hold (an object, NaN, a mapping with keys other than strings) is written as its str()."""
 
     def format(self, record: logging.LogRecord) -> str:
         event = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
@@ -43,7 +43,11 @@ class JsonFormatter(logging.Formatter):
             exc = record.exc_info[1]
             event["exception"] = f"{type(exc).__name__}: {exc}"
             event["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(event, default=str, ensure_ascii=False)
+        try:
+            return json.dumps(event, default=str, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):  # (NaN or infinity somewhere, a key JSON cannot name)
+            return json.dumps({k: v if isinstance(v, (str, int, bool)) or v is None else str(v)
+                               for k, v in event.items()}, ensure_ascii=False)
 
 
 class _ClientsMalformedRequests(logging.Filter):

@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.core import ENDED_ENTRIES, EngineCore
 from coordinator.scheduler import SchedulerConfig
-from moemesh.protocol import PromptLogprobs, SampledToken, Schedule, StepResult, TokenLogprobs
+from moemesh.protocol import PromptLogprobs, RequestOutput, SampledToken, Schedule, StepResult, TokenLogprobs
 from moemesh.sampling import SamplingParams
 
 EOS = 0
@@ -113,6 +113,22 @@ def test_first_chunk_carries_params_and_prompt_len_later_chunks_do_not():
     for w in b_works[1:]:
         assert w.context_len > 0 and w.params is None and w.prompt_len == 0 and w.prompt_ids is None
     assert len(b_works) >= 2
+
+
+def test_a_first_output_that_comes_twice_is_counted_once():
+    """The client hands a stream the tokens it lacks: an output sent again from 0 (its link dropped and
+    the original came after all) keeps none of the first output's once-only fields (queue time, cached
+    tokens, prompt logprobs), which the gateway would count again."""
+    from moemesh.client import CoordinatorClient, _Stream
+
+    st = _Stream()
+    first = RequestOutput("a", [5], None, [None], num_prompt_tokens=3, queue_seconds=0.5, num_cached_tokens=2, start=0)
+    CoordinatorClient._hand_over(st, first)
+    CoordinatorClient._hand_over(st, RequestOutput("a", [5, 6], None, [None], num_prompt_tokens=3, queue_seconds=0.5,
+                                                   num_cached_tokens=2, start=0))
+    got = [st.queue.get_nowait() for _ in range(st.queue.qsize())]
+    assert got[0] is first and got[1].token_ids == [6] and got[1].start == 1
+    assert (got[1].queue_seconds, got[1].num_cached_tokens, got[1].prompt_logprobs) == (None, 0, None)
 
 
 def test_a_recomputed_sequence_carries_its_params_again():

@@ -1502,9 +1502,16 @@ def test_a_cache_salt_keeps_a_prompt_from_other_tenants_prefix_cache(server, cli
     again = client.chat.completions.create(**chat, extra_body={"cache_salt": "s1"})
     other = client.chat.completions.create(**chat, extra_body={"cache_salt": "s2"})
     assert again.usage.prompt_tokens_details.cached_tokens >= 16 and other.usage.prompt_tokens_details.cached_tokens == 0
-    status, body, _ = http("POST", f"{server.url}/v1/responses", {"model": "tiny-mixtral", "input": prompt,
-                                                                "max_output_tokens": 2, "cache_salt": "s3"})
-    assert status == 200 and json.loads(body)["usage"]["input_tokens_details"]["cached_tokens"] == 0, body
+    asked = {"model": "tiny-mixtral", "input": prompt, "max_output_tokens": 2}
+    for salt, want_cached in ((None, False), ("s3", False), ("s3", True)):  # (the unsalted one is cached first)
+        status, body, _ = http("POST", f"{server.url}/v1/responses", {**asked, **({"cache_salt": salt} if salt else {})})
+        assert status == 200, body
+        assert bool(json.loads(body)["usage"]["input_tokens_details"]["cached_tokens"]) == want_cached, (salt, body)
+    beam = {**kw, "n": 2, "extra_body": {"use_beam_search": True}}  # each beam step under the request's salt
+    for salt, want_cached in ((None, True), ("s4", False), ("s4", True)):
+        r = client.completions.create(**{**beam, "extra_body": {"use_beam_search": True,
+                                                                 **({"cache_salt": salt} if salt else {})}})
+        assert bool(r.usage.prompt_tokens_details.cached_tokens) == want_cached, (salt, r.usage)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(**{**kw, "extra_body": {"cache_salt": ""}})
     assert e.value.body["param"] == "cache_salt"

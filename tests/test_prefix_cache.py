@@ -168,6 +168,7 @@ def test_a_prefix_computed_twice_side_by_side_keeps_both_copies():
         m.cache_computed(s, s.num_tokens)
     assert m.num_cached == 2 and m.lookup(seq(2, range(10, 19))) == a.block_ids[:2]
     m.free(a)  # a's blocks wait in the LRU: the next allocations evict them
+    assert m.lookup(seq(7, range(10, 19))) == b.block_ids[:2]  # (the copy b holds: it costs no free block)
     filler = seq(3, range(500, 516))
     m.grow(filler, 16)  # one free block and a's three
     assert m.num_free == 0 and not set(filler.block_ids) & set(b.block_ids)

@@ -216,9 +216,13 @@ def test_json_log_lines_hold_the_event_its_fields_and_its_traceback(capsys):
         except RuntimeError:
             logging.getLogger("aiohttp.server").exception("Error handling request")
         log.debug("below the level")
+        log.warning("odd values", extra={"fields": {"loss": float("nan"), "pairs": {(1, 2): 3}}})
         lines = capsys.readouterr().err.splitlines()
-        assert len(lines) == 2, lines
-        first, second = map(json.loads, lines)
+        assert len(lines) == 3, lines
+        def strict(text):  # (no NaN or Infinity: what a strict parser takes)
+            return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}"))
+        first, second, third = map(strict, lines)
+        assert (third["msg"], third["loss"], third["pairs"]) == ("odd values", "nan", "{(1, 2): 3}")
         assert (first["level"], first["logger"], first["msg"], first["pp"], first["path"]) == \
             ("info", "moemesh.test", "stage ready", 1, "/m")
         assert first["ts"].endswith("Z") and "exception" not in first

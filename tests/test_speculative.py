@@ -549,6 +549,9 @@ def test_vllms_speculative_config_stands_for_the_flags_and_refuses_what_is_not_s
     assert ngram_config(EngineSettings(model="m")) is None
     with pytest.raises(ConfigError, match="^--speculative-config's num_speculative_tokens and --num-scheduler-steps"):
         config('{"num_speculative_tokens": 2}', num_scheduler_steps=4)  # (named as given)
+    with pytest.raises(ConfigError, match="^--speculative-config's prompt_lookup_min 3 is more than "
+                                          "--ngram-prompt-lookup-max 2"):  # (one from the JSON, one a flag)
+        config('{"num_speculative_tokens": 2, "prompt_lookup_min": 3}', ngram_prompt_lookup_max=2)
 
 
 def test_the_cli_takes_vllms_speculative_config(model_dir, capsys):
