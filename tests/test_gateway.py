@@ -1488,10 +1488,11 @@ def test_a_cache_salt_keeps_a_prompt_from_other_tenants_prefix_cache(server, cli
 
     prompt = "a prompt two tenants send alike, long enough for blocks " * 6
     kw = dict(model="tiny-mixtral", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-    client.completions.create(**kw)  # (unsalted: now cached)
+    text = client.completions.create(**kw).choices[0].text  # (unsalted: now cached)
 
     def cached(salt):
         r = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "cache_salt": salt}})
+        assert r.choices[0].text == text  # (greedy: the same tokens whichever blocks served the prefix)
         return r.usage.prompt_tokens_details.cached_tokens
 
     assert cached("tenant-1-" + "x" * 40) == 0
