@@ -16,6 +16,7 @@ Prompt = Union[str, list[Any]]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False  # (null: false, as OpenAI reads it)
+    continuous_usage_stats: bool | None = False  # (vLLM's usage on every chunk: not served, refused)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

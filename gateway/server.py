@@ -641,6 +641,9 @@ class Gateway:
             raise HTTPError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
         if body.stream_options is not None and body.stream_options.include_usage and not body.stream:
             raise HTTPError(400, "stream_options is only for a streamed request (stream: true)", "stream_options")
+        if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+            raise HTTPError(400, "stream_options.continuous_usage_stats (usage on every chunk) is not supported by "
+                                 "this server: include_usage gives it once, in the last chunk", "stream_options")
         if max_tokens < 1:
             raise HTTPError(400, f"{max_tokens_param} must be at least 1", max_tokens_param)
         max_tokens = min(max_tokens, self.defaults.get("max_tokens", max_tokens))  # (vLLM caps it there too)
@@ -829,9 +832,10 @@ class Gateway:
             self.pending -= n_seqs
 
     async def _run(self, rid: str, index: int, prompt: list[int], params: SamplingParams, shown: dict,
-                   queue: asyncio.Queue) -> None:
+                   queue: asyncio.Queue, refused: set[int] | None = None) -> None:
         """One sequence: its outputs (text pieces) into `queue` as (index, kind, payload). `shown`: the
-        IncrementalDetokenizer's options (stop strings, and how they and special tokens show)."""
+        IncrementalDetokenizer's options (stop strings, and how they and special tokens show). `refused`
+        gets its index at once where the coordinator answers it with an error before any token."""
         choice = Choice(index, IncrementalDetokenizer(self.tokenizer, min_tokens=params.min_tokens, context=prompt,
                                                       **shown))
         start = last = time.monotonic()
@@ -842,6 +846,8 @@ class Gateway:
                 if out.error:
                     if out.error_status in (400, 429) and not choice.token_ids:
                         ended = None  # refused, never run: not a finished request (vLLM counts none)
+                    if refused is not None and not choice.token_ids:
+                        refused.add(index)
                     raise _output_error(out)
                 now = time.monotonic()
                 if out.token_ids:
@@ -913,14 +919,19 @@ class Gateway:
                 yield index, kind, payload
             return
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue)) for i, p, sp in jobs]
+        refused: set[int] = set()
+        tasks = [asyncio.ensure_future(self._run(rid, i, p, sp, shown, queue, refused)) for i, p, sp in jobs]
         remaining = len(tasks)
         getter = None
-        # several sequences (n > 1, a list of prompts): nothing goes out until each has begun, so that one
-        # the coordinator refuses (429: its queue is full) refuses the whole request, as its first event
-        # (a stream's HTTP status), not after the others' first tokens were sent (vLLM admits them at once)
+        # several sequences (n > 1, a list of prompts): nothing goes out until the coordinator has taken
+        # every one (or each has begun), so that one it refuses (429: its queue is full) refuses the whole
+        # request, as its first event (a stream's HTTP status), not after the others' first tokens were
+        # sent (vLLM admits them at once). The coordinator answers its client's messages in order, and
+        # refuses a request as it reads it: a status asked after every request went out (this task runs
+        # after theirs, which send at their first step) is answered after any refusal of theirs.
         held: list | None = [] if len(tasks) > 1 else None
         begun: set[int] = set()
+        taken = asyncio.ensure_future(self._answered()) if held is not None else None
         try:
             while remaining:
                 failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
@@ -928,29 +939,41 @@ class Gateway:
                     raise failed.exception()
                 if getter is None:
                     getter = asyncio.ensure_future(queue.get())
-                # wake on the next item, or when a sequence ends (perhaps failing)
-                await asyncio.wait([getter, *[t for t in tasks if not t.done()]], return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    continue
-                item, getter = getter.result(), None
-                if item[1] == "done":
-                    remaining -= 1
-                if held is not None:
+                # wake on the next item, when a sequence ends (perhaps failing), or when all were taken
+                await asyncio.wait([getter, *[t for t in tasks if not t.done()],
+                                    *([taken] if held is not None and not taken.done() else [])],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    item, getter = getter.result(), None
+                    if item[1] == "done":
+                        remaining -= 1
+                    if held is None:
+                        yield item
+                        continue
                     held.append(item)
                     begun.add(item[0])
-                    if len(begun) < len(tasks):
-                        continue
+                if held is not None and not refused and (len(begun) == len(tasks) or taken.done()):
                     items, held = held, None
                     for item in items:
                         yield item
-                    continue
-                yield item
+            if held:  # (every sequence ended before the coordinator's answer came)
+                for item in held:
+                    yield item
         finally:
             if getter is not None:
                 getter.cancel()
+            if taken is not None:
+                taken.cancel()
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *([taken] if taken is not None else []), return_exceptions=True)
+
+    async def _answered(self) -> None:
+        """A round trip to the coordinator (its answer to a status request), or 5 seconds without one."""
+        try:
+            await self.client.status(timeout=5.0)
+        except Exception:  # (no answer: the sequences' own outputs say the rest)
+            pass
 
     def _beam_settings(self, body: SamplingFields, params: SamplingParams) -> BeamSettings:
         """use_beam_search's settings (gateway/beam.py), checked: what a search cannot honour is a 400

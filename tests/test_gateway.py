@@ -305,6 +305,8 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
          "truncate_prompt_tokens"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}),
          "stream_options"),
+        (http("POST", f"{server.url}/v1/completions", {"prompt": "x", "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}), "stream_options"),  # (ignored, it had been)
     ]
     for (status, body, _), want_param in cases:
         assert status == 400, body
@@ -2117,11 +2119,13 @@ def test_a_stop_string_completed_just_before_the_stop_token_of_a_burst_counts_no
 
 
 def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_event(model):
-    """n > 1: the choices are the coordinator's requests, each admitted or refused (429, its queue full)
+    """n > 1: the choices are the coordinator's requests, each taken or refused (429, its queue full)
     alone. One refused after another's first token had been streamed gave a 200 and then a 429 event;
-    nothing goes out now until every choice has begun, so the refusal is the request's first event (its
-    HTTP status), and a request whose choices all begin streams as before."""
+    nothing goes out now until the coordinator has answered a status asked after every choice went
+    out (it answers in order, refusals first), so the refusal is the request's first event (its HTTP
+    status). A choice that is taken but begins late (--max-seqs below n) holds nothing up past that."""
     import asyncio
+    import time
     from unittest.mock import MagicMock
 
     from gateway.server import Gateway, HTTPError
@@ -2129,17 +2133,21 @@ def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_e
     from moemesh.sampling import SamplingParams
     from moemesh.tokenizer import TextTokenizer
 
-    class Client:
+    class Client:  # (as the coordinator orders its answers: a refusal before the status asked after it)
         def __init__(self, refuse: bool):
             self.refuse = refuse
+
+        async def status(self, timeout=5.0):
+            await asyncio.sleep(0.05)
 
         def generate(self, prompt, params, request_id=None):
             async def stream():
                 if request_id.endswith("-1"):
-                    await asyncio.sleep(0.05)  # (after choice 0's first token)
                     if self.refuse:
+                        await asyncio.sleep(0.02)  # (after choice 0's first token, before the status)
                         yield RequestOutput(request_id, [], None, error="the queue is full", error_status=429)
                         return
+                    await asyncio.sleep(0.5)  # taken, and begins only when a sequence ends
                 for k in range(3):
                     yield RequestOutput(request_id, [5 + k], [TokenLogprobs(5 + k, -1.0, [])],
                                         finish_reason="length" if k == 2 else None, num_prompt_tokens=3, start=k)
@@ -2153,10 +2161,10 @@ def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_e
         shown = {"stop": [], "include_stop": False, "skip_special_tokens": True}
 
         async def collect():
-            got = []
+            got, began = [], time.monotonic()
             try:
                 async for item in gateway._gather("r", jobs, shown):
-                    got.append(item)
+                    got.append((time.monotonic() - began, item))
             except HTTPError as e:
                 return got, e.status
             return got, None
@@ -2165,8 +2173,9 @@ def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_e
     got, status = events(refuse=True)
     assert (got, status) == ([], 429)
     got, status = events(refuse=False)
-    assert status is None and {i for i, kind, _ in got if kind == "done"} == {0, 1}
-    assert sum(1 for _, kind, _ in got if kind == "delta") == 6
+    assert status is None and {i for _, (i, kind, _) in got if kind == "done"} == {0, 1}
+    assert sum(1 for _, (_, kind, _) in got if kind == "delta") == 6
+    assert got[0][0] < 0.3 and got[0][1][0] == 0  # (choice 0's tokens once the coordinator took both)
 
 
 def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its_tokens(model, tmp_path):
