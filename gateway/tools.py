@@ -150,14 +150,20 @@ def _types(by_name: dict[str, dict]) -> tuple:
     return tuple(out)
 
 
-def _rooted(schema: Any, root: str) -> Any:
+MAX_SCHEMA_DEPTH = 128  # (a request's JSON nests up to ~1,000 levels; llguidance refuses schemas far shallower)
+
+
+def _rooted(schema: Any, root: str, depth: int = 0) -> Any:
     """`schema` moved to `root`: each reference by pointer from its root ("#", "#/...") made to point
     inside it there. A subschema with its own `$id` is a resource of its own, whose references are its
     own, and an anchor ("#name") names a place wherever it is: both left alone. Literal values (const,
     enum, default, examples) are data, left alone too; the maps of named subschemas (properties,
-    $defs, ...) are names, each mapped to a schema."""
+    $defs, ...) are names, each mapped to a schema. Deeper than MAX_SCHEMA_DEPTH: a ToolError (a walk
+    that deep would run out of Python's stack: a 500 and a traceback in the log for a 2 KB body)."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ToolError(f"a tool's parameters nest deeper than {MAX_SCHEMA_DEPTH} levels", "tools")
     if isinstance(schema, list):
-        return [_rooted(s, root) for s in schema]
+        return [_rooted(s, root, depth + 1) for s in schema]
     if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
@@ -165,11 +171,11 @@ def _rooted(schema: Any, root: str) -> Any:
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = root + value[1:]
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: _rooted(sub, root) for name, sub in value.items()}
+            out[key] = {name: _rooted(sub, root, depth + 1) for name, sub in value.items()}
         elif key in ("const", "enum", "default", "examples"):
             out[key] = value
         else:
-            out[key] = _rooted(value, root)
+            out[key] = _rooted(value, root, depth + 1)
     return out
 
 

@@ -44,6 +44,10 @@ def test_tool_choice_decides_the_constraint_or_is_a_clear_error():
         (([WEATHER], {"function": {"name": ["get_weather"]}}, None), "tool_choice"),
         (([WEATHER], {"function": {"name": {"a": 1}}}, None), "tool_choice"),
     ]
+    deep: object = {"type": "object"}
+    for _ in range(300):  # parameters nested as deep as a request's JSON may go: a 400, not a RecursionError
+        deep = {"type": "object", "x": [[deep]]}
+    errors.append((([{"type": "function", "function": {"name": "f", "parameters": deep}}], "required", None), "tools"))
     for (given, choice, parser), param in errors:
         with pytest.raises(ToolError) as e:
             tool_mode(functions(given) if given else None, choice, None, parser)
