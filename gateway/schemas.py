@@ -94,7 +94,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: Any = None  # none, auto, required or a function; default: auto with tools, else none
     parallel_tool_calls: bool | None = None  # false: tool_choice required makes one call at most
     include_reasoning: bool = True  # false: a --reasoning-parser's thought is left out of the answer (vLLM's)
+    reasoning_effort: str | None = None  # OpenAI's: the chat template's reasoning_effort (as vLLM passes it)
     # (not supported: refused where they would change the answer)
+    functions: Any = None  # the legacy form of tools
+    function_call: Any = None  # the legacy form of tool_choice
     echo: bool = False
     chat_template: str | None = None  # a template from the request (vLLM also refuses one unless trusted)
 

@@ -568,6 +568,15 @@ class Gateway:
         for name, given in (("echo", body.echo), ("chat_template", body.chat_template is not None)):
             if given:
                 raise HTTPError(400, f"{name} is not supported by this server", name)
+        for name in ("functions", "function_call"):  # (answered without them, they would be ignored)
+            if getattr(body, name) is not None:
+                raise HTTPError(400, f"{name} (the legacy form of tools and tool_choice) is not supported by this "
+                                     f"server: give tools and tool_choice", name)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:  # (the template reads it, as the responses' reasoning.effort)
+            if not isinstance(body.reasoning_effort, str) or not body.reasoning_effort:
+                raise HTTPError(400, "reasoning_effort must be a string, e.g. low, medium or high", "reasoning_effort")
+            template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         tools = self._tools(body.tools)
         try:
             mode, constraint = tool_calls.tool_mode(tools, body.tool_choice, body.parallel_tool_calls,
@@ -575,7 +584,7 @@ class Gateway:
         except ToolError as e:
             raise HTTPError(400, str(e), e.param) from None
         ids = self._truncated(body, self._chat_prompt(body.messages, body.add_generation_prompt,
-                                                      body.chat_template_kwargs or {}, body.continue_final_message,
+                                                      template_kwargs, body.continue_final_message,
                                                       body.add_special_tokens, tools))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -823,6 +823,16 @@ def test_responses_give_the_thought_as_a_reasoning_item(thinking_server):
         temperature=0, extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}})
     thought, content = chat.choices[0].message.model_extra["reasoning"], chat.choices[0].message.content
     assert thought and content is None  # (the random model does not close it)
+    # OpenAI's top-level reasoning_effort reaches the template as well (it had been dropped unread)
+    effort = client.chat.completions.create(
+        model="tiny-mixtral", messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=12,
+        temperature=0, reasoning_effort="low")
+    assert effort.choices[0].message.model_extra["reasoning"] == thought
+    for legacy in ({"functions": [{"name": "f", "parameters": {}}]}, {"function_call": "auto"}):
+        with pytest.raises(openai.BadRequestError) as e:  # (the legacy forms of tools: refused, not ignored)
+            client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=2, extra_body=legacy)
+        assert e.value.body["param"] == next(iter(legacy))
     kw = dict(model="tiny-mixtral", input="Is Paris in France?", max_output_tokens=12, temperature=0,
               reasoning={"effort": "low"})
     r = client.responses.create(**kw)
