@@ -1321,9 +1321,27 @@ class Gateway:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    async def _body(self, request: web.Request) -> bytes:
+        """The request's body as sent (the runner leaves Content-Encoding to decoded_body), read as
+        request.read() does, but a client whose body stops arriving for --stream-timeout seconds is
+        answered 408: it would hold its handler (and a connection) for as long as it liked."""
+        chunks, size = [], 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), self.cfg.stream_timeout)
+            except asyncio.TimeoutError:
+                raise HTTPError(408, f"the request body stopped arriving for {self.cfg.stream_timeout:g} s "
+                                     f"(--stream-timeout)") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.cfg.max_body_bytes:
+                raise web.HTTPRequestEntityTooLarge(max_size=self.cfg.max_body_bytes, actual_size=size)
+            chunks.append(chunk)
+
     async def _parse(self, request: web.Request, kind):
         try:
-            raw = await request.read()  # (as sent: the runner leaves Content-Encoding to decoded_body)
+            raw = await self._body(request)
         except web.RequestPayloadError as e:  # (a body that ends early)
             raise HTTPError(400, f"could not read the request body: {e}") from None
         encodings = request.headers.getall("Content-Encoding", [])

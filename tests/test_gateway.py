@@ -1809,6 +1809,19 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
             time.sleep(0.2)
         assert metric(server, "vllm:num_requests_running") == 0
         assert metric(server, "moemesh:slow_clients_aborted_total") == 1
+        # one that stops sending its body (a slowloris): a 408 after --stream-timeout, not a handler held
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        started, answer = time.monotonic(), b""
+        while b"\r\n\r\n{" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+        slow.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"--stream-timeout" in answer, answer
+        assert 1.5 < time.monotonic() - started < 20
     finally:
         _, err = server.stop()
     assert b"request failed mid-stream" not in err and b"Traceback" not in err, err[-3000:]
