@@ -761,15 +761,15 @@ class Gateway:
             return ()
         if len(given) > MAX_LOGIT_BIAS:
             raise HTTPError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
-        out = []
+        out: dict[int, float] = {}  # ("5" and "05" name one token: the last given wins, as vLLM's dict)
         for key, bias in given.items():
             digits = key.strip()  # (ASCII digits: "²" is a digit to str.isdigit, not to int)
             if not (digits.isascii() and digits.isdigit() and len(digits) <= 10) or not -100 <= bias <= 100:
                 raise HTTPError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key[:20]!r}: "
                                      f"{bias!r}", "logit_bias")  # (JSON has no NaN)
-            out.append((int(digits), float(bias)))
-        self._check_ids([t for t, _ in out], "logit_bias")
-        return tuple(out)
+            out[int(digits)] = float(bias)
+        self._check_ids(list(out), "logit_bias")
+        return tuple(out.items())
 
     def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences: each word (leading spaces stripped, as vLLM) as the model

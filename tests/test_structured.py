@@ -288,6 +288,9 @@ def test_the_gateway_sends_a_grammar_only_to_a_coordinator_that_knows_of_it(mode
         params = gateway._params(edited, 1, 4, None, None)
         assert params.logit_bias == ((5, 1.0),) or params.allowed_token_ids == (5, 9) or params.bad_words  # (ids once)
         gateway.status = msgspec.structs.replace(gateway.status, protocol=6)
+    gateway.status = msgspec.structs.replace(gateway.status, protocol=PROTOCOL_VERSION)
+    twice = msgspec.convert({"prompt": "x", "logit_bias": {"5": 1, "05": -2}}, CompletionRequest)
+    assert gateway._params(twice, 1, 4, None, None).logit_bias == ((5, -2.0),)  # (one token: the last bias)
     # guided_whitespace_pattern shapes the JSON constraint given, or a tool choice's
     from gateway.tools import tool_mode
 
