@@ -76,6 +76,7 @@ COORDINATOR_LOST = 30.0
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 DRAIN_MARGIN = 2.0  # seconds past --drain-timeout for the requests it ended to say so (Gateway._drain)
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
+BODY_TIMEOUTS = 4  # a request body arrives whole within this many --stream-timeout (an 8 MiB one at 70 KB/s)
 
 
 class SlowClient(Exception):
@@ -1323,14 +1324,19 @@ class Gateway:
 
     async def _body(self, request: web.Request) -> bytes:
         """The request's body as sent (the runner leaves Content-Encoding to decoded_body), read as
-        request.read() does, but a client whose body stops arriving for --stream-timeout seconds is
-        answered 408: it would hold its handler (and a connection) for as long as it liked."""
+        request.read() does, but answered 408 where it stops arriving for --stream-timeout seconds, or
+        has not all arrived in BODY_TIMEOUTS times that (a client sending a byte now and then would
+        hold its handler and connection for as long as it liked)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BODY_TIMEOUTS * self.cfg.stream_timeout
         chunks, size = [], 0
         while True:
             try:
-                chunk = await asyncio.wait_for(request.content.readany(), self.cfg.stream_timeout)
+                chunk = await asyncio.wait_for(request.content.readany(),
+                                               min(self.cfg.stream_timeout, max(0.0, deadline - loop.time())))
             except asyncio.TimeoutError:
-                raise HTTPError(408, f"the request body stopped arriving for {self.cfg.stream_timeout:g} s "
+                raise HTTPError(408, f"the request body did not arrive in time: it stopped for "
+                                     f"{self.cfg.stream_timeout:g} s or took {BODY_TIMEOUTS:g} times that "
                                      f"(--stream-timeout)") from None
             if not chunk:
                 return b"".join(chunks)

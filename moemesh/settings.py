@@ -583,7 +583,8 @@ class GatewaySettings(MeshSecurity):
         choices=("deepseek_r1", "qwen3"))  # (gateway/reasoning.py's PARSERS)
     stream_timeout: float = flag(30.0, "seconds a streaming client may leave an event unread (its connection's "
                                        "buffers full) before its request is aborted and its KV blocks freed, "
-                                       "and a client may pause in sending its request body (then a 408)",
+                                       "and a client may pause in sending its request body (which must also arrive "
+                                       "whole within 4 times this: else a 408)",
                                  parse=positive_float)
     drain_timeout: float = flag(5.0, "seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish after "
                                      "the gateway stops listening; those still open then end with a 503 (an "

@@ -1822,6 +1822,23 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
         slow.close()
         assert answer.startswith(b"HTTP/1.1 408") and b"--stream-timeout" in answer, answer
         assert 1.5 < time.monotonic() - started < 20
+        # one that sends a byte now and then, each within --stream-timeout: a 408 once 4 x 2 s have passed
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n")
+        started, answer = time.monotonic(), b""
+        slow.settimeout(1.0)
+        while not answer and time.monotonic() - started < 20:
+            try:
+                slow.sendall(b" ")
+                answer = slow.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        slow.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert 7.5 < time.monotonic() - started < 12
     finally:
         _, err = server.stop()
     assert b"request failed mid-stream" not in err and b"Traceback" not in err, err[-3000:]
