@@ -76,6 +76,7 @@ COORDINATOR_LOST = 30.0
 MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 DRAIN_MARGIN = 2.0  # seconds past --drain-timeout for the requests it ended to say so (Gateway._drain)
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
+COORDINATOR_SILENT = "the coordinator does not answer"
 BODY_TIMEOUTS = 4  # a request body arrives whole within this many --stream-timeout (an 8 MiB one at 70 KB/s)
 
 
@@ -253,7 +254,7 @@ class Gateway:
                     if not self.down:
                         log.warning("coordinator silent", extra={"fields": {"requests": len(self.client.streams)}})
                 # (a mesh its launcher gave up on keeps that reason: it says what to do)
-                reason = self.down or "the coordinator does not answer"
+                reason = self.down or COORDINATOR_SILENT
                 self.status = msgspec.structs.replace(self.status, serving=False, failure=reason, phase="down")
                 if now - silent_since >= COORDINATOR_LOST and self.client.streams:
                     log.error("coordinator lost", extra={"fields": {"requests": len(self.client.streams),
@@ -341,8 +342,10 @@ class Gateway:
     def _not_serving(self) -> HTTPError:
         starting = "the coordinator is stopping" if self.status.phase == "stopping" else "starting"
         reason = self.status.failure or self.status.unreached
+        # soon, unless it is down; a silent coordinator (stalled, or being restarted) in a few seconds
+        retry = "1" if not reason else "5" if reason == COORDINATOR_SILENT and not self.down else None
         return HTTPError(503, f"the pipeline is not serving: {reason or starting}",
-                         headers=None if reason else {"Retry-After": "1"})  # (soon, unless it is down)
+                         headers={"Retry-After": retry} if retry else None)
 
     async def health(self, request):
         """Whether this gateway and its pipeline are alive: 200 while serving or recovering (but not

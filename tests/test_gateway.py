@@ -1722,6 +1722,9 @@ def test_a_silent_coordinator_is_down_at_once_and_its_requests_wait_for_it(monke
 
     status, failed = asyncio.run(scenario())
     assert not status.serving and status.failure == "the coordinator does not answer"
+    refusal = types.SimpleNamespace(status=status, down=None)  # (its 503 says when to try again; a mesh given up on's not)
+    assert gs.Gateway._not_serving(refusal).headers == {"Retry-After": "5"}
+    assert "Retry-After" not in gs.Gateway._not_serving(types.SimpleNamespace(status=status, down="gone")).headers
     # (silent from the first poll, at 2.5: requests end at the first poll 10 s on, not before)
     assert failed == [(12.5, "the coordinator does not answer")]
     clock[0] = 0.0
