@@ -56,8 +56,7 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import check_exposure, is_loopback
 from moemesh.protocol import PROTOCOL_VERSION, TokenLogprobs
-from moemesh.sampling import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
-                              SamplingParams)
+from moemesh.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from moemesh.settings import GatewaySettings
 from moemesh.timeline import chrome_trace
 from moemesh.tokenizer import TextTokenizer, whole_characters
@@ -578,7 +577,7 @@ class Gateway:
                                      f"server: give tools and tool_choice", name)
         template_kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:  # (the template reads it, as the responses' reasoning.effort)
-            if not isinstance(body.reasoning_effort, str) or not body.reasoning_effort:
+            if not body.reasoning_effort:
                 raise HTTPError(400, "reasoning_effort must be a string, e.g. low, medium or high", "reasoning_effort")
             template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         tools = self._tools(body.tools)
@@ -699,11 +698,8 @@ class Gateway:
                              ("bad_words", bad_words)):
             if given:
                 self._require_protocol(param, 7)
-        salt = getattr(body, "cache_salt", None)
+        salt = getattr(body, "cache_salt", None)  # (its length: SamplingParams' check, a 400 naming it)
         if salt is not None:
-            if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-                raise HTTPError(400, f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
-                                "cache_salt")
             self._require_protocol("cache_salt", 9)
         try:
             return SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
@@ -969,9 +965,6 @@ class Gateway:
                     items, held = held, None
                     for item in items:
                         yield item
-            if held:  # (every sequence ended before the coordinator's answer came)
-                for item in held:
-                    yield item
         finally:
             if getter is not None:
                 getter.cancel()
