@@ -6,6 +6,9 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
 - Then waiting sequences are admitted, oldest first, while the step's token budget, the sequence
   limit and the free KV blocks allow. A prompt longer than the remaining budget is prefilled in
   chunks across steps (chunked prefill), so prefills and decodes share every step.
+- Prefix caching: a waiting sequence whose first uncached block a running sequence is computing
+  sits out until that step comes back, then takes the block from the cache (an `n > 1` request's
+  choices, or requests with one system prompt, compute it once); those behind it may go first.
 - A prefill chunk shrinks to fit the free blocks. When a running sequence cannot take even one
   token, the newest running sequence newer than it (or it, if it is the newest) is preempted: its
   blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt and
@@ -118,6 +121,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.in_flight: Counter[int] = Counter()  # seq id -> its steps not yet returned
+        self._producing: Counter[bytes] = Counter()  # hashes of full blocks running sequences are computing
         self.num_preemptions = 0
         self.num_drafts = 0  # decodes with draft tokens, of steps returned
         self.num_drafted = 0  # the draft tokens they carried
@@ -185,18 +189,23 @@ class Scheduler:
             budget -= n
 
         # after a preemption the pool is short: admit nobody new (nor the victim) in this step
-        while not short and self.waiting and budget > 0 and len(items) < max_seqs:
-            seq = self.waiting[0]
+        i = 0  # waiting[:i] sit this step out: their next block is being computed for another sequence
+        while not short and i < len(self.waiting) and budget > 0 and len(items) < max_seqs:
+            seq = self.waiting[i]
             hits = self.blocks.lookup(seq)  # cached blocks of its prefix (it owns none while waiting)
+            if self._computing_for_another(seq, len(hits)):
+                i += 1
+                continue
             cached = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_needed(cached + n) - len(hits) + self.blocks.cost(hits)
             if need > self.blocks.num_free:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.blocks.take(seq, hits)
+            self._produce(seq)
             items.append(self._take(seq, n, admitted=True))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -205,6 +214,47 @@ class Scheduler:
             num_steps = self._num_steps(items)
         self.in_flight.update(scheduled)
         return Step(items, num_steps, drafted)
+
+    # -- prompts computed once: a sequence whose next uncached block another is computing waits for it
+
+    def _computing_for_another(self, seq: Sequence, num_hits: int) -> bool:
+        """Whether the first block of `seq` that the cache lacks is one a running sequence is computing
+        now (admitted in this step or earlier, its step not back yet). `seq` then waits until that step
+        has come back and takes the block from the cache instead of computing it a second time: the
+        choices of an `n > 1` request, or requests arriving together with one long system prompt,
+        compute their shared prefix once. (Blocks are shared only once the step that filled them has
+        come back; BlockManager.) Never for a sequence that could not use the cache anyway."""
+        if not self._producing or seq.prompt_logprobs is not None:
+            return False
+        if num_hits >= (seq.num_tokens - 1) // self.blocks.block_size:  # (lookup never takes the last token)
+            return False
+        return self.blocks.hashes(seq, num_hits + 1)[num_hits] in self._producing
+
+    def _produce(self, seq: Sequence) -> None:
+        """A sequence just admitted will compute its full blocks past those it took from the cache."""
+        if self.blocks.enable_caching:
+            seq.producing = self.blocks.hashes(seq, seq.num_tokens // self.blocks.block_size)[seq.blocks_hashed:]
+            self._producing.update(seq.producing)
+
+    def _cache_computed(self, seq: Sequence, num_computed: int) -> None:
+        """BlockManager.cache_computed, and the blocks it offered to the cache no longer being computed."""
+        before = seq.blocks_hashed
+        self.blocks.cache_computed(seq, num_computed)
+        if seq.producing and seq.blocks_hashed > before:
+            self._produced(seq, seq.blocks_hashed - before)
+
+    def _produced(self, seq: Sequence, n: int) -> None:
+        done, seq.producing = seq.producing[:n], seq.producing[n:]
+        self._producing.subtract(done)
+        for h in done:
+            if self._producing[h] <= 0:
+                del self._producing[h]
+
+    def _free(self, seq: Sequence) -> None:
+        """The sequence's blocks back to the pool; whatever it was computing, it computes no more."""
+        if seq.producing:
+            self._produced(seq, len(seq.producing))
+        self.blocks.free(seq)
 
     def _victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
         """Whom `seq` preempts to grow: the newest running sequence newer than it with no step in flight
@@ -289,14 +339,14 @@ class Scheduler:
         running, self.running = self.running, []
         tokens = sum(seq.num_computed for seq in running)
         for seq in running:
-            self.blocks.free(seq)
+            self._free(seq)
             seq.num_computed = 0
             seq.status = Status.WAITING
         self.waiting.extendleft(reversed(running))
         return len(running), tokens
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
+        self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -317,7 +367,7 @@ class Scheduler:
                 self._accept(item, next(tokens), finished)
                 continue
             if not seq.finished:  # its blocks now hold what this step wrote: shareable
-                self.blocks.cache_computed(seq, item.context_len + item.num_new)
+                self._cache_computed(seq, item.context_len + item.num_new)
             if not item.sample:
                 continue
             token = next(tokens)
@@ -355,7 +405,7 @@ class Scheduler:
         # its blocks now hold the K/V of the input token and the n - 1 drafts kept: shareable, also where
         # the sequence ends here (its blocks go back to the pool with their hashes)
         seq.num_computed = item.context_len + n
-        self.blocks.cache_computed(seq, seq.num_computed)
+        self._cache_computed(seq, seq.num_computed)
         if reason:
             self.finish(seq, reason)
             finished.append(seq)
@@ -373,7 +423,7 @@ class Scheduler:
                     continue
                 if j:  # decode step j computed the token step j - 1 sampled
                     seq.num_computed += 1
-                self.blocks.cache_computed(seq, seq.num_computed)
+                self._cache_computed(seq, seq.num_computed)
                 if logprobs is not None:
                     seq.logprobs.append(logprobs)
                 self._append(seq, token, finished)
@@ -411,7 +461,7 @@ class Scheduler:
             return
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.blocks.free(seq)
+        self._free(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

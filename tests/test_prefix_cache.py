@@ -59,24 +59,66 @@ def test_a_block_hash_names_its_tokens_and_everything_before_them():
 # -- sharing ------------------------------------------------------------------------------------
 
 def test_a_prefix_is_shared_only_after_the_step_that_wrote_it_came_back():
+    """A block a step in flight is writing is never taken from the cache; a request whose next block
+    it is waits for that step (rather than computing the block a second time) and then takes it."""
     c, stage = core(), FakeLastStage()
     prompt = list(range(10, 20))  # 10 tokens: blocks [10..13] [14..17] and 2 more
     c.add("a", prompt, PARAMS)
     sched_a = c.next_schedule()
     c.add("b", prompt, PARAMS)  # a's blocks are being written by a step in flight
-    sched_b = c.next_schedule()
-    assert work(c, sched_b, "b").context_len == 0
+    assert c.next_schedule() is None and c.requests["b"].block_ids == []  # b waits for them
     c.process_result(stage(sched_a))
-    c.process_result(stage(sched_b))
-    c.add("c", prompt, PARAMS)
-    sched_c = c.next_schedule()
-    w = work(c, sched_c, "c")
-    a, cc = c.requests["a"], c.requests["c"]
+    sched_b = c.next_schedule()
+    w = work(c, sched_b, "b")
+    a, b = c.requests["a"], c.requests["b"]
     assert w.context_len == 8 and w.token_ids == prompt[8:] and w.params is not None  # (9 of 10 at most)
-    assert cc.block_ids[:2] == a.block_ids[:2] and cc.block_ids[2] != a.block_ids[2]
-    assert (c.blocks.queries, c.blocks.hits) == (30, 8) and cc.num_cached_tokens == 8
-    out = {o.request_id: o for o in c.process_result(stage(sched_c))}
-    assert out["c"].num_cached_tokens == 8 and out["a"].num_cached_tokens == 0
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert (c.blocks.queries, c.blocks.hits) == (20, 8) and b.num_cached_tokens == 8
+    out = {o.request_id: o for o in c.process_result(stage(sched_b))}
+    assert out["b"].num_cached_tokens == 8 and out["a"].num_cached_tokens == 0
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once():
+    """The choices of an n > 1 request (or requests with one system prompt) added at once: the first
+    computes the prefix, the others wait a step and take it from the cache; one behind them with
+    nothing to share is admitted meanwhile; and greedy tokens are what each would get alone."""
+    c, stage = core(), FakeLastStage()
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    for r in ("a", "b", "c"):
+        c.add(r, prompt, PARAMS)
+    c.add("x", list(range(50, 63)), PARAMS)
+    first = c.next_schedule()
+    assert {w.seq_id for w in first.seqs} == {c.requests[r].seq_id for r in ("a", "x")}
+    c.process_result(stage(first))
+    second = c.next_schedule()
+    assert [work(c, second, r).context_len for r in ("b", "c")] == [12, 12]
+    assert c.blocks.hits == 24 and c.requests["b"].block_ids[:3] == c.requests["a"].block_ids[:3]
+    assert not c.scheduler._producing or all(s.producing for s in c.scheduler.running)
+
+
+def test_a_request_waiting_for_a_prefix_goes_on_when_its_computer_is_aborted():
+    c, stage = core(budget=8), FakeLastStage()
+    prompt = list(range(10, 30))  # 20 tokens: chunks of 8
+    c.add("a", prompt, PARAMS)
+    first = c.next_schedule()
+    c.add("b", prompt, PARAMS)
+    second = c.next_schedule()  # a's next chunk; b waits for the blocks a computes
+    assert work(c, second, "a").context_len == 8 and c.requests["b"].block_ids == []
+    c.abort("a")
+    third = c.next_schedule()  # nobody computes them now: b does
+    assert work(c, third, "b").context_len == 0
+    assert set(c.scheduler._producing) == set(c.requests["b"].producing)  # (a's are gone)
+
+
+def test_a_request_that_cannot_use_the_cache_does_not_wait_for_it():
+    c, stage = core(), FakeLastStage()
+    prompt = list(range(10, 20))
+    c.add("a", prompt, PARAMS)
+    c.next_schedule()
+    c.add("b", prompt, PARAMS)
+    c.add("p", prompt, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0))
+    sched = c.next_schedule()
+    assert [w.seq_id for w in sched.seqs] == [c.requests["p"].seq_id]  # b waits; p computes it all anyway
 
 
 def test_a_cache_salt_shares_a_prefix_only_with_requests_of_the_same_salt():
@@ -110,7 +152,10 @@ def test_a_chunk_still_in_flight_is_not_shared_though_an_earlier_one_came_back()
     assert [work(c, s, "a").context_len for s in (first, second)] == [0, 8]
     c.process_result(stage(first))
     c.add("b", prompt, PARAMS)
-    assert work(c, c.next_schedule(), "b").context_len == 8  # [8, 16) is still being written
+    third = c.next_schedule()  # a's last chunk; b waits: [8, 16) is still being written
+    assert all(w.seq_id != c.requests["b"].seq_id for w in third.seqs)
+    c.process_result(stage(second))
+    assert work(c, c.next_schedule(), "b").context_len == 16
 
 
 def test_admission_counts_the_cached_blocks_it_takes_from_the_free_pool():
@@ -298,3 +343,52 @@ def test_greedy_with_the_prefix_cache_equals_without_and_transformers(tmp_path, 
     assert outs[True] == outs[False]
     want = [hf_greedy(hf, p, 10) for p in prompts]
     assert outs[True] == want[:1] + want[1:] + want[:1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_requests_waiting_for_shared_blocks_always_finish(seed):
+    """Random requests over a few shared prefixes, arriving in bursts, with one or two steps in flight,
+    small pools (preemption), chunked prefill and aborts: every request ends, no step is empty while
+    nothing is in flight, every block the cache hands out was written by a step that came back, and
+    nothing is left marked as being computed."""
+    import random
+
+    from coordinator.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    blocks = BlockManager(rng.randint(12, 40), B, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(rng.choice([4, 8, 16, 64]), rng.randint(2, 8), 512), blocks, (0,))
+    heads = [[100 * (h + 1) + t for t in range(rng.randint(4, 14))] for h in range(3)]
+    todo = [seq(i, rng.choice(heads) + [5000 + 10 * i + t for t in range(rng.randint(0, 6))],
+                ) for i in range(rng.randint(6, 16))]
+    for s in todo:
+        s.params = SamplingParams(max_tokens=rng.randint(1, 5), ignore_eos=True)
+    written: dict[int, tuple] = {}  # block -> the tokens a returned step wrote into it
+    in_flight, token, rounds, depth = [], 9000, 0, rng.choice([1, 2])
+    while todo or sched.has_work():
+        for _ in range(rng.randint(0, 3)):
+            if todo:
+                sched.add(todo.pop(0))
+        if rng.random() < 0.05 and sched.running:
+            sched.finish(rng.choice(sched.running), "abort")
+        step = sched.schedule()
+        for item in step.items:
+            if item.admitted:  # what it took from the cache holds its tokens' K/V
+                for i in range(item.context_len // B):
+                    assert written.get(item.seq.block_ids[i]) == tuple(item.seq.tokens(0, (i + 1) * B))
+        if step.items:
+            in_flight.append((step, [t for t in range(token, token + len(step.items))]))
+            token += len(step.items)
+        else:
+            assert in_flight or not sched.has_work(), "a request waits with nothing in flight"
+        if len(in_flight) >= depth or (in_flight and not step.items):
+            done, sampled = in_flight.pop(0)
+            for item in done.items:  # the K/V of full blocks this step completed
+                end = item.context_len + item.num_new
+                for i in range(item.context_len // B, end // B):
+                    if i < len(item.seq.block_ids) and not item.seq.finished:
+                        written[item.seq.block_ids[i]] = tuple(item.seq.tokens(0, (i + 1) * B))
+            sched.update(done, [t for item, t in zip(done.items, sampled) if item.sample])
+        rounds += 1
+        assert rounds < 2000
+    assert not sched._producing and blocks.num_free == blocks.num_blocks
