@@ -76,6 +76,8 @@ MAX_STOP, MAX_STOP_CHARS = 16, 1000  # stop strings, and the length of each
 DRAIN_MARGIN = 2.0  # seconds past --drain-timeout for the requests it ended to say so (Gateway._drain)
 STREAM_SEND_BUFFER = 256 << 10  # bytes of a streaming response the kernel holds for a client (thousands of events)
 COORDINATOR_SILENT = "the coordinator does not answer"
+HEADERS_AFTER = 1.0  # seconds a stream waits for its first event before its headers may go out without it
+KEEPALIVE = 15.0  # seconds of silence before a stream that sent its headers early says it is still waiting
 BODY_TIMEOUTS = 4  # a request body arrives whole within this many --stream-timeout (an 8 MiB one at 70 KB/s)
 
 
@@ -974,12 +976,13 @@ class Gateway:
                 t.cancel()
             await asyncio.gather(*tasks, *([taken] if taken is not None else []), return_exceptions=True)
 
-    async def _answered(self) -> None:
-        """A round trip to the coordinator (its answer to a status request), or 5 seconds without one."""
+    async def _answered(self) -> bool:
+        """A round trip to the coordinator (its answer to a status request: True), or 5 seconds without one."""
         try:
             await self.client.status(timeout=5.0)
         except Exception:  # (no answer: the sequences' own outputs say the rest)
-            pass
+            return False
+        return True
 
     def _beam_settings(self, body: SamplingFields, params: SamplingParams) -> BeamSettings:
         """use_beam_search's settings (gateway/beam.py), checked: what a search cannot honour is a 400
@@ -1230,15 +1233,44 @@ class Gateway:
                 raise SlowClient from None
 
         events = self._gather(rid, jobs, shown, plan)
-        try:  # the first event before the 200: an error the coordinator answers at once keeps its status
-            first = await events.__anext__()
+        # the first event before the 200: an error the coordinator answers at once keeps its status. A
+        # request that waits longer (queued behind others, a long prompt) gets its headers once the
+        # coordinator has answered a status asked after it went out (it answers in order and refuses as
+        # it reads: no refusal can come after), so that a proxy's or client's wait for headers does not
+        # run out; until its first event, a comment line every KEEPALIVE seconds keeps idle timeouts away.
+        first = asyncio.ensure_future(events.__anext__())
+        taken = None
+        try:
+            if not (await asyncio.wait([first], timeout=HEADERS_AFTER))[0]:
+                taken = asyncio.ensure_future(self._answered())
+                await asyncio.wait([first, taken], return_when=asyncio.FIRST_COMPLETED)
+                if first.done() or not taken.result():
+                    await asyncio.wait([first])  # (no answer: a coordinator that is silent is a 503 as before)
+            if first.done():
+                first.result()
         except HTTPError as e:
             await events.aclose()
             return _refusal(request.path, e)
+        except BaseException:
+            first.cancel()  # (its cancellation runs the generator's cleanup: every sequence aborted)
+            raise
+        finally:
+            if taken is not None:
+                taken.cancel()
+
+        async def close() -> None:
+            """Every sequence of the request aborted."""
+            if not first.done():  # (the generator is busy in it: cancelling it is what closes it)
+                first.cancel()
+                await asyncio.wait([first])
+            await events.aclose()
 
         async def all_events():
-            yield first
+            while not first.done():  # (headers sent early: nothing to say yet)
+                if not (await asyncio.wait([first], timeout=KEEPALIVE))[0]:
+                    await send_raw(b": waiting\n\n")
             try:
+                yield first.result()
                 async for event in events:
                     yield event
             except HTTPError:
@@ -1256,11 +1288,12 @@ class Gateway:
             await asyncio.wait_for(resp.write_eof(), self.cfg.stream_timeout)
         except ConnectionError:  # the client left (reset, or closed while a write waited on it, which
             # aiohttp says as "Connection lost"): every sequence of the request is aborted
-            await events.aclose()
+            await close()
         except asyncio.CancelledError:
-            raise  # (aiohttp cancels the handler of a client that left: _gather's cleanup aborts)
+            first.cancel()  # (aiohttp cancels the handler of a client that left: _gather's cleanup aborts)
+            raise
         except (SlowClient, asyncio.TimeoutError):
-            await events.aclose()  # aborts every sequence of the request
+            await close()  # aborts every sequence of the request
             self.metrics.slow_clients.labels(self.model_name).inc()
             log.warning("client stopped reading, request aborted", extra={"fields": {
                 "request_id": rid, "seconds": self.cfg.stream_timeout}})
@@ -1269,9 +1302,10 @@ class Gateway:
         except Exception:  # a bug while writing: the 200 and some events are out, so the stream is cut, not
             # followed by an error response of its own (the middleware's 500)
             if not resp.prepared:
+                first.cancel()
                 raise
             log.error("request failed mid-stream", exc_info=True, extra={"fields": {"request_id": rid}})
-            await events.aclose()
+            await close()
             if request.transport is not None:
                 request.transport.abort()
         return resp

@@ -2221,6 +2221,110 @@ def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_e
     assert got[0][0] < 0.3 and got[0][1][0] == 0  # (choice 0's tokens once the coordinator took both)
 
 
+def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(model, monkeypatch):
+    """A stream's first event decides its HTTP status (a refusal the coordinator answers at once keeps
+    it). One whose first token is slow (queued, a long prompt) gets its 200 once the coordinator has
+    answered a status asked after it, then a comment line per KEEPALIVE until its first event, so a
+    proxy's wait for headers or for bytes does not run out; a refusal answered before that status is
+    still the request's status, and with a coordinator that answers nothing the headers wait as before."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    import aiohttp
+    from aiohttp import web
+
+    import gateway.server as gs
+    from moemesh.protocol import RequestOutput, TokenLogprobs
+    from moemesh.sampling import SamplingParams
+    from moemesh.tokenizer import TextTokenizer
+
+    monkeypatch.setattr(gs, "HEADERS_AFTER", 0.2)
+    monkeypatch.setattr(gs, "KEEPALIVE", 0.15)
+
+    class Client:
+        def __init__(self, first_after, refuse=False, status_answers=True):
+            self.first_after, self.refuse, self.status_answers = first_after, refuse, status_answers
+            self.aborted = False
+
+        async def status(self, timeout=5.0):
+            if not self.status_answers:
+                await asyncio.sleep(timeout)
+                raise asyncio.TimeoutError
+            await asyncio.sleep(0.3 if self.refuse else 0.02)  # (a refusal is answered before it)
+
+        def generate(self, prompt, params, request_id=None):
+            async def stream():
+                try:
+                    await asyncio.sleep(self.first_after)
+                    if self.refuse:
+                        yield RequestOutput(request_id, [], None, error="the queue is full", error_status=429)
+                        return
+                    for k in range(2):
+                        yield RequestOutput(request_id, [5 + k], [TokenLogprobs(5 + k, -1.0, [])],
+                                            finish_reason="length" if k else None, num_prompt_tokens=3, start=k)
+                except asyncio.CancelledError:
+                    self.aborted = True
+                    raise
+            return stream()
+
+    async def serve(client, leave_after=None):
+        gateway = object.__new__(gs.Gateway)
+        gateway.tokenizer, gateway.metrics, gateway.model_name = TextTokenizer(model), MagicMock(), "m"
+        gateway.client, gateway.cfg = client, SimpleNamespace(stream_timeout=5.0)
+        shown = {"stop": [], "include_stop": False, "skip_special_tokens": True}
+
+        async def write(send_raw, events):
+            try:
+                async for index, kind, payload in events:
+                    await send_raw(f"data: {kind}\n\n".encode())
+            except gs.HTTPError as e:
+                await send_raw(f"data: error {e.status}\n\n".encode())
+
+        async def handler(request):
+            try:
+                return await gateway._sse(request, "r", [(0, [5, 6, 7], SamplingParams(max_tokens=2))], shown, write)
+            except gs.HTTPError as e:
+                return web.json_response({"error": e.status}, status=e.status)
+
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                began = time.monotonic()
+                async with session.get(f"http://127.0.0.1:{port}/") as resp:
+                    headers_at = time.monotonic() - began
+                    if leave_after is not None:
+                        await asyncio.sleep(leave_after)
+                        resp.close()
+                        await asyncio.sleep(0.3)
+                        return resp.status, headers_at, b""
+                    body = await resp.read()
+                return resp.status, headers_at, body
+        finally:
+            await runner.cleanup()
+
+    status, headers_at, body = asyncio.run(serve(Client(first_after=0.9)))
+    assert status == 200 and headers_at < 0.6, headers_at  # (at 0.2 s and a status round trip, not 0.9 s)
+    assert body.startswith(b": waiting\n\n") and body.count(b": waiting") >= 2
+    assert body.endswith(b"data: delta\n\ndata: delta\n\ndata: done\n\n")
+    status, headers_at, body = asyncio.run(serve(Client(first_after=0.05)))
+    assert status == 200 and b": waiting" not in body  # (a prompt answer: nothing changes)
+    status, _, _ = asyncio.run(serve(Client(first_after=0.25, refuse=True)))
+    assert status == 429  # refused after HEADERS_AFTER, but before the status asked after it was answered
+    status, headers_at, body = asyncio.run(serve(Client(first_after=0.8, status_answers=False)))
+    assert status == 200 and headers_at >= 0.75 and b": waiting" not in body  # (headers with the first event)
+    client = Client(first_after=5.0)
+    asyncio.run(serve(client, leave_after=0.2))  # a client that leaves while waiting: its request is aborted
+    assert client.aborted
+
+
 def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its_tokens(model, tmp_path):
     """With a tokenizer that adds a BOS, echo shows the text prompt as it was sent (not "<s>..."), and token
     ids as they decode. With --num-scheduler-steps 4 an output carries several tokens: a stop string ends
