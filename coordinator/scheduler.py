@@ -8,7 +8,8 @@ Pure policy over `Sequence` objects (no sockets, no tensors):
   chunks across steps (chunked prefill), so prefills and decodes share every step.
 - Prefix caching: a waiting sequence whose first uncached block a running sequence is computing
   sits out until that step comes back, then takes the block from the cache (an `n > 1` request's
-  choices, or requests with one system prompt, compute it once); those behind it may go first.
+  choices, or requests with one system prompt, compute it once); those behind it may go first,
+  into the blocks it will not need.
 - A prefill chunk shrinks to fit the free blocks. When a running sequence cannot take even one
   token, the newest running sequence newer than it (or it, if it is the newest) is preempted: its
   blocks are freed and it goes back to the front of the queue, to be recomputed from its prompt and
@@ -53,6 +54,8 @@ from moemesh.errors import ConfigError
 DRAFT_WORTH = 0.3
 DRAFT_DECAY = 0.9
 
+
+MAX_PASSED = 32  # waiting sequences one schedule passes over while their next block is computed for another
 
 DRAFT_PROBE = 8  # decodes between drafts of one token where drafts are not worth their rows
 
@@ -189,17 +192,27 @@ class Scheduler:
             budget -= n
 
         # after a preemption the pool is short: admit nobody new (nor the victim) in this step
-        i = 0  # waiting[:i] sit this step out: their next block is being computed for another sequence
+        # waiting[:i] sit this step out, their next block being computed for another sequence; the blocks
+        # they will need stay theirs (`held`): those behind them are admitted only into what is left
+        i = held = passed = 0
         while not short and i < len(self.waiting) and budget > 0 and len(items) < max_seqs:
             seq = self.waiting[i]
-            hits = self.blocks.lookup(seq)  # cached blocks of its prefix (it owns none while waiting)
-            if self._computing_for_another(seq, len(hits)):
+            if seq.awaits is not None and seq.awaits[0] in self._producing:  # (still computed: no lookup)
+                hits = None
+            else:
+                hits = self.blocks.lookup(seq)  # cached blocks of its prefix (it owns none while waiting)
+                seq.awaits = self._computing_for_another(seq, hits)
+            if seq.awaits is not None:
+                held += seq.awaits[1]
+                passed += 1
+                if passed >= MAX_PASSED:  # (a burst of them: each looked up once, not every one every step)
+                    break
                 i += 1
                 continue
             cached = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget)
             need = self.blocks.blocks_needed(cached + n) - len(hits) + self.blocks.cost(hits)
-            if need > self.blocks.num_free:
+            if need + held > self.blocks.num_free:
                 break
             del self.waiting[i]
             seq.status = Status.RUNNING
@@ -217,18 +230,23 @@ class Scheduler:
 
     # -- prompts computed once: a sequence whose next uncached block another is computing waits for it
 
-    def _computing_for_another(self, seq: Sequence, num_hits: int) -> bool:
+    def _computing_for_another(self, seq: Sequence, hits: list[int]) -> tuple[bytes, int] | None:
         """Whether the first block of `seq` that the cache lacks is one a running sequence is computing
-        now (admitted in this step or earlier, its step not back yet). `seq` then waits until that step
-        has come back and takes the block from the cache instead of computing it a second time: the
-        choices of an `n > 1` request, or requests arriving together with one long system prompt,
-        compute their shared prefix once. (Blocks are shared only once the step that filled them has
-        come back; BlockManager.) Never for a sequence that could not use the cache anyway."""
+        now (admitted in this step or earlier, its step not back yet): then (that block's hash, the free
+        blocks `seq` would take were nothing more of it shared). `seq` waits until that step has come
+        back and takes the block from the cache instead of computing it a second time: the choices of
+        an `n > 1` request, or requests arriving together with one long system prompt, compute their
+        shared prefix once. (Blocks are shared only once the step that filled them has come back;
+        BlockManager.) Never for a sequence that could not use the cache anyway."""
         if not self._producing or seq.prompt_logprobs is not None:
-            return False
-        if num_hits >= (seq.num_tokens - 1) // self.blocks.block_size:  # (lookup never takes the last token)
-            return False
-        return self.blocks.hashes(seq, num_hits + 1)[num_hits] in self._producing
+            return None
+        k = len(hits)
+        if k >= (seq.num_tokens - 1) // self.blocks.block_size:  # (lookup never takes the last token)
+            return None
+        h = self.blocks.hashes(seq, k + 1)[k]
+        if h not in self._producing:
+            return None
+        return h, self.blocks.blocks_needed(seq.num_tokens) - k + self.blocks.cost(hits)
 
     def _produce(self, seq: Sequence) -> None:
         """A sequence just admitted will compute its full blocks past those it took from the cache."""

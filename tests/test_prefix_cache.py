@@ -392,3 +392,58 @@ def test_requests_waiting_for_shared_blocks_always_finish(seed):
         rounds += 1
         assert rounds < 2000
     assert not sched._producing and blocks.num_free == blocks.num_blocks
+
+
+def test_a_request_waiting_for_a_prefix_keeps_its_place_in_the_pool():
+    """W shares two blocks with P, whose step is in flight, and has a long prompt of its own: it sits out
+    that step, but the blocks it needs stay its own, so the unrelated requests behind it (whose
+    generations would fill the pool) are admitted only into what is left, and W starts as soon as P's
+    step is back (it waited 48 steps for them when they could take its blocks)."""
+    from coordinator.scheduler import Scheduler
+
+    blocks = BlockManager(48, B, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(512, 256, 2048), blocks, (0,))
+    shared = list(range(100, 108))
+    p = Sequence(0, shared + [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))
+    w = Sequence(1, shared + list(range(200, 264)), SamplingParams(max_tokens=2, ignore_eos=True))
+    xs = [Sequence(2 + i, list(range(1000 * (i + 1), 1000 * (i + 1) + 32)), SamplingParams(max_tokens=24, ignore_eos=True))
+          for i in range(4)]
+    for s in (p, w, *xs):
+        sched.add(s)
+    in_flight, steps, first = [], 0, {}
+    while sched.has_work() and steps < 500:
+        step = sched.schedule()
+        steps += 1
+        if step.items:
+            in_flight.append(step)
+        if len(in_flight) >= 2 or (in_flight and not step.items):
+            done = in_flight.pop(0)
+            sched.update(done, [9 for item in done.items if item.sample])
+        for s in (p, w, *xs):
+            if s.output_ids:
+                first.setdefault(s.seq_id, steps)
+    assert first[w.seq_id] <= 4 and w.num_preemptions == 0 and w.num_cached_tokens == 8, first
+    assert not sched._producing and blocks.num_free == blocks.num_blocks
+
+
+def test_a_burst_waiting_for_one_prefix_is_looked_at_a_few_at_a_time():
+    """A thousand requests on one long prefix, arriving while it is computed: a schedule passes over at
+    most MAX_PASSED of them (each one's lookup hashes its whole prompt), and one it passed is not
+    looked up again while the block it waits for is still being computed."""
+    from coordinator.scheduler import MAX_PASSED, Scheduler
+
+    blocks = BlockManager(4096, B, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(128, 256, 2048), blocks, (0,))
+    prompt = list(range(100, 164))  # 16 blocks
+    for i in range(200):
+        sched.add(Sequence(i, prompt + [5000 + i], SamplingParams(max_tokens=1, ignore_eos=True)))
+    first = sched.schedule()
+    assert [item.seq.seq_id for item in first.items] == [0]  # (the others wait for its blocks)
+    looked = [s for s in sched.waiting if s.block_hashes]
+    assert len(looked) == MAX_PASSED
+    memo = [s.lookup_memo for s in looked]
+    sched.schedule()  # nothing new is hashed: nothing came back
+    assert [s.lookup_memo for s in looked] == memo and len([s for s in sched.waiting if s.block_hashes]) == len(looked)
+    sched.update(first, [9])
+    third = sched.schedule()  # the prefix is cached: the budget's worth of them start, each with 64 tokens cached
+    assert third.items and all(item.context_len == 64 for item in third.items)
