@@ -1236,16 +1236,26 @@ class Gateway:
         # the first event before the 200: an error the coordinator answers at once keeps its status. A
         # request that waits longer (queued behind others, a long prompt) gets its headers once the
         # coordinator has answered a status asked after it went out (it answers in order and refuses as
-        # it reads: no refusal can come after), so that a proxy's or client's wait for headers does not
-        # run out; until its first event, a comment line every KEEPALIVE seconds keeps idle timeouts away.
+        # it reads: no refusal can come after) and had said nothing of its sequences before that answer
+        # (a refusal already read, its first event hops behind, keeps its status), so that a proxy's or
+        # client's wait for headers does not run out; until its first event, a comment line every
+        # KEEPALIVE seconds keeps idle timeouts away. Not for a beam search, whose later steps are new
+        # requests that may yet be refused: its headers wait for its answer.
         first = asyncio.ensure_future(events.__anext__())
         taken = None
         try:
-            if not (await asyncio.wait([first], timeout=HEADERS_AFTER))[0]:
+            await asyncio.wait([first], timeout=HEADERS_AFTER)
+            while not first.done() and (plan is None or plan.search is None):
                 taken = asyncio.ensure_future(self._answered())
                 await asyncio.wait([first, taken], return_when=asyncio.FIRST_COMPLETED)
-                if first.done() or not taken.result():
-                    await asyncio.wait([first])  # (no answer: a coordinator that is silent is a 503 as before)
+                if first.done():
+                    break
+                if taken.result():  # (no answer in 5 s: asked again)
+                    if any(self.client.heard(f"{rid}-{i}") for i, _, _ in jobs):
+                        await asyncio.wait([first])  # (what it heard is on its way)
+                    break
+            if plan is not None and plan.search is not None:
+                await asyncio.wait([first])
             if first.done():
                 first.result()
         except HTTPError as e:
@@ -1260,9 +1270,8 @@ class Gateway:
 
         async def close() -> None:
             """Every sequence of the request aborted."""
-            if not first.done():  # (the generator is busy in it: cancelling it is what closes it)
-                first.cancel()
-                await asyncio.wait([first])
+            first.cancel()  # (the generator is busy in it: cancelling it is what closes it; done, this retrieves it)
+            await asyncio.wait([first])
             await events.aclose()
 
         async def all_events():
@@ -1336,7 +1345,7 @@ class Gateway:
                 for event in builder.take():
                     await send_raw(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
 
-            try:  # (the answer's start goes with its first tokens, which came before the 200)
+            try:  # (the answer's start goes with its first tokens)
                 async for index, kind, payload in events:
                     if kind == "done":
                         _finish(builder, jobs, payload)

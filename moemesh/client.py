@@ -111,6 +111,13 @@ class CoordinatorClient:
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its error, if any, is not lost)
         return True
 
+    def heard(self, request_id: str) -> bool:
+        """Whether an output of the request has reached this client (handed to its `generate` loop or
+        waiting for it), or its stream is not open: what the coordinator said of it before the answer
+        to a later status is here by the time that answer is, though a loop may not have taken it yet."""
+        st = self.streams.get(request_id)
+        return st is None or bool(st.received or st.early) or not st.queue.empty()
+
     def _arrive(self, rid: str, st: "_Stream", out: RequestOutput) -> None:
         """Hands a stream its outputs in order, each token once. An output past a gap (outputs lost on a
         link that dropped) waits while the missing ones are asked for again; one that repeats tokens

@@ -2225,8 +2225,11 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
     """A stream's first event decides its HTTP status (a refusal the coordinator answers at once keeps
     it). One whose first token is slow (queued, a long prompt) gets its 200 once the coordinator has
     answered a status asked after it, then a comment line per KEEPALIVE until its first event, so a
-    proxy's wait for headers or for bytes does not run out; a refusal answered before that status is
-    still the request's status, and with a coordinator that answers nothing the headers wait as before."""
+    proxy's wait for headers or for bytes does not run out. A refusal answered before that status keeps
+    its status, also where the client has read it but the stream's first event is still hops behind
+    (the review's race: both in one read); a status that goes unanswered is asked again; with a
+    coordinator that answers nothing, and for a beam search (whose later steps may yet be refused), the
+    headers wait for the first event."""
     import asyncio
     import time
     from types import SimpleNamespace
@@ -2244,18 +2247,24 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
     monkeypatch.setattr(gs, "KEEPALIVE", 0.15)
 
     class Client:
-        def __init__(self, first_after, refuse=False, status_answers=True):
-            self.first_after, self.refuse, self.status_answers = first_after, refuse, status_answers
-            self.aborted = False
+        def __init__(self, first_after, refuse=False, status_after=0.02, heard_at=None, unanswered=0):
+            self.first_after, self.refuse, self.status_after, self.unanswered = first_after, refuse, status_after, unanswered
+            self.heard_at = first_after if heard_at is None else heard_at
+            self.aborted, self.began, self.asked = False, None, 0
+
+        def heard(self, request_id):  # (the client has the output: its generate loop may not have taken it yet)
+            return time.monotonic() - self.began >= self.heard_at
 
         async def status(self, timeout=5.0):
-            if not self.status_answers:
-                await asyncio.sleep(timeout)
+            self.asked += 1
+            if self.asked <= self.unanswered:
+                await asyncio.sleep(0.05)
                 raise asyncio.TimeoutError
-            await asyncio.sleep(0.3 if self.refuse else 0.02)  # (a refusal is answered before it)
+            await asyncio.sleep(self.status_after)
 
         def generate(self, prompt, params, request_id=None):
             async def stream():
+                self.began = time.monotonic()
                 try:
                     await asyncio.sleep(self.first_after)
                     if self.refuse:
@@ -2269,10 +2278,12 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
                     raise
             return stream()
 
-    async def serve(client, leave_after=None):
+    async def serve(client, leave_after=None, plan=None, gather=None):
         gateway = object.__new__(gs.Gateway)
         gateway.tokenizer, gateway.metrics, gateway.model_name = TextTokenizer(model), MagicMock(), "m"
         gateway.client, gateway.cfg = client, SimpleNamespace(stream_timeout=5.0)
+        if gather is not None:
+            gateway._gather = gather
         shown = {"stop": [], "include_stop": False, "skip_special_tokens": True}
 
         async def write(send_raw, events):
@@ -2284,7 +2295,8 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
 
         async def handler(request):
             try:
-                return await gateway._sse(request, "r", [(0, [5, 6, 7], SamplingParams(max_tokens=2))], shown, write)
+                return await gateway._sse(request, "r", [(0, [5, 6, 7], SamplingParams(max_tokens=2))], shown, write,
+                                          plan)
             except gs.HTTPError as e:
                 return web.json_response({"error": e.status}, status=e.status)
 
@@ -2316,10 +2328,22 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
     assert body.endswith(b"data: delta\n\ndata: delta\n\ndata: done\n\n")
     status, headers_at, body = asyncio.run(serve(Client(first_after=0.05)))
     assert status == 200 and b": waiting" not in body  # (a prompt answer: nothing changes)
-    status, _, _ = asyncio.run(serve(Client(first_after=0.25, refuse=True)))
-    assert status == 429  # refused after HEADERS_AFTER, but before the status asked after it was answered
-    status, headers_at, body = asyncio.run(serve(Client(first_after=0.8, status_answers=False)))
+    status, _, _ = asyncio.run(serve(Client(first_after=0.25, refuse=True, status_after=0.3)))
+    assert status == 429  # refused after HEADERS_AFTER, before the status asked after it was answered
+    status, _, _ = asyncio.run(serve(Client(first_after=0.5, refuse=True, status_after=0.1, heard_at=0.25)))
+    assert status == 429  # read before the status's answer, its first event still on its way
+    client = Client(first_after=0.9, unanswered=2)
+    status, headers_at, body = asyncio.run(serve(client))
+    assert status == 200 and headers_at < 0.6 and client.asked == 3  # (asked until answered)
+    status, headers_at, body = asyncio.run(serve(Client(first_after=0.8, unanswered=99)))
     assert status == 200 and headers_at >= 0.75 and b": waiting" not in body  # (headers with the first event)
+
+    async def slow_search(rid, jobs, shown, plan):
+        await asyncio.sleep(0.8)
+        yield 0, "done", None
+    status, headers_at, body = asyncio.run(serve(Client(first_after=0.8), plan=SimpleNamespace(search=[object()]),
+                                                 gather=slow_search))
+    assert status == 200 and headers_at >= 0.75 and b": waiting" not in body  # a beam search: as before
     client = Client(first_after=5.0)
     asyncio.run(serve(client, leave_after=0.2))  # a client that leaves while waiting: its request is aborted
     assert client.aborted
