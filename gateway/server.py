@@ -1179,11 +1179,13 @@ class Gateway:
                 await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
             try:
-                if chat:
-                    for i, _, _ in jobs:
-                        await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
+                roles = chat  # (sent with the first event, not with headers sent early: clients time a first token by them)
                 async for index, kind, payload in events:
+                    if roles:
+                        roles = False
+                        for i, _, _ in jobs:
+                            await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
                     if kind == "done":
                         choices[index] = payload
                         continue

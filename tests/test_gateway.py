@@ -1343,8 +1343,12 @@ def test_a_bug_mid_stream_ends_that_stream_cleanly_and_nothing_else(model, monke
                     made["fail_write"] = False
                     async with session.post(urls[0] + "/v1/completions", json=body) as r:
                         after = r.status, await r.json()
-                    async with session.get(urls[0] + "/metrics") as r:
-                        metrics = await r.text()
+                    for _ in range(50):  # (/metrics shows the coordinator's status as last polled, twice a second)
+                        async with session.get(urls[0] + "/metrics") as r:
+                            metrics = await r.text()
+                        if re.search(r"^vllm:num_requests_running\S* 0\.0$", metrics, re.M):
+                            break
+                        await asyncio.sleep(0.1)
             finally:
                 server.cancel()
                 await asyncio.gather(server, return_exceptions=True)
@@ -2278,7 +2282,7 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
                     raise
             return stream()
 
-    async def serve(client, leave_after=None, plan=None, gather=None):
+    async def serve(client, leave_after=None, plan=None, gather=None, chat=False):
         gateway = object.__new__(gs.Gateway)
         gateway.tokenizer, gateway.metrics, gateway.model_name = TextTokenizer(model), MagicMock(), "m"
         gateway.client, gateway.cfg = client, SimpleNamespace(stream_timeout=5.0)
@@ -2294,9 +2298,12 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
                 await send_raw(f"data: error {e.status}\n\n".encode())
 
         async def handler(request):
+            jobs = [(0, [5, 6, 7], SamplingParams(max_tokens=2))]
             try:
-                return await gateway._sse(request, "r", [(0, [5, 6, 7], SamplingParams(max_tokens=2))], shown, write,
-                                          plan)
+                if chat:  # (the chat stream's own writer)
+                    body = SimpleNamespace(stream_options=None, logprobs=None, n=1, echo=False)
+                    return await gateway._stream(request, body, "r", jobs, shown, True)
+                return await gateway._sse(request, "r", jobs, shown, write, plan)
             except gs.HTTPError as e:
                 return web.json_response({"error": e.status}, status=e.status)
 
@@ -2312,6 +2319,13 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
                 began = time.monotonic()
                 async with session.get(f"http://127.0.0.1:{port}/") as resp:
                     headers_at = time.monotonic() - began
+                    if chat:  # -> when the first data line came, and the body
+                        first_data, body = None, b""
+                        async for line in resp.content:
+                            body += line
+                            if first_data is None and line.startswith(b"data:"):
+                                first_data = time.monotonic() - began
+                        return resp.status, headers_at, first_data, body
                     if leave_after is not None:
                         await asyncio.sleep(leave_after)
                         resp.close()
@@ -2344,6 +2358,9 @@ def test_a_stream_that_waits_gets_its_headers_once_the_coordinator_has_taken_it(
     status, headers_at, body = asyncio.run(serve(Client(first_after=0.8), plan=SimpleNamespace(search=[object()]),
                                                  gather=slow_search))
     assert status == 200 and headers_at >= 0.75 and b": waiting" not in body  # a beam search: as before
+    status, headers_at, first_data, body = asyncio.run(serve(Client(first_after=0.9), chat=True))
+    assert status == 200 and headers_at < 0.6 and first_data >= 0.85, (headers_at, first_data)  # (role chunk too)
+    assert b'"role": "assistant"' in body and body.endswith(b"data: [DONE]\n\n")
     client = Client(first_after=5.0)
     asyncio.run(serve(client, leave_after=0.2))  # a client that leaves while waiting: its request is aborted
     assert client.aborted
