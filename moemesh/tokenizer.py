@@ -119,17 +119,21 @@ class TextTokenizer:
     def whole_text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The tokens' decode up to the character they end inside of, if they do: a byte-level
         decode's one U+FFFD for it left out, or with byte fallback the decode of the tokens before it."""
-        if not self.ends_inside_character(ids):
+        if not self.ends_inside_character(ids, skip_special_tokens):
             return self.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.byte_level:
             return self.decode(ids, skip_special_tokens=skip_special_tokens)[:-1]
         return self.decode(ids[:self.whole_prefix(ids)], skip_special_tokens=skip_special_tokens)
 
-    def ends_inside_character(self, ids: list[int]) -> bool:
+    def ends_inside_character(self, ids: list[int], skip_special_tokens: bool = False) -> bool:
         """Whether the tokens' bytes end inside a character: its first bytes there, the rest to come
-        (not a U+FFFD the text holds, nor an invalid byte, which stay what they are)."""
-        # (a character's first byte: in the last 3)
-        return bool(whole_characters(b"".join(self.token_bytes(t) for t in ids[-4:]))[1])
+        (not a U+FFFD the text holds, nor an invalid byte, which stay what they are). With
+        `skip_special_tokens`, special tokens have no bytes (a decode that skips them joins the bytes
+        on either side into one character)."""
+        tail = ids[-4:]  # (a character's first byte: in the last 3)
+        if skip_special_tokens:
+            tail = [t for t in ids[-16:] if t not in self._special_ids][-4:]
+        return bool(whole_characters(b"".join(self.token_bytes(t) for t in tail))[1])
 
     def whole_prefix(self, ids: list[int], end: int | None = None) -> int:
         """The largest b <= end (default: all of them) where ids[:b] ends before the token a character
@@ -150,6 +154,11 @@ class TextTokenizer:
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self._tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The tokens a decode with skip_special_tokens leaves out."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @cached_property
     def byte_level(self) -> bool:

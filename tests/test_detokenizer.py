@@ -547,3 +547,21 @@ def test_token_bytes_of_a_sentencepiece_vocabulary_with_byte_fallback(tmp_path):
     ids = sp.encode("▁a▁é", add_special_tokens=False)  # (as a pre-tokenizer would hand it on)
     assert [sp.token_label(i) for i in ids] == [" a", " ", "bytes:\\xc3", "bytes:\\xa9"]
     assert b"".join(sp.token_bytes(i) for i in ids) == " a é".encode()
+
+
+def test_a_skipped_special_token_inside_a_character_does_not_break_it(tok, byte_id):
+    """A special token between the bytes of one character (a model may sample one anywhere): a decode
+    that skips special tokens joins the bytes on either side into the character, and so do the pieces,
+    however the tokens arrive (the first byte was released as a broken character once the special
+    token came after it). Kept as text, the special token does break it, in both."""
+    special = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(special) == 1 and special[0] in tok._special_ids
+    head = tok.encode("The cheel", add_special_tokens=False)
+    ids = head + [byte_id(0xC4), special[0], byte_id(0xAA), byte_id(0xC3), special[0], byte_id(0xA9)]
+    whole = tok.decode(ids)
+    assert whole.endswith("Īé")
+    for sizes in _chunkings(len(ids)):
+        d, pieces, last = _stream(tok, ids, sizes)
+        assert "".join(pieces) + last == whole, sizes
+    d = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(d.add([t]) for t in ids) + d.finish() == tok.decode(ids, skip_special_tokens=False)
