@@ -123,42 +123,46 @@ class TextTokenizer:
             return self.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.byte_level:
             return self.decode(ids, skip_special_tokens=skip_special_tokens)[:-1]
-        return self.decode(ids[:self.whole_prefix(ids)], skip_special_tokens=skip_special_tokens)
+        return self.decode(ids[:self.whole_prefix(ids, skip_special_tokens=skip_special_tokens)],
+                           skip_special_tokens=skip_special_tokens)
 
     def ends_inside_character(self, ids: list[int], skip_special_tokens: bool = False) -> bool:
         """Whether the tokens' bytes end inside a character: its first bytes there, the rest to come
         (not a U+FFFD the text holds, nor an invalid byte, which stay what they are). With
         `skip_special_tokens`, special tokens have no bytes (a decode that skips them joins the bytes
         on either side into one character)."""
-        tail = ids[-4:]  # (a character's first byte: in the last 3)
-        if skip_special_tokens:
-            tail = [t for t in ids[-16:] if t not in self._special_ids][-4:]
-        return bool(whole_characters(b"".join(self.token_bytes(t) for t in tail))[1])
+        tail = self._tail(ids, len(ids), skip_special_tokens)
+        return bool(whole_characters(b"".join(self.token_bytes(ids[i]) for i in tail))[1])
 
-    def whole_prefix(self, ids: list[int], end: int | None = None) -> int:
+    def _tail(self, ids: list[int], end: int, skip_special_tokens: bool) -> list[int]:
+        """Indices of the last 4 tokens before `end` with bytes in a decode (a character's bytes span at
+        most 4 tokens; with `skip_special_tokens`, special tokens have none)."""
+        if not skip_special_tokens:
+            return list(range(max(0, end - 4), end))
+        special = self.special_ids
+        return [i for i in range(max(0, end - 16), end) if ids[i] not in special][-4:]
+
+    def whole_prefix(self, ids: list[int], end: int | None = None, skip_special_tokens: bool = False) -> int:
         """The largest b <= end (default: all of them) where ids[:b] ends before the token a character
         not yet whole begins in, told by the bytes (a decode's U+FFFD cannot tell: a byte-fallback
         decoder turns every byte of a run of <0xNN> pieces into one when any of them is not whole). A
-        character's bytes span at most 4 tokens. (A byte-level token may hold whole characters before
-        the first bytes of the next: those are left out too; `whole_text` keeps them.)"""
+        character's bytes span at most 4 tokens (with `skip_special_tokens`, special tokens among them
+        have no bytes). (A byte-level token may hold whole characters before the first bytes of the
+        next: those are left out too; `whole_text` keeps them.)"""
         end = len(ids) if end is None else end
-        tail = [self.token_bytes(t) for t in ids[max(0, end - 4):end]]
-        b, inside = end, len(whole_characters(b"".join(tail))[1])  # (the bytes of the character begun)
-        for piece in reversed(tail):  # back to the token its first byte is in, that one included
+        tail = self._tail(ids, end, skip_special_tokens)
+        pieces = [self.token_bytes(ids[i]) for i in tail]
+        b, inside = end, len(whole_characters(b"".join(pieces))[1])  # (the bytes of the character begun)
+        for i, piece in zip(reversed(tail), reversed(pieces)):  # back to the token its first byte is in
             if inside <= 0:
                 break
             inside -= len(piece)
-            b -= 1
+            b = i
         return b
 
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self._tok.get_added_tokens_decoder())
-
-    @cached_property
-    def _special_ids(self) -> frozenset[int]:
-        """The tokens a decode with skip_special_tokens leaves out."""
-        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @cached_property
     def byte_level(self) -> bool:
