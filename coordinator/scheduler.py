@@ -47,6 +47,9 @@ from coordinator.sequence import Sequence, Status
 from moemesh.errors import ConfigError
 
 
+MAX_PASSED = 32  # waiting sequences one schedule passes over while their next block is computed for another
+
+
 # A draft token is worth its row while the chance that it is kept (every one before it kept too) is at least
 # DRAFT_WORTH: on this project's CPU a decode row more costs 0.2-0.3 of a one-row step (docs/benchmarks.md).
 # Each sequence's chance per token is what its drafts so far say, the older ones counting DRAFT_DECAY
@@ -54,8 +57,6 @@ from moemesh.errors import ConfigError
 DRAFT_WORTH = 0.3
 DRAFT_DECAY = 0.9
 
-
-MAX_PASSED = 32  # waiting sequences one schedule passes over while their next block is computed for another
 
 DRAFT_PROBE = 8  # decodes between drafts of one token where drafts are not worth their rows
 
@@ -231,9 +232,9 @@ class Scheduler:
     # -- prompts computed once: a sequence whose next uncached block another is computing waits for it
 
     def _computing_for_another(self, seq: Sequence, hits: list[int]) -> tuple[bytes, int] | None:
-        """Whether the first block of `seq` that the cache lacks is one a running sequence is computing
-        now (admitted in this step or earlier, its step not back yet): then (that block's hash, the free
-        blocks `seq` would take were nothing more of it shared). `seq` waits until that step has come
+        """Whether the first block of `seq` that the cache lacks is one a running sequence will compute
+        (one of its full blocks past its cache hits, whose step has not come back, or has not gone out
+        yet): then (that block's hash, the free blocks `seq` would take were nothing more of it shared). `seq` waits until that step has come
         back and takes the block from the cache instead of computing it a second time: the choices of
         an `n > 1` request, or requests arriving together with one long system prompt, compute their
         shared prefix once. (Blocks are shared only once the step that filled them has come back;

@@ -144,6 +144,8 @@ class Gateway:
         self.status = None
         self.pending = 0
         self.down: str | None = None  # set by whoever runs the gateway when the mesh is gone for good
+        self._askers: list[asyncio.Future] = []  # streams waiting for the next shared status round trip
+        self._asking: asyncio.Future | None = None  # the task asking it
         # (an empty --api-key, "$KEY" of a KEY left unset, falls back on the variable as it always did)
         key = cfg.api_key if (cfg.api_key or "").strip() else os.environ.get("MOEMESH_API_KEY", cfg.api_key)
         self.api_keys = load_api_keys(key, cfg.api_key_file)
@@ -207,8 +209,10 @@ class Gateway:
         self._stopping = True  # (asyncio.wait_for of Python 3.11 can swallow a cancel that meets its result)
         if getattr(self, "_drain_timer", None) is not None:
             self._drain_timer.cancel()
-        self._poller.cancel()
-        await asyncio.gather(self._poller, return_exceptions=True)
+        for task in (self._poller, self._asking):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._poller, self._asking) if t is not None), return_exceptions=True)
         await self.client.close()
 
     async def _drain(self, app: web.Application) -> None:
@@ -984,6 +988,24 @@ class Gateway:
             return False
         return True
 
+    async def _answered_after(self) -> bool:
+        """`_answered` for a status asked after this call: one round trip at a time, shared by every
+        stream that asks while it is on its way (the next one is theirs), so a thousand streams queued
+        at once cost the coordinator a few status answers, not a thousand."""
+        fut = asyncio.get_running_loop().create_future()
+        self._askers.append(fut)
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask())
+        return await fut
+
+    async def _ask(self) -> None:
+        while self._askers:
+            askers, self._askers = self._askers, []  # (their requests went out before this status does)
+            answered = await self._answered()
+            for fut in askers:
+                if not fut.done():  # (a stream that stopped waiting cancelled its own)
+                    fut.set_result(answered)
+
     def _beam_settings(self, body: SamplingFields, params: SamplingParams) -> BeamSettings:
         """use_beam_search's settings (gateway/beam.py), checked: what a search cannot honour is a 400
         naming it. Sampling fields that only shape a draw (temperature, seed) have no effect."""
@@ -1248,7 +1270,7 @@ class Gateway:
         try:
             await asyncio.wait([first], timeout=HEADERS_AFTER)
             while not first.done() and (plan is None or plan.search is None):
-                taken = asyncio.ensure_future(self._answered())
+                taken = asyncio.ensure_future(self._answered_after())
                 await asyncio.wait([first, taken], return_when=asyncio.FIRST_COMPLETED)
                 if first.done():
                     break
