@@ -14,9 +14,9 @@ so every block of a salted prompt is named apart from the same tokens' unsalted 
 ones) and empty in the rest; LoRA adapters or multimodal inputs, which change the K/V of the same
 tokens, would go there too. A block gets its hash once the step that filled it has come back, so a
 block still being written by a step in flight is never shared (a sequence whose next block is
-such a one waits for that step rather than computing it too: Scheduler). A sequence starts with the longest
-run of cached blocks its tokens name (never its last token: its logits are needed), taking a
-reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
+such a one waits for that step rather than computing it too: Scheduler). A sequence starts with
+the longest run of cached blocks its tokens name (never its last token: its logits are needed),
+taking a reference on each. A block whose last reference goes keeps its hash and K/V and waits in LRU order;
 only when the free pool runs dry is the least recently used one evicted (its hash forgotten) and
 handed out again. Two sequences that computed the same prefix side by side both keep their blocks'
 hashes (as vLLM does): a lookup takes a copy some sequence holds if there is one, and when one copy

@@ -234,11 +234,12 @@ class Scheduler:
     def _computing_for_another(self, seq: Sequence, hits: list[int]) -> tuple[bytes, int] | None:
         """Whether the first block of `seq` that the cache lacks is one a running sequence will compute
         (one of its full blocks past its cache hits, whose step has not come back, or has not gone out
-        yet): then (that block's hash, the free blocks `seq` would take were nothing more of it shared). `seq` waits until that step has come
-        back and takes the block from the cache instead of computing it a second time: the choices of
-        an `n > 1` request, or requests arriving together with one long system prompt, compute their
-        shared prefix once. (Blocks are shared only once the step that filled them has come back;
-        BlockManager.) Never for a sequence that could not use the cache anyway."""
+        yet): then (that block's hash, the free blocks `seq` would take were nothing more of it
+        shared). `seq` waits until that step has come back and takes the block from the cache instead
+        of computing it a second time: the choices of an `n > 1` request, or requests arriving
+        together with one long system prompt, compute their shared prefix once. (Blocks are shared
+        only once the step that filled them has come back; BlockManager.) Never for a sequence that
+        could not use the cache anyway."""
         if not self._producing or seq.prompt_logprobs is not None:
             return None
         k = len(hits)

@@ -40,8 +40,10 @@ class Sequence:
     # prefix caching (BlockManager)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, as far as known
     blocks_hashed: int = 0  # leading blocks of block_ids already offered to the cache
-    producing: list[bytes] = field(default_factory=list)  # hashes of its full blocks being computed, from block blocks_hashed
-    awaits: tuple[bytes, int] | None = None  # waiting: (the hash of its next block, computed for another; blocks it needs)
+    # running: the hashes of its full blocks it is computing (from block blocks_hashed on); waiting: the
+    # hash of its next block, which another is computing, and the free blocks it will need (Scheduler)
+    producing: list[bytes] = field(default_factory=list)
+    awaits: tuple[bytes, int] | None = None
     num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
     cache_counted: bool = False  # its first admission went into the cache's query and hit counts
     lookup_memo: tuple | None = None  # ((cache generation, full blocks), hits) of its last lookup

@@ -1201,7 +1201,7 @@ class Gateway:
                 await send_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
             try:
-                roles = chat  # (sent with the first event, not with headers sent early: clients time a first token by them)
+                roles = chat  # (with the first event, not with headers sent early: clients time a first token by it)
                 async for index, kind, payload in events:
                     if roles:
                         roles = False
