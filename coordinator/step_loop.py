@@ -47,9 +47,9 @@ _VLLM_SPECULATIVE = {"num_speculative_tokens": "num_speculative_tokens", "prompt
                      "disable_by_batch_size": "speculative_disable_by_batch_size"}
 
 
-def _from_vllm(settings: SchedulerSettings) -> SchedulerSettings:
-    """The settings with --speculative-config (vLLM's JSON form) applied to the flags it stands for."""
-    given = json.loads(settings.speculative_config)
+def _from_vllm(settings: SchedulerSettings, given: dict) -> SchedulerSettings:
+    """The settings with --speculative-config (vLLM's JSON form, `given` as parsed) applied to the flags
+    it stands for."""
     if given.get("method", "ngram") != "ngram":
         raise ConfigError(f"--speculative-config: method {given['method']!r} is not served here: only ngram "
                           f"(prompt lookup; no draft models, EAGLE or MTP)")
@@ -84,13 +84,13 @@ def _unused(flags: str) -> None:  # (once a process: every command checks its se
 def ngram_config(settings: SchedulerSettings) -> NgramConfig | None:
     """Speculative decoding's settings (--num-speculative-tokens and its flags, or vLLM's
     --speculative-config), checked; None when it is off."""
-    keys = set(json.loads(settings.speculative_config)) if settings.speculative_config is not None else set()
+    given = json.loads(settings.speculative_config) if settings.speculative_config is not None else {}
     if settings.speculative_config is not None:
-        settings = _from_vllm(settings)
+        settings = _from_vllm(settings, given)
 
     def name(field: str) -> str:  # (what the user gave: a flag, or a key of --speculative-config's JSON)
         key = next((k for k, v in _VLLM_SPECULATIVE.items() if v == field), None)
-        return f"--speculative-config's {key}" if key in keys else "--" + field.replace("_", "-")
+        return f"--speculative-config's {key}" if key in given else "--" + field.replace("_", "-")
 
     lo, hi = settings.ngram_prompt_lookup_min, settings.ngram_prompt_lookup_max
     if lo > hi:  # (wrong whether or not drafts are on)

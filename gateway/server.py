@@ -943,10 +943,11 @@ class Gateway:
         # request, as its first event (a stream's HTTP status), not after the others' first tokens were
         # sent (vLLM admits them at once). The coordinator answers its client's messages in order, and
         # refuses a request as it reads it: a status asked after every request went out (this task runs
-        # after theirs, which send at their first step) is answered after any refusal of theirs.
+        # after theirs, which send at their first step; shared with streams asking meanwhile) is answered
+        # after any refusal of theirs.
         held: list | None = [] if len(tasks) > 1 else None
         begun: set[int] = set()
-        taken = asyncio.ensure_future(self._answered()) if held is not None else None
+        taken = asyncio.ensure_future(self._answered_after()) if held is not None else None
         try:
             while remaining:
                 failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
@@ -1268,8 +1269,9 @@ class Gateway:
         first = asyncio.ensure_future(events.__anext__())
         taken = None
         try:
-            await asyncio.wait([first], timeout=HEADERS_AFTER)
-            while not first.done() and (plan is None or plan.search is None):
+            searching = plan is not None and plan.search is not None
+            await asyncio.wait([first], timeout=None if searching else HEADERS_AFTER)
+            while not first.done():
                 taken = asyncio.ensure_future(self._answered_after())
                 await asyncio.wait([first, taken], return_when=asyncio.FIRST_COMPLETED)
                 if first.done():
@@ -1278,8 +1280,6 @@ class Gateway:
                     if any(self.client.heard(f"{rid}-{i}") for i, _, _ in jobs):
                         await asyncio.wait([first])  # (what it heard is on its way)
                     break
-            if plan is not None and plan.search is not None:
-                await asyncio.wait([first])
             if first.done():
                 first.result()
         except HTTPError as e:

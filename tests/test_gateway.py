@@ -2203,7 +2203,7 @@ def test_a_choice_the_coordinator_refuses_refuses_the_whole_request_before_any_e
     def events(refuse: bool):
         gateway = object.__new__(Gateway)
         gateway.tokenizer, gateway.metrics, gateway.model_name = TextTokenizer(model), MagicMock(), "m"
-        gateway.client = Client(refuse)
+        gateway.client, gateway._askers, gateway._asking = Client(refuse), [], None
         jobs = [(i, [5, 6, 7], SamplingParams(max_tokens=3)) for i in range(2)]
         shown = {"stop": [], "include_stop": False, "skip_special_tokens": True}
 
