@@ -1903,7 +1903,10 @@ async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, 
         down.add_done_callback(lambda f: f.cancelled() or gw.fail(f.result()))
     # (the drain ends what is still open at --drain-timeout itself: `Gateway._drain`; the margin lets those
     # requests write their error and end before aiohttp cancels them)
+    # (aiohttp closes a connection idle at keepalive_timeout, and one whose request's headers are still
+    # arriving then: it is waiting for a whole message; aiohttp's own default is an hour)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.keepalive_timeout,
                            shutdown_timeout=cfg.drain_timeout + DRAIN_MARGIN,
                            auto_decompress=False)  # (bodies are decoded by decoded_body)
     try:

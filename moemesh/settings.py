@@ -586,6 +586,10 @@ class GatewaySettings(MeshSecurity):
                                        "and a client may pause in sending its request body (which must also arrive "
                                        "whole within 4 times this: else a 408)",
                                  parse=positive_float)
+    keepalive_timeout: float = flag(75.0, "seconds a client's connection may stay idle between requests before the "
+                                          "gateway closes it; a request's headers must also arrive whole within "
+                                          "this (from the connection's start or the previous reply's end)",
+                                    parse=positive_float)
     drain_timeout: float = flag(5.0, "seconds a stop (SIGTERM, Ctrl-C) lets the requests in flight finish after "
                                      "the gateway stops listening; those still open then end with a 503 (an "
                                      "error event and [DONE] in a stream), within 2 s more", parse=positive_float)

@@ -1772,8 +1772,10 @@ def test_a_lost_coordinator_ends_requests_instead_of_hanging(model):
 
 def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model):
     """A streaming client that stops reading (its socket's buffers full): its request is aborted
-    after --stream-timeout, its KV blocks are freed, and a stream beside it runs undisturbed."""
-    server = Server(model, "--pp", "2", "--stream-timeout", "2")
+    after --stream-timeout, its KV blocks are freed, and a stream beside it runs undisturbed. One
+    that stops sending its body gets a 408; one whose headers do not arrive, or that sits idle, is
+    closed after --keepalive-timeout."""
+    server = Server(model, "--pp", "2", "--stream-timeout", "2", "--keepalive-timeout", "3")
     try:
         sleeper = socket.socket()
         sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: a tiny window
@@ -1846,6 +1848,30 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
         slow.close()
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert 7.5 < time.monotonic() - started < 12
+        # headers that never end, a byte now and then, and a connection that sends nothing: closed once
+        # --keepalive-timeout has passed since they connected (aiohttp's own limit is an hour)
+        trickle, idle = (socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(2))
+        started, closed = time.monotonic(), {}
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        trickle.settimeout(0.5)
+        idle.settimeout(0.5)
+        while len(closed) < 2 and time.monotonic() - started < 20:
+            for name, conn in (("trickle", trickle), ("idle", idle)):
+                if name in closed:
+                    continue
+                try:
+                    if name == "trickle":
+                        conn.sendall(b"X-Slow: 1\r\n")
+                    if conn.recv(4096) == b"":
+                        closed[name] = time.monotonic() - started
+                except socket.timeout:
+                    continue
+                except OSError:
+                    closed[name] = time.monotonic() - started
+        trickle.close()
+        idle.close()
+        assert set(closed) == {"trickle", "idle"} and all(2.5 < t < 6 for t in closed.values()), closed
+        assert http("GET", f"{server.url}/ready")[0] == 200
     finally:
         _, err = server.stop()
     assert b"request failed mid-stream" not in err and b"Traceback" not in err, err[-3000:]

@@ -25,7 +25,7 @@ ODD = {  # a value unlike the default for every flag
     "record": "/r", "record_steps": 3, "served_model_name": "n", "api_key": "k", "max_pending": 5, "max_stored_responses": 7,
     "num_kv_blocks": 77, "coordinator_timeout": 4.5, "no_huge_pages": True, "max_model_len": 300, "no_prefix_caching": True, "log_level": "debug", "log_format": "json", "launcher": "ray",
     "mesh_keys": "/keys", "insecure_mesh": True, "max_message_bytes": 4096, "max_activation_bytes": 2048, "api_key_file": "/ak",
-    "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "max_waiting": 9, "stream_timeout": 3.5, "drain_timeout": 0.25, "step_timeout": 33.0,
+    "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "max_waiting": 9, "stream_timeout": 3.5, "keepalive_timeout": 8.5, "drain_timeout": 0.25, "step_timeout": 33.0,
     "ray_address": "ray://x:1", "generation_config": "vllm", "tool_call_parser": "hermes", "reasoning_parser": "qwen3", "standalone": True, "layers": "0:2", "replay": "/p", "tokens": 9, "seqs": 2,
 }
 
