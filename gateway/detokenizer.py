@@ -69,6 +69,14 @@ class IncrementalDetokenizer:
             self.text += full[prefix:]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             self._check_stop(start)
+        elif self.stop and self.checking:
+            # held inside a character: a stop string the whole characters before it complete ends the
+            # text now (a byte-level token may hold a stop string's last characters and the first bytes
+            # of the next), not once that character is whole, tokens later
+            whole = self.tok.whole_text(self.tokens[self.prefix_offset:], self.skip_special)
+            if len(whole) > prefix and (hit := self._find_stop(self.text + whole[prefix:], len(self.text))):
+                self.text += whole[prefix:]
+                self._cut(*hit)
         return self._release()
 
     def _prefix_chars(self) -> int:
@@ -96,17 +104,21 @@ class IncrementalDetokenizer:
         return out
 
     def _check_stop(self, start: int) -> None:
-        if not self.checking:
-            return
+        if self.checking and (hit := self._find_stop(self.text, start)):
+            self._cut(*hit)
+
+    def _find_stop(self, text: str, start: int) -> tuple[int, int] | None:
+        """The first stop string in `text` that ends after `start` (of those there, the longest)."""
         longest = max((len(s) for s in self.stop), default=0)
         # (not before what was shown: text released before min_tokens stays shown)
         search_from = max(0, start - longest + 1, self.emitted)
-        hits = [(i, i + len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            first, end = min(hits, key=lambda hit: (hit[0], -hit[1]))  # (the first; of those there, the longest)
-            self.matched = self.text[first:end]
-            self.text = self.text[:end if self.include_stop else first]
-            self.stopped = True
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, search_from)) >= 0]
+        return min(hits, key=lambda hit: (hit[0], -hit[1])) if hits else None
+
+    def _cut(self, first: int, end: int) -> None:
+        self.matched = self.text[first:end]
+        self.text = self.text[:end if self.include_stop else first]
+        self.stopped = True
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special)

@@ -587,3 +587,26 @@ def test_a_skipped_special_token_inside_a_character_with_byte_fallback(byte_fall
             assert "".join(pieces) + last == want, (ids, sizes)
     d = IncrementalDetokenizer(tok, context=hello + [byte[0xE4], special])
     assert d.add([byte[0xB8]]) + d.add([byte[0xAD]]) + d.finish() == "中"
+
+
+def test_a_stop_string_ends_at_the_token_that_completes_it_even_where_that_token_begins_a_character(
+        mixed_byte_level_tok):
+    """A byte-level token may hold a stop string's last character and the first bytes of the next: the
+    stop string ends the text at that token, not tokens later once the next character is whole (the
+    gateway counts no token after the one that completes a stop string)."""
+    tok = mixed_byte_level_tok
+    ids = tok.encode("x 中文 ab 一丁 七 三上", add_special_tokens=False)
+    data = [tok.token_bytes(i) for i in ids]
+    cases = [k for k, b in enumerate(data) if whole_characters(b)[0] and whole_characters(b)[1]
+             and not whole_characters(b"".join(data[:k]))[1]]
+    assert cases  # (the case: a token with whole characters and a cut one, after whole ones)
+    for k in cases:
+        before = tok.whole_text(ids[:k + 1])  # (up to the cut character)
+        for stop, include in ((before[-2:], False), (before[-1:], True)):
+            if not stop.strip():
+                continue
+            d = IncrementalDetokenizer(tok, stop=[stop], include_stop=include)
+            shown = "".join(d.add([t]) for t in ids[:k + 1])
+            assert d.stopped and d.matched == stop, (k, stop)
+            cut = before.find(stop)
+            assert shown + d.finish() == before[:cut + len(stop) if include else cut], (k, stop)
