@@ -113,14 +113,16 @@ class EngineCore:
         self.requests[request_id] = seq
         return seq
 
-    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
-        """Ends a request now (its blocks go back to the pool); None if it is unknown or over."""
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None,
+              status: int = 503) -> RequestOutput | None:
+        """Ends a request now (its blocks go back to the pool); None if it is unknown or over. `error`:
+        the client's, with its HTTP `status` (503 unless the request itself is to blame)."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
         self.scheduler.finish(seq, reason)
         self._forget.append(seq.seq_id)
-        return RequestOutput(request_id, [], finish_reason=reason, error=error, error_status=503 if error else 0,
+        return RequestOutput(request_id, [], finish_reason=reason, error=error, error_status=status if error else 0,
                              num_prompt_tokens=len(seq.prompt_ids), start=seq.num_streamed)
 
     def abort_all(self, error: str) -> list[RequestOutput]:
@@ -316,14 +318,15 @@ class EngineCore:
     def resize(self, num_blocks: int) -> list[RequestOutput]:
         """The rebuilt pipeline's pool (a recovery's, while no sequence holds a block): the context
         limit follows it, and a request that no longer fits ends with an error now (it could never be
-        admitted, and would hold up every request behind it). -> those requests' last outputs."""
+        admitted, and would hold up every request behind it): a 400, as the same request sent now gets
+        (a retry cannot help it). -> those requests' last outputs."""
         self.blocks.resize(num_blocks)
         self.scheduler.config = config = self._limited(self.scheduler.config, num_blocks)
         too_long = [seq.request_id for seq in self.scheduler.waiting if seq.request_id in self.requests and (
             len(seq.prompt_ids) + seq.params.max_tokens > config.max_model_len)]
         return [out for rid in too_long if (out := self.abort(
             rid, "error", f"the rebuilt pipeline's KV cache holds {config.max_model_len - 1} tokens, fewer than "
-                          f"this request's prompt plus max_tokens"))]
+                          f"this request's prompt plus max_tokens", status=400))]
 
     def requeue_all(self) -> tuple[int, int]:
         """A stage lost its KV state: forget the steps in flight and every cached prefix, and put

@@ -559,7 +559,8 @@ def test_a_request_id_used_again_after_an_abort_in_flight_is_the_new_requests():
 
 def test_a_pool_rebuilt_smaller_limits_the_context_and_ends_what_no_longer_fits():
     """A recovery's replacement with a smaller KV pool: the context limit follows the pool; a request
-    that no longer fits ends with an error (it could never be admitted, and would hold up the rest);
+    that no longer fits ends with a 400, as it would if sent now (it could never be admitted, and would
+    hold up the rest);
     the others finish; a pool grown back raises the limit up to the model's."""
     core = EngineCore(SchedulerConfig(64, 16, 65), 16, 4, (EOS,), VOCAB, context_limit=512)
     stage = FakeLastStage()
@@ -568,7 +569,7 @@ def test_a_pool_rebuilt_smaller_limits_the_context_and_ends_what_no_longer_fits(
     core.process_result(stage(core.next_schedule()))
     assert core.requeue_all() == (2, 44)
     outs = core.resize(8)
-    assert [(o.request_id, o.finish_reason, o.error_status) for o in outs] == [("big", "error", 503)]
+    assert [(o.request_id, o.finish_reason, o.error_status) for o in outs] == [("big", "error", 400)]
     assert "holds 32 tokens" in outs[0].error and core.scheduler.config.max_model_len == 33
     with pytest.raises(ValueError, match="maximum context length of 33"):
         core.add("too big now", prompt(30), SamplingParams(max_tokens=4))
