@@ -21,6 +21,7 @@ import hmac
 import json
 import math
 import os
+import re
 import socket
 import ssl
 import time
@@ -1430,7 +1431,7 @@ class Gateway:
                      text.split("`")[1] if text.startswith("Object missing required field `") else None)
             raise HTTPError(400, f"invalid request: {e}", param) from None
         except msgspec.DecodeError as e:
-            raise HTTPError(400, f"invalid JSON body: {e}") from None
+            raise HTTPError(400, f"invalid JSON body: {_decode_error(raw, e)}") from None
         except RecursionError:
             raise HTTPError(400, "invalid JSON body: nested too deeply") from None
 
@@ -1663,6 +1664,19 @@ def _seeded(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 63))
+
+
+# a \uD800-\uDBFF escape (not itself escaped) with no low surrogate's escape after it
+_LONE_HIGH_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
+
+def _decode_error(raw: bytes, e: msgspec.DecodeError) -> str:
+    """msgspec's message, but where it says "truncated" for a lone high surrogate's escape (it reads on
+    for the low one), what is wrong."""
+    if "truncated" in str(e) and (lone := _LONE_HIGH_SURROGATE.search(raw)):
+        return (f"JSON is malformed: invalid utf-16 surrogate pair ({lone.group(1).decode()} with no low "
+                f"surrogate after it, byte {lone.start(1)})")
+    return str(e)
 
 
 def _output_error(out) -> HTTPError:

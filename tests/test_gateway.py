@@ -249,6 +249,24 @@ def test_compressed_request_bodies(server):
     assert status == 415 and headers["Accept-Encoding"] == "gzip, deflate"
 
 
+def test_a_lone_surrogate_escape_is_named_not_called_truncated_json():
+    """msgspec reads on after a high surrogate's escape for the low one and, finding none, says the input
+    was truncated: the 400 says what is wrong instead; an escaped backslash before "ud800" is text."""
+    import msgspec
+
+    from gateway.server import _decode_error
+
+    def message(raw: bytes) -> str:
+        with pytest.raises(msgspec.DecodeError) as e:
+            msgspec.json.decode(raw)
+        return _decode_error(raw, e.value)
+
+    assert "\\ud800 with no low surrogate after it, byte 12" in message(b'{"prompt": "\\ud800"}')
+    assert "\\uDBFF with no low surrogate" in message(b'{"prompt": "a\\\\\\uDBFFx"}')
+    assert message(b'{"prompt": "\\\\ud800') == "Input data was truncated"  # (text, then truly cut short)
+    assert message(b'{"prompt": "\\ud800\\udc00') == "Input data was truncated"  # (a pair)
+
+
 def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     """Reserved chat_template_kwargs, a non-string text part, top_logprobs without logprobs, more
     sequences than the server ever takes (a 429 would be retried forever), text too long for any
