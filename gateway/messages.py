@@ -80,6 +80,9 @@ def chat_request(body: MessagesRequest) -> dict[str, Any]:
     if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"] \
             and "tool_calls" not in messages[-1]:
         messages.pop()  # (an empty last assistant message, which Anthropic allows: nothing to go on from)
+    elif messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str) \
+            and not messages[-1]["content"].strip() and "tool_calls" not in messages[-1]:
+        raise MessagesError("messages: the final assistant message (a prefill) is only whitespace", "messages")
     # an assistant's text last is a prefill: the answer goes on from it (as Anthropic's does)
     prefill = bool(messages) and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
@@ -193,6 +196,7 @@ def _tool_choice(choice: dict) -> tuple[Any, bool | None]:
 
 # the chat request's fields a 400 may name -> this API's names for them
 FIELDS = {"max_completion_tokens": "max_tokens", "response_format": "output_config", "stop": "stop_sequences"}
+NAMES = {"response_format": "output_config.format"}  # (where a message names the field otherwise than its param)
 
 
 def error_body(kind_of_status: int, message: str) -> dict:

@@ -45,6 +45,7 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 
 # the chat request's fields a 400 may name -> the Responses API's names for them
 FIELDS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+NAMES = {"response_format": "text.format"}  # (where a message names the field otherwise than its param)
 
 
 class ResponsesError(ValueError):

@@ -318,9 +318,9 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return _refusal(request.path, HTTPError(413, f"request body larger than {self.cfg.max_body_bytes} bytes"))
         except web.HTTPNotFound:
-            return HTTPError(404, f"no route {request.method} {request.path}").response()
+            return _refusal(request.path, HTTPError(404, f"no route {request.method} {request.path}"))
         except web.HTTPMethodNotAllowed:
-            return HTTPError(405, f"{request.method} is not allowed on {request.path}").response()
+            return _refusal(request.path, HTTPError(405, f"{request.method} is not allowed on {request.path}"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:  # a bug: say so in OpenAI's shape, and log it
@@ -390,6 +390,7 @@ class Gateway:
 
     async def tokenize(self, request):
         body = await self._parse(request, TokenizeRequest)
+        self._check_model(body.model)
         if body.chat_template is not None:  # (as chat refuses it: the tokens would not be the template's)
             raise HTTPError(400, "chat_template is not supported by this server", "chat_template")
         if body.messages is not None:
@@ -404,6 +405,7 @@ class Gateway:
 
     async def detokenize(self, request):
         body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
         # (no API key guards this route, as in vLLM: more ids than a context holds are refused before
         # the work, which runs on the event loop, as _encode bounds a text)
         if len(body.tokens) > self.max_model_len:
@@ -564,7 +566,11 @@ class Gateway:
         except msgspec.ValidationError as e:
             raise HTTPError(400, f"invalid request: {e}") from None
         except HTTPError as e:
-            e.param = api.FIELDS.get(e.param, e.param)
+            if e.param in api.FIELDS:  # (the chat field's name in the message too, where it stands alone)
+                named = api.FIELDS[e.param]
+                e.message = re.sub(rf"(?<![\w.]){re.escape(e.param)}(?![\w])", api.NAMES.get(e.param, named),
+                                   e.message)
+                e.param = named
             raise
 
     def _chat_job(self, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams], ToolMode | None,
@@ -1414,6 +1420,9 @@ class Gateway:
             raw = await self._body(request)
         except web.RequestPayloadError as e:  # (a body that ends early)
             raise HTTPError(400, f"could not read the request body: {e}") from None
+        except ConnectionResetError:  # (the client left while sending it: its refusal goes nowhere, and is
+            # no error of the gateway's to log, which aiohttp would, with a traceback, for the exception)
+            raise HTTPError(400, "the connection closed before the request body arrived") from None
         encodings = request.headers.getall("Content-Encoding", [])
         if encodings:  # (decoding takes a pass over the body: off the event loop)
             raw = await asyncio.to_thread(decoded_body, raw, encodings, self.cfg.max_body_bytes)
@@ -1697,7 +1706,7 @@ def _finish(builder: ResponseBuilder | MessageBuilder, jobs, choice: Choice) -> 
 
 def _refusal(path: str, e: HTTPError) -> web.Response:
     """An error as the API at `path` shapes it: Anthropic's for /v1/messages, OpenAI's elsewhere."""
-    if path in ("/v1/messages", "/v1/messages/count_tokens"):
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return web.json_response(messages_api.error_body(e.status, e.message), status=e.status, headers=e.headers)
     return e.response()
 

@@ -267,6 +267,29 @@ def test_a_lone_surrogate_escape_is_named_not_called_truncated_json():
     assert message(b'{"prompt": "\\ud800\\udc00') == "Input data was truncated"  # (a pair)
 
 
+def test_each_api_names_its_own_fields_and_answers_in_its_own_shape(server):
+    """A 400 from a check the chat request makes names the field as the API the client used names it,
+    in the message as in param; /v1/messages' 404s and 405s are Anthropic's shape; the tokenizer
+    routes know their model, as the rest do."""
+    status, body, _ = http("POST", f"{server.url}/v1/responses", {"input": "hi", "max_output_tokens": 0})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "max_output_tokens", body
+    assert error["message"].startswith("max_output_tokens ") and "max_completion_tokens" not in error["message"]
+    status, body, _ = http("POST", f"{server.url}/v1/messages", {
+        "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]})
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("stop_sequences takes"), body
+    status, body, _ = http("POST", f"{server.url}/v1/messages", {
+        "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]})
+    assert status == 400 and "prefill" in json.loads(body)["error"]["message"], body
+    for method, path, code in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        status, body, _ = http(method, f"{server.url}{path}", {} if method == "POST" else None)
+        assert status == code and json.loads(body)["type"] == "error", (path, body)  # (Anthropic's)
+    for path, body in (("/tokenize", {"prompt": "x", "model": "nope"}), ("/detokenize", {"tokens": [5], "model": "nope"})):
+        status, answer, _ = http("POST", f"{server.url}{path}", body)
+        assert status == 404 and json.loads(answer)["error"]["param"] == "model", (path, answer)
+    assert http("POST", f"{server.url}/tokenize", {"prompt": "x", "model": "tiny-mixtral"})[0] == 200
+
+
 def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
     """Reserved chat_template_kwargs, a non-string text part, top_logprobs without logprobs, more
     sequences than the server ever takes (a 429 would be retried forever), text too long for any
@@ -1889,10 +1912,21 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_keep_their_pace(model
         trickle.close()
         idle.close()
         assert set(closed) == {"trickle", "idle"} and all(2.5 < t < 6 for t in closed.values()), closed
+        # clients that leave while sending a body (closed, and reset): nothing to answer, nothing logged
+        for reset in (False, True):
+            gone = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+            time.sleep(0.3)
+            if reset:
+                gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            gone.close()
+        time.sleep(0.5)
         assert http("GET", f"{server.url}/ready")[0] == 200
     finally:
         _, err = server.stop()
     assert b"request failed mid-stream" not in err and b"Traceback" not in err, err[-3000:]
+    assert b"Error handling request" not in err, err[-3000:]
 
 
 def _rss(pid) -> int:
