@@ -147,6 +147,8 @@ def _messages(message: Any) -> list[dict]:
         if kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise MessagesError("a tool_use block needs an id and a name", "messages")
+            if not isinstance(block.get("input", {}), dict):
+                raise MessagesError("a tool_use block's input must be an object", "messages")
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":

@@ -119,6 +119,8 @@ def chat_request(body: ResponsesRequest, previous: Stored | None = None) -> dict
     if fmt is not None:
         chat["response_format"] = _format(fmt)
     effort = (body.reasoning or {}).get("effort")
+    if effort is not None and not (isinstance(effort, str) and effort):
+        raise ResponsesError("reasoning.effort must be a string, e.g. low, medium or high", "reasoning")
     if effort is not None:
         chat["chat_template_kwargs"] = {"reasoning_effort": effort}
     return {k: v for k, v in chat.items() if v is not None}

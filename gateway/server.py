@@ -1498,9 +1498,12 @@ class Gateway:
             raise HTTPError(400, f"{len(messages)} messages, more than this model's context holds "
                                  f"({self.max_model_len} tokens)", "messages")
         # as transformers does: keys with null values are dropped; content parts become text
-        messages = tool_calls.template_messages(
-            [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
-             for m in messages])
+        try:
+            messages = tool_calls.template_messages(
+                [{**{k: v for k, v in m.items() if v is not None}, "content": _text_content(m.get("content"))}
+                 for m in messages])
+        except ToolError as e:
+            raise HTTPError(400, str(e), e.param) from None
         kwargs = dict(kwargs)  # chat_template_kwargs: may set add_generation_prompt (as vLLM's), not the messages
         if tools is not None:
             kwargs["tools"] = tools

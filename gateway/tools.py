@@ -184,20 +184,28 @@ _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "de
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Assistant messages' tool_calls with their arguments as objects, as chat templates read them
-    (OpenAI sends them as JSON text; one that is not JSON is left as text)."""
+    (OpenAI sends them as JSON text; one that is not JSON is left as text). ToolError where a call is
+    not OpenAI's {id, type: function, function: {name, arguments}} (with arguments a string)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
-        if isinstance(calls, list):
+        if calls is not None:
+            if not isinstance(calls, list) or not all(map(_is_call, calls)):
+                raise ToolError("an assistant message's tool_calls must be a list of {id, type: function, function: "
+                                "{name, arguments}} objects, arguments a JSON string", "messages")
             m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
         out.append(m)
     return out
 
 
-def _with_object_arguments(call: Any) -> Any:
+def _is_call(call: Any) -> bool:
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
+    return (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+            and isinstance(call.get("id", ""), str) and call.get("type", "function") == "function")
+
+
+def _with_object_arguments(call: dict) -> dict:
+    fn = call["function"]
     try:
         arguments = json.loads(fn["arguments"])
     except (ValueError, RecursionError):  # (nesting past the parser's depth: text too)

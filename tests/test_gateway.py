@@ -307,6 +307,10 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         (http("POST", f"{server.url}/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
          "messages"),
         (http("POST", chat, {"messages": user, "top_logprobs": 2}), "top_logprobs"),
+        # an earlier call that is not OpenAI's shape (it would reach the template as it came)
+        *((http("POST", chat, {"messages": [*user, {"role": "assistant", "tool_calls": calls}]}), "messages")
+          for calls in ("x", ["x"], [{"id": "a"}], [{"id": "a", "type": "function",
+                                                     "function": {"name": "f", "arguments": 5}}])),
         (http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}), "n"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "word " * 200_000}), "prompt"),
         (http("POST", f"{server.url}/tokenize", {"prompt": "word " * 200_000}), "prompt"),

@@ -84,6 +84,9 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages"),
+    *(({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": given}]}]},
+       "messages") for given in ("x", [1])),  # (Anthropic's input is an object)
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " \n"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages"),
     ({"system": [{"type": "image"}]}, "system"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},

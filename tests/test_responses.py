@@ -64,6 +64,7 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # (no call_id)
     ({"input": [{"type": "computer_call_output"}]}, "input"),
+    ({"reasoning": {"effort": 5}}, "reasoning"), ({"reasoning": {"effort": ""}}, "reasoning"),
 ])
 def test_what_cannot_be_served_is_an_error_naming_its_field(fields, param):
     with pytest.raises(ResponsesError) as e:
