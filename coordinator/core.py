@@ -102,6 +102,12 @@ class EngineCore:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        # (as the gateway refuses them: the sampler leaves out ids past the vocabulary, and allowed_token_ids
+        # of those alone would sample from all of it)
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            if (bad := next((t for t in ids if t >= self.vocab_size), None)) is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         salt = params.cache_salt
         if salt is not None:  # (kept here: the workers' schedules never carry it)
             params = msgspec.structs.replace(params, cache_salt=None)

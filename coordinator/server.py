@@ -117,7 +117,8 @@ class Coordinator:
             # a peer that reconnects (its heartbeats timed out while this process stalled, or the link
             # dropped) comes back with its identity: the new connection takes it over, where libzmq would
             # otherwise refuse it while the old one lingers, and route nothing to that peer again. (Client
-            # identities are unguessable, so no other client can take one over.)
+            # and worker identities are unguessable and never told to another peer, so no other peer can
+            # take one over.)
             s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # a gateway that reads slowly is never dropped an output (ZeroMQ drops at the high-water mark on a
         # ROUTER): what it has not read waits here, bounded by its requests' tokens (its --max-pending);
@@ -568,8 +569,9 @@ class Coordinator:
         old = self.registry.workers.get((msg.pp_rank, msg.tp_rank))
         if old is None or old.identity == identity or self.registry.clock() - old.last_seen > LIVE_HOLDER:
             return None
+        # (not the holder's identity: with it, a connection would take over the holder's route)
         return (f"stage worker pp={msg.pp_rank} tp={msg.tp_rank} (pid {msg.pid}) claims a rank whose worker "
-                f"({old.identity.decode(errors='replace')}, at {old.data_address}) is alive: is a second worker "
+                f"(pid {old.pid}, at {old.data_address}) is alive: is a second worker "
                 f"started with --pp-rank {msg.pp_rank} --tp-rank {msg.tp_rank}? (a restarted worker is taken once "
                 f"the old one has been silent {LIVE_HOLDER:g} s)")
 

@@ -44,6 +44,9 @@ class ProtocolError(ValueError):
 PROTOCOL_VERSION = 9
 MAX_KV_BLOCKS = 1 << 24  # KV blocks a worker may report (and a pool hold): far past any host's memory in blocks
 TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator) kept for the timeline
+# (an environment variable) the secret part of a stage worker's identity on the coordinator's link, where
+# its launcher chose it, to report the worker's death in its name; else the worker draws its own
+WORKER_TOKEN = "MOEMESH_WORKER_TOKEN"
 
 
 # -- tensors ------------------------------------------------------------------------------------

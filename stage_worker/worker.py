@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, LinkState, bind, receive, set_heartbeats
-from moemesh.protocol import (PROTOCOL_VERSION, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
+from moemesh.protocol import (PROTOCOL_VERSION, WORKER_TOKEN, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
                               ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
                               WorkerFailed)
 from moemesh.settings import WorkerSettings
@@ -52,6 +53,7 @@ COPY_BELOW = 4 << 20  # activations of fewer bytes are copied into their message
 # added to that host's allowed set late, in a rotation)
 RELINK_AFTER = 2.0
 EARLY_ACTIVATIONS = 16  # activations held beyond the schedules queued here (see StageWorker._keep_activations)
+CANDIDATES = 2  # residual streams held for one step (the first that fits it is taken)
 ACTIVATION_QUEUE = 2 * EARLY_ACTIVATIONS  # activations messages libzmq queues per connection before they are read
 
 
@@ -95,6 +97,7 @@ class StageWorker:
         check_exposure(cfg.mesh_keys, cfg.insecure_mesh, host=cfg.host, coordinator=cfg.coordinator)
         self.ctx = zmq.asyncio.Context()
         self.guard = MeshGuard(self.ctx, cfg.mesh_keys)
+        self.identity: bytes | None = None  # this process's on the coordinator's link (_control_socket)
         self.ctrl = self._control_socket()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -113,7 +116,8 @@ class StageWorker:
         self.bad = BadMessages(log, "worker")
         self.schedules: asyncio.Queue = asyncio.Queue()
         # the previous stage's residual streams by step, until their step's turn (bounded: _keep_activations)
-        self.arrived: dict[int, torch.Tensor] = {}
+        # each step's residual streams as they came (at most CANDIDATES: the first that fits the step is taken)
+        self.arrived: dict[int, list[torch.Tensor]] = {}
         self.arrival = asyncio.Event()  # set when one comes
         self.last_heard: float | None = None  # when the coordinator last sent anything
         self.next_address: str | None = None  # the next stage's worker of this tensor rank
@@ -141,8 +145,12 @@ class StageWorker:
 
     def _control_socket(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
-        # one identity per process: a replacement never takes over the identity of the one it replaces
-        sock.setsockopt(zmq.IDENTITY, f"w{self.cfg.pp_rank}.{self.cfg.tp_rank}.{os.getpid()}".encode())
+        # one identity per process: a replacement never takes over the identity of the one it replaces;
+        # and one nobody else can guess (the coordinator lets a reconnection with it take over its route)
+        if self.identity is None:
+            token = os.environ.pop(WORKER_TOKEN, "") or secrets.token_hex(16)
+            self.identity = f"w{self.cfg.pp_rank}.{self.cfg.tp_rank}.{os.getpid()}.{token}".encode()
+        sock.setsockopt(zmq.IDENTITY, self.identity)
         set_heartbeats(sock)
         # more than the largest schedule or activations: cut off
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
@@ -505,13 +513,20 @@ class StageWorker:
         most a microbatch or two ahead of this stage: activations of a step this stage has passed are
         stale (a reset dropped it), and only so many wait at once (the schedules queued here, plus
         EARLY_ACTIVATIONS for those whose schedule has not come yet). Past that the furthest step is
-        dropped, so a bad peer cannot fill this worker's memory; both count as malformed."""
+        dropped, so a bad peer cannot fill this worker's memory; both count as malformed. A second
+        stream for a step waits beside the first (one that does not fit the step must not have
+        replaced one that does); past CANDIDATES a step's next are dropped."""
         if step_id < self.current_step:
             self.bad(ProtocolError(f"stale activations of step {step_id}"), "previous stage")
             return
         for passed in [s for s in self.arrived if s < self.current_step]:  # (a step's duplicate, never taken)
             del self.arrived[passed]
-        self.arrived[step_id] = stream
+        held = self.arrived.setdefault(step_id, [])
+        if len(held) >= CANDIDATES:
+            self.bad(ProtocolError(f"activations of step {step_id} came {CANDIDATES + 1} times: dropped"),
+                     "previous stage")
+            return
+        held.append(stream)
         while len(self.arrived) > EARLY_ACTIVATIONS + self.schedules.qsize():
             furthest = max(self.arrived)
             del self.arrived[furthest]
@@ -543,11 +558,14 @@ class StageWorker:
         """The previous stage's residual stream for `step_id`. Tensors that do not fit the step (shape,
         dtype) are refused, and the wait goes on."""
         while True:
-            stream = self.arrived.pop(step_id, None)
-            if stream is None:
+            held = self.arrived.get(step_id)
+            if not held:
                 self.arrival.clear()
                 await self.arrival.wait()
-            elif self._fit(step_id, stream, num_tokens):
+                continue
+            stream = held.pop(0)
+            if self._fit(step_id, stream, num_tokens):
+                self.arrived.pop(step_id, None)  # (any other is a duplicate)
                 return stream
 
     def _fit(self, step_id: int, stream: torch.Tensor, num_tokens: int) -> bool:

@@ -633,20 +633,23 @@ def test_a_second_worker_for_a_live_rank_is_refused_and_a_restarted_one_taken(ti
             await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 2,
                                                               "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)))
             refused = await _next_message(second)
+            holder = coord.registry.workers[(1, 0)].identity
             held = await _status(coord.addresses["clients"])
             await asyncio.sleep(1.3)  # (the first falls silent: it died, and this is its restart)
             await second.send_multipart(Codec.encode(Register(1, 0, "tcp://127.0.0.1:7999", "cpu", 3,
                                                               "tcp://127.0.0.1:1", protocol=PROTOCOL_VERSION)))
             await asyncio.sleep(0.3)
-            return refused, held, coord.registry.workers[(1, 0)].data_address
+            return refused, held, coord.registry.workers[(1, 0)].data_address, holder
         finally:
             first.close(linger=0)
             second.close(linger=0)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    refused, held, address = asyncio.run(scenario())
+    refused, held, address, holder = asyncio.run(scenario())
     assert isinstance(refused, Shutdown) and "is a second worker started with --pp-rank 1 --tp-rank 0?" in refused.refused
+    # (the holder named by its pid, not its identity: with that, a connection could take over its route)
+    assert "(pid 1," in refused.refused and holder.decode(errors="replace") not in refused.refused
     assert held.phase == "registering" and held.failure is None
     assert address == "tcp://127.0.0.1:7999"
 

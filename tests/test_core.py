@@ -363,6 +363,21 @@ def test_add_refuses_bad_prompts(prompt_ids, match):
     assert "a" not in core.requests and not core.has_work()
 
 
+@pytest.mark.parametrize("params,match", [
+    (SamplingParams(allowed_token_ids=(VOCAB + 5,)), "allowed_token_ids: token id"),
+    (SamplingParams(allowed_token_ids=(3, VOCAB)), "allowed_token_ids: token id"),
+    (SamplingParams(logit_bias=((VOCAB, 5.0),)), "logit_bias: token id"),
+])
+def test_add_refuses_token_ids_past_the_vocabulary_in_sampling_options(params, match):
+    """As the gateway does (a direct client of the coordinator too): allowed_token_ids of ids past the
+    vocabulary alone would otherwise sample from all of it."""
+    core = make_core()
+    with pytest.raises(ValueError, match=match):
+        core.add("a", prompt(3), params)
+    assert "a" not in core.requests
+    core.add("b", prompt(3), SamplingParams(allowed_token_ids=(VOCAB - 1,), logit_bias=((0, 1.0),)))
+
+
 def test_add_refuses_a_duplicate_request_id():
     core = make_core()
     first = core.add("a", prompt(3), SamplingParams())

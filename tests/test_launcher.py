@@ -251,6 +251,56 @@ def test_a_child_keeps_the_kernels_process_wide_variables_and_no_role_settings(m
     assert env["MOEMESH_PREFETCH"] == "0,4" and env["MOEMESH_AMX"] == "0" and "MOEMESH_PP" not in env
 
 
+def test_a_worker_is_known_by_a_secret_identity_its_launcher_reports_its_death_in(model, monkeypatch):
+    """A stage worker's identity on the coordinator's link ends in a token nobody else can guess (the
+    coordinator lets a reconnection with an identity take over its route): its launcher chooses it,
+    hands it over in the environment (not the command line, which `ps` shows), and reports the
+    worker's death in its name; a worker started otherwise draws its own."""
+    import re
+    import subprocess
+
+    import zmq
+
+    import moemesh.entrypoints.launcher as launcher
+    from moemesh.entrypoints.launcher import LocalMesh
+    from moemesh.protocol import WORKER_TOKEN, Codec, WorkerFailed, WorkerMessage
+    from moemesh.settings import EngineSettings, WorkerSettings
+    from stage_worker.worker import StageWorker
+
+    class Proc:
+        pid, returncode = 4242, -9
+
+    spawned = []
+    monkeypatch.setattr(subprocess, "Popen", lambda args, env, **kw: spawned.append((args, env)) or Proc())
+    mesh = LocalMesh.of(EngineSettings(model=str(model), pp=2))
+    name = "stage-worker pp=1 tp=0"
+    mesh._spawn(name, ["stage-worker", "--pp-rank=1"])
+    mesh._spawn("coordinator", ["coordinator"])
+    (args, env), (_, coordinator_env) = spawned
+    token = env[WORKER_TOKEN]
+    assert re.fullmatch("[0-9a-f]{32}", token) and token not in " ".join(args)
+    assert WORKER_TOKEN not in coordinator_env
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        mesh.worker_address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        mesh._report_death(name)
+        assert router.poll(10_000)
+        identity, *frames = router.recv_multipart()
+        assert identity == f"w1.0.4242.{token}".encode()
+        assert isinstance(Codec(WorkerMessage).decode(frames)[0], WorkerFailed)
+    finally:
+        ctx.destroy(linger=0)
+    # the worker's side: the token from its launcher (taken out of its environment), or its own
+    monkeypatch.setenv(WORKER_TOKEN, token)
+    w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
+    w.ctx.destroy(linger=0)
+    assert w.identity == f"w1.0.{os.getpid()}.{token}".encode() and WORKER_TOKEN not in os.environ
+    other = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
+    other.ctx.destroy(linger=0)
+    assert re.fullmatch(rb"w1\.0\.\d+\.[0-9a-f]{32}", other.identity) and other.identity != w.identity
+
+
 def test_children_that_end_together_restart_together_and_a_spent_budget_still_reaps(model, monkeypatch):
     """The watcher sees every child that ends at once and waits out each backoff beside the others
     (two workers killed together come back together, not one backoff after the other); a child past

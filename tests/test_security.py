@@ -484,7 +484,7 @@ def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
 
     from moemesh.protocol import Schedule
     from moemesh.settings import WorkerSettings
-    from stage_worker.worker import ACTIVATION_QUEUE, EARLY_ACTIVATIONS, StageWorker
+    from stage_worker.worker import ACTIVATION_QUEUE, CANDIDATES, EARLY_ACTIVATIONS, StageWorker
 
     async def scenario():
         w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
@@ -500,7 +500,12 @@ def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
             assert w.bad.count == 1 + 1000 - (EARLY_ACTIVATIONS + 1)
             w.current_step = 12  # step 11 was taken (and a duplicate of it came later)
             w._keep_activations(13, t)
-            assert 11 not in w.arrived and w.arrived[13] is t
+            assert 11 not in w.arrived and w.arrived[13][0] is t
+            # (step 13's stream came twice, in the loop and just now: both kept) a third time and more: dropped
+            bad_count = w.bad.count
+            for _ in range(3):
+                w._keep_activations(13, t)
+            assert len(w.arrived[13]) == CANDIDATES == 2 and w.bad.count == bad_count + 3
             # and libzmq queues few, each at most a step's activations, while nobody reads
             assert w.pull.getsockopt(zmq.RCVHWM) == ACTIVATION_QUEUE
             assert w.pull.getsockopt(zmq.MAXMSGSIZE) == w.cfg.max_message_bytes
@@ -511,6 +516,34 @@ def test_a_stage_holds_only_so_many_activations_ahead(tmp_path):
         w.ctx.destroy(linger=0)
 
     asyncio.run(scenario())
+
+def test_a_misfit_stream_after_the_real_one_does_not_replace_it():
+    """A stream that does not fit its step, sent after the step's real one (or before it), is refused
+    when the step takes its stream, and the real one is what the step gets."""
+    import types
+
+    import torch
+
+    from moemesh.settings import WorkerSettings
+    from stage_worker.worker import StageWorker
+
+    async def scenario():
+        w = StageWorker(WorkerSettings(coordinator="tcp://127.0.0.1:9", pp_rank=1))
+        try:
+            w.executor = types.SimpleNamespace(runner=types.SimpleNamespace(
+                config=types.SimpleNamespace(hidden_size=4), kv_cache=torch.zeros(1)))
+            real, misfit = torch.ones(3, 4), torch.zeros(5, 4)
+            w._keep_activations(1, real)
+            w._keep_activations(1, misfit)
+            assert await asyncio.wait_for(w._activations_for(1, 3), 1) is real and 1 not in w.arrived
+            w._keep_activations(2, misfit)
+            w._keep_activations(2, real)
+            assert await asyncio.wait_for(w._activations_for(2, 3), 1) is real and w.bad.count == 1
+        finally:
+            w.ctx.destroy(linger=0)
+
+    asyncio.run(scenario())
+
 
 def test_hostile_messages_on_every_socket_never_hurt_the_mesh(mesh, keys, reference):
     """Random and mutated messages, from peers holding valid keys, on the client socket, the worker

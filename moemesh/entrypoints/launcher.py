@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -29,7 +30,7 @@ import dataclasses
 from moemesh.config import ModelConfig
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
-from moemesh.protocol import max_activation_bytes, worker_message_bytes
+from moemesh.protocol import WORKER_TOKEN, max_activation_bytes, worker_message_bytes
 from moemesh.settings import (MAX_COUNT, CoordinatorSettings, EngineSettings, StageSettings, WorkerSettings,
                               host_memory)
 
@@ -115,6 +116,7 @@ class LocalMesh:
         self.worker_address: str | None = None
         self.died: str | None = None  # set by the watcher when a child exits on its own
         self.argv: dict[str, list[str]] = {}  # each child's command line (a restart reuses it)
+        self.tokens: dict[str, str] = {}  # each worker's secret part of its identity (WORKER_TOKEN)
         self.restarts: dict[str, list[float]] = {}  # child -> when it was restarted
         self._stop = threading.Event()  # wakes the watcher when the mesh stops
         self._waiting: set[str] = set()  # children that ended, waiting out their restart's backoff
@@ -157,6 +159,8 @@ class LocalMesh:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         threads = str(self.worker.threads or 1)
         env = {**child_environment(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **self.extra_env}
+        if name != "coordinator":  # (the secret part of its identity: its death is reported in its name)
+            env[WORKER_TOKEN] = self.tokens[name] = secrets.token_hex(16)
         # (the coordinator's stdout unbuffered: the watch reads it with os.read once the announcement is in)
         proc = subprocess.Popen([sys.executable, "-m", "moemesh", *args], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else subprocess.DEVNULL,
@@ -353,7 +357,8 @@ class LocalMesh:
 
     def _report_death(self, name: str) -> None:
         """A worker killed by a signal could not say so: tell the coordinator in its name (its identity
-        is its ranks and pid), so the recovery starts now rather than at the heartbeat timeout."""
+        is its ranks, pid and the token it was started with), so the recovery starts now rather than at
+        the heartbeat timeout."""
         proc = self.procs[name]
         if proc.returncode is None or proc.returncode >= 0 or self.worker_address is None:
             return  # (one that exited on its own has said why, or was told to)
@@ -366,7 +371,7 @@ class LocalMesh:
         try:  # best effort: the heartbeat timeout and the replacement's registration tell it anyway
             p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
             sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}".encode())
+            sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}.{self.tokens[name]}".encode())
             if self.worker.mesh_keys:
                 MeshKeys(self.worker.mesh_keys).connect(sock, "worker")
             sock.connect(self.worker_address)
