@@ -1868,6 +1868,22 @@ def listen_sockets(cfg: GatewaySettings) -> list[socket.socket]:
     return socks
 
 
+LISTEN_BACKLOG = 128  # (aiohttp's)
+
+
+def start_listening(socks: list[socket.socket], cfg: GatewaySettings) -> None:
+    """listen() on `listen_sockets`' sockets, here, where a failure is an error naming the flags:
+    another process may have bound the port while this one waited for the pipeline (two processes
+    with SO_REUSEADDR may both bind a port no one listens on yet; the first to listen takes it), and
+    aiohttp's own listen() under uvloop does not say so (its site then has no address)."""
+    for sock in socks:
+        try:
+            sock.listen(LISTEN_BACKLOG)
+        except OSError as e:
+            raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e} (another process began "
+                              f"listening on it while this gateway waited for the pipeline)") from None
+
+
 CONTENT_CODINGS = ("gzip", "deflate")  # (and identity, and x-gzip for gzip)
 MAX_CODINGS, MAX_GZIP_MEMBERS = 2, 16  # (more is no client's doing: each costs a pass over the body)
 
@@ -1937,11 +1953,9 @@ async def run_gateway(cfg: GatewaySettings, ready: asyncio.Event | None = None, 
                            auto_decompress=False)  # (bodies are decoded by decoded_body)
     try:
         await runner.setup()  # (waits for the pipeline to serve)
+        start_listening(socks, cfg)
         for sock in socks:
-            try:
-                await web.SockSite(runner, sock, ssl_context=ssl_context(cfg)).start()
-            except OSError as e:  # (another process began listening on the port meanwhile)
-                raise ConfigError(f"--host {cfg.host} --port {cfg.port}: {e.strerror or e}") from None
+            await web.SockSite(runner, sock, ssl_context=ssl_context(cfg), backlog=LISTEN_BACKLOG).start()
     except BaseException:
         for sock in socks:
             sock.close()

@@ -171,6 +171,21 @@ def test_python_dash_m_moemesh_runs_as_a_program(model, tmp_path, capsys):
     assert bad.returncode == 2 and "--max-tokens" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_control_plane_install_names_the_extra_a_compute_command_needs(tmp_path):
+    """`pip install moemesh` (no [worker]: the coordinator and gateway's image) lists every command;
+    those that need torch or safetensors say which extra to install, not an ImportError's traceback."""
+    for name in ("torch", "safetensors", "numpy", "triton"):  # (a path where these fail to import)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError('no {name}', name='{name}')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MOEMESH_HOME": str(tmp_path / "home")}
+    for argv in (["generate", "--prompt-ids", "1"], ["make-tiny-model", "--arch", "llama", "--out", str(tmp_path / "m")],
+                 ["stage-worker", "--coordinator", "tcp://127.0.0.1:9", "--pp-rank", "0"]):
+        r = subprocess.run([sys.executable, "-m", "moemesh", *argv], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"moemesh {argv[0]} needs " in r.stderr and "pip install 'moemesh[worker]'" in r.stderr, r.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # User errors
 

@@ -2532,7 +2532,7 @@ def test_echo_shows_the_prompt_as_sent_and_a_stop_string_inside_a_burst_cuts_its
 def test_the_gateway_binds_every_address_its_host_names_on_one_port():
     """--host "" (every interface) binds each address family the host has, --port 0 on one port for all;
     nothing listens yet (a client is refused until the pipeline serves); a taken port names the flags."""
-    from gateway.server import listen_sockets
+    from gateway.server import listen_sockets, start_listening
     from moemesh.errors import ConfigError
     from moemesh.settings import GatewaySettings
 
@@ -2547,6 +2547,14 @@ def test_the_gateway_binds_every_address_its_host_names_on_one_port():
             taken.listen()
             with pytest.raises(ConfigError, match=f"--port {taken.getsockname()[1]}"):
                 listen_sockets(GatewaySettings(host="127.0.0.1", port=taken.getsockname()[1]))
+        # two gateways waiting for their pipelines bound one port (neither listened yet): the first to
+        # serve takes it, the second's start names the flags (it ended in an AttributeError)
+        cfg = GatewaySettings(host="127.0.0.1", port=port)
+        first, second = listen_sockets(cfg), listen_sockets(cfg)
+        socks += first + second
+        start_listening(first, cfg)
+        with pytest.raises(ConfigError, match=f"--port {port}: .*another process began listening"):
+            start_listening(second, cfg)
     finally:
         for s in socks:
             s.close()

@@ -408,6 +408,11 @@ def _from_environment(message: str, argv: list[str], args: argparse.Namespace | 
     return message
 
 
+# pyproject.toml's extras, by the modules a command may find missing
+EXTRAS = {"worker": ("torch", "triton", "safetensors", "numpy"), "bench": ("transformers", "matplotlib"),
+          "eval": ("lm_eval",)}
+
+
 def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] = ()) -> int:
     try:
         if args.command == "make-tiny-model":
@@ -507,6 +512,14 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: li
             return run_model_bench(args)
     except (CLIError, ConfigError, LoadError) as e:
         parser.exit(2, f"moemesh: error: {_from_environment(str(e), argv, args)}\n")
+    except ModuleNotFoundError as e:  # (a control-plane install, without its extras: `pip install moemesh`)
+        top = (e.name or "").split(".")[0]
+        extra = next((extra for extra, names in EXTRAS.items() if top in names), None)
+        if extra is None:
+            raise
+        command = " ".join(a for a in (args.command, getattr(args, "bench", None)) if a)
+        parser.exit(2, f"moemesh: error: moemesh {command} needs {top}, which this install lacks: "
+                       f"pip install 'moemesh[{extra}]'\n")
     except KeyboardInterrupt:
         return 130
     except (OSError, UnicodeError) as e:  # a path or a file no check above named
