@@ -52,7 +52,7 @@ from moemesh.errors import ConfigError
 from moemesh.layout import MlpHandoff, resolve_layout
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
-from moemesh.netutil import BadMessages, bind, receive, set_heartbeats
+from moemesh.netutil import BadMessages, bind, receive, set_heartbeats, url_host
 from moemesh.protocol import (MAX_KV_BLOCKS, MAX_REQUEST_ID, PROTOCOL_VERSION, TIMELINE_SPANS, AbortRequest,
                               Assignment, ClientMessage, Codec, GenerateRequest, Heartbeat, Ping, ProtocolError,
                               Ready, Register, Repoint, RequestOutput, ResendRequest, Reset, Schedule, Shutdown,
@@ -181,7 +181,8 @@ class Coordinator:
             self.guard.close()
             self.ctx.destroy(linger=0)
             raise
-        self.addresses = {"workers": f"tcp://{cfg.host}:{worker_port}", "clients": f"tcp://{cfg.host}:{client_port}"}
+        host = url_host(cfg.host)
+        self.addresses = {"workers": f"tcp://{host}:{worker_port}", "clients": f"tcp://{host}:{client_port}"}
         # SIGTERM drains from here on (before the announcement: a launcher may stop it as soon as it reads it)
         on_sigterm = threading.current_thread() is threading.main_thread()  # (loop signal handlers: main thread)
         if on_sigterm:

@@ -18,7 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshKeys
-from moemesh.netutil import BadMessages, receive, set_heartbeats
+from moemesh.netutil import BadMessages, connect, receive, set_heartbeats
 from moemesh.protocol import (MAX_REQUEST_ID, AbortRequest, Codec, CoordinatorReply, GenerateRequest, OutputBatch,
                               ProtocolError, RequestOutput, ResendRequest, StatusReply, StatusRequest,
                               UNKNOWN_REQUEST)
@@ -56,7 +56,7 @@ class CoordinatorClient:
         set_heartbeats(self.sock)
         if mesh_keys:
             MeshKeys(mesh_keys).connect(self.sock, "client")
-        self.sock.connect(address)
+        connect(self.sock, address)
         self.codec = Codec(CoordinatorReply)
         self.bad = BadMessages(log, "coordinator")
         self.streams: dict[str, _Stream] = {}

@@ -302,7 +302,7 @@ def check_exposure(keys_dir: str | None, insecure: bool, warn: bool = True, **en
     for name, value in endpoints.items():
         if value is None:
             continue
-        host = address_host(value) if value.startswith("tcp://") else value
+        host = address_host(value) if value.startswith("tcp://") else value.strip("[]")
         if not is_loopback(host):
             flag = "--" + name.replace("_", "-")
             if insecure:  # (said at start, as the gateway says it has no API key)

@@ -64,9 +64,23 @@ async def _until_sigterm(coro):
             signal.signal(signal.SIGTERM, before)
 
 
+def url_host(host: str) -> str:
+    """A host as a tcp:// address holds it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _ipv6_for(sock: zmq.Socket, host: str) -> None:
+    """libzmq takes IPv6 addresses only on a socket told so (else "No such device")."""
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 def bind(sock: zmq.Socket, host: str, port: int, flags: str = "--host/--port") -> int:
-    """Binds tcp://host:port (port 0: a free one); returns the port. OSError naming the address and the
-    `flags` that set it when it cannot (taken, or not this host's): the CLI prints it as one line."""
+    """Binds tcp://host:port (port 0: a free one; host an IPv6 address too, bracketed or not); returns
+    the port. OSError naming the address and the `flags` that set it when it cannot (taken, or not
+    this host's): the CLI prints it as one line."""
+    host = url_host(host)
+    _ipv6_for(sock, host)
     try:
         if port == 0:
             return sock.bind_to_random_port(f"tcp://{host}")
@@ -75,6 +89,12 @@ def bind(sock: zmq.Socket, host: str, port: int, flags: str = "--host/--port") -
         raise OSError(e.errno, f"cannot listen on tcp://{host}:{port or '(any port)'} ({flags}): "
                                f"{zmq.strerror(e.errno)}") from None
     return port
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    """sock.connect(tcp://HOST:PORT), an IPv6 HOST in brackets."""
+    _ipv6_for(sock, address.removeprefix("tcp://").rpartition(":")[0])
+    sock.connect(address)
 
 
 async def receive(sock: zmq.asyncio.Socket) -> list:

@@ -33,7 +33,7 @@ from moemesh.config import ModelConfig, resolve_dtype
 from moemesh.errors import ConfigError
 from moemesh.log import get_logger
 from moemesh.mesh_security import MeshGuard, check_exposure
-from moemesh.netutil import BadMessages, LinkState, bind, receive, set_heartbeats
+from moemesh.netutil import BadMessages, LinkState, bind, connect, receive, set_heartbeats, url_host
 from moemesh.protocol import (PROTOCOL_VERSION, WORKER_TOKEN, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
                               ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
                               WorkerFailed)
@@ -61,8 +61,8 @@ def advertised_host(host: str, coordinator: str) -> str:
     """The address other workers reach this one at, given none (--advertise-host): --host, or for a
     wildcard (0.0.0.0, ::, *) this host's address on the route to the coordinator, which the other
     stages reach it by too (a wildcard itself would send each of them to its own machine)."""
-    if host not in ("0.0.0.0", "::", "*", ""):
-        return host
+    if host not in ("0.0.0.0", "::", "[::]", "*", ""):
+        return url_host(host)
     target = coordinator.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     try:
         family = socket.getaddrinfo(target, None, type=socket.SOCK_DGRAM)[0][0]
@@ -70,7 +70,7 @@ def advertised_host(host: str, coordinator: str) -> str:
             probe.connect((target, 9))
             local = probe.getsockname()[0]
     except OSError:
-        return "127.0.0.1" if host != "::" else "[::1]"
+        return "[::1]" if ":" in host else "127.0.0.1"
     return f"[{local}]" if ":" in local else local
 
 
@@ -159,7 +159,7 @@ class StageWorker:
     def _connect_control(self) -> None:
         self.guard.connect(self.ctrl, "worker")
         self.ctrl_link = LinkState(self.ctrl)
-        self.ctrl.connect(self.cfg.coordinator)  # zmq keeps retrying until the coordinator is up
+        connect(self.ctrl, self.cfg.coordinator)  # zmq keeps retrying until the coordinator is up
 
     async def run(self) -> int:
         cfg = self.cfg
@@ -389,7 +389,7 @@ class StageWorker:
         set_heartbeats(self.push)
         self.guard.connect(self.push, "worker")
         self.link = LinkState(self.push, since)
-        self.push.connect(address)
+        connect(self.push, address)
 
     async def _send(self, msg) -> None:
         while True:

@@ -198,6 +198,10 @@ def test_bench_scheduler_schedule_bytes_stay_flat_as_contexts_grow(capsys):
     assert long["schedule_bytes_per_step"] <= short["schedule_bytes_per_step"] * 1.05
     assert long["whole_table_bytes_per_step"] > 3 * short["whole_table_bytes_per_step"]
     assert long["coordinator_ms_per_step"] > 0 and "ms_vs_first" in long
+    # sizes past what the process could hold: the flags named before anything is allocated
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "scheduler", "--seqs", "100000", "--context", "100000", "--steps", "1"])
+    assert e.value.code == 2 and "--seqs 100000 --context 100000" in capsys.readouterr().err
 
 
 def test_bench_throughput_takes_the_quantization_and_measures_the_partition_for_it(tiny, monkeypatch):

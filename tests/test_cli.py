@@ -284,6 +284,19 @@ def test_make_tiny_model_zero_heads_are_named(tmp_path, capsys, flags):
     assert flags[0] in err
 
 
+def test_make_tiny_model_refuses_what_no_loader_takes_and_names_what_it_ignores(tmp_path, capsys):
+    """An odd head size (rotary embeddings need an even one) was written and then refused by every
+    loader; a moe-intermediate size larger than a size can be was named as "moe_--intermediate"; an
+    MoE size given for a dense model is ignored, and it says so."""
+    err = user_error(capsys, ["make-tiny-model", "--arch", "mixtral", "--out", str(tmp_path / "m"), "--head-dim", "3"])
+    assert "--head-dim" in err and "even" in err and not (tmp_path / "m").exists()
+    err = user_error(capsys, ["make-tiny-model", "--arch", "qwen2_moe", "--out", str(tmp_path / "m"),
+                              "--moe-intermediate", str(1 << 40)])
+    assert "--moe-intermediate must be at most" in err
+    assert main(["make-tiny-model", "--arch", "llama", "--out", str(tmp_path / "l"), *SIZES]) == 0
+    assert "--experts applies to mixtral, qwen2_moe, qwen3_moe only" in capsys.readouterr().err
+
+
 def _copy(model: Path, to: Path) -> Path:
     to.mkdir()
     for f in model.iterdir():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import msgspec
 import pytest
@@ -174,6 +175,37 @@ def tiny(tmp_path_factory):
 
     return write_tiny_model(TinyModelSpec(arch="mixtral", num_layers=2, vocab_size=384),
                             tmp_path_factory.mktemp("m"))
+
+
+def test_the_mesh_listens_and_connects_on_ipv6_loopback(tiny):
+    """--host ::1 (or [::1]) and tcp://[::1]:PORT: libzmq takes IPv6 only on a socket told so ("No such
+    device" before); the coordinator announces its addresses in brackets, a worker advertises its own
+    so, and ::1 is loopback (no keys needed)."""
+    from moemesh.client import CoordinatorClient
+    from moemesh.mesh_security import check_exposure
+    from stage_worker.worker import advertised_host
+
+    async def scenario():
+        coord = _coordinator(tiny, host="::1")
+        task = asyncio.ensure_future(coord.run(announce=None))
+        await asyncio.sleep(0.1)
+        client = CoordinatorClient(coord.addresses["clients"])
+        try:
+            return coord.addresses, await client.status(timeout=5)
+        finally:
+            await client.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    addresses, status = asyncio.run(scenario())
+    assert addresses["clients"].startswith("tcp://[::1]:") and status.phase == "registering"
+    assert advertised_host("::1", "tcp://[::1]:1") == advertised_host("[::1]", "tcp://[::1]:1") == "[::1]"
+    check_exposure(None, False, host="[::1]", coordinator="tcp://[::1]:5")  # (loopback: no error)
 
 
 def test_a_worker_that_never_loads_brings_the_pipeline_down_at_the_ready_deadline(tiny):

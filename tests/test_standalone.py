@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from hf_models import build_hf_model
 from moemesh.entrypoints.cli import main
@@ -71,6 +72,31 @@ def test_a_recording_replays_to_the_same_outputs(tmp_path, capsys):
     last = capsys.readouterr().out
     assert "-> same" in last and "DIFFERENT" not in last and "matches the recording" in last
     assert "layer 2 (MLP):" in last and "layer 3:" in last  # (the MLP handed over, timed as the layers are)
+    # a step whose result is missing is not counted as a match: the summary says what was compared
+    results = sorted((rec / "pp1-tp0").glob("*.result"))
+    results[0].unlink()
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp1-tp0")]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert f"{len(results) - 1} of {len(results)} steps compared" in summary and "nothing recorded" in summary
+    for result in results[1:]:
+        result.unlink()
+    assert main(["stage-worker", "--standalone", "--model", str(model), "--replay", str(rec / "pp1-tp0")]) == 1
+    assert f"0 of {len(results)} steps compared" in capsys.readouterr().out
+
+
+def test_the_standalone_stage_computes_on_the_device_asked_for(tmp_path, capsys):
+    """--device reaches the standalone stage (it was ignored: a GPU host's timings were the CPU's);
+    a device this host lacks is refused naming the flag."""
+    import torch
+
+    build_hf_model("llama", tmp_path)
+    if torch.cuda.is_available():
+        assert main(["stage-worker", "--standalone", "--model", str(tmp_path), "--layers", "0:1", "--device",
+                     "cuda"]) == 0
+        return
+    with pytest.raises(SystemExit) as e:
+        main(["stage-worker", "--standalone", "--model", str(tmp_path), "--layers", "0:1", "--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda" in capsys.readouterr().err
 
 
 def test_a_replay_that_differs_is_reported(tmp_path, capsys):

@@ -53,6 +53,9 @@ def on_off_list(text: str) -> list[str]:
 on_off_list.__name__ = "on, off or on,off"
 
 
+# make-tiny-model's size flags that only some architectures have
+UNUSED_SIZES = {"experts": ("mixtral", "qwen2_moe", "qwen3_moe"), "top-k": ("mixtral", "qwen2_moe", "qwen3_moe"),
+                "moe-intermediate": ("qwen2_moe", "qwen3_moe"), "shared-intermediate": ("qwen2_moe",)}
 SIZE_FLAGS = {  # make-tiny-model flag -> TinyModelSpec field
     "layers": "num_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
     "moe-intermediate": "moe_intermediate_size", "shared-intermediate": "shared_expert_intermediate_size",
@@ -629,14 +632,16 @@ def cmd_standalone(args) -> int:
         raise CLIError("--standalone runs one process: tensor parallelism needs the mesh (leave --tp-rank out)")
     if args.replay is not None and not any(Path(args.replay).glob("step-*.schedule")):
         raise CLIError(f"--replay {args.replay}: no recorded steps (step-*.schedule) there")
+    from moemesh_kernels.backend import check_device
     from moemesh_kernels.memory import use_huge_pages
     from moemesh.entrypoints.launcher import threads_per_worker
 
+    check_device(args.device)  # (it was ignored: a GPU host's timings were the CPU's, without a word)
     torch.set_num_threads(threads_per_worker(args.threads, 1))
     use_huge_pages(not args.no_huge_pages)
     try:
         return run_standalone(args.model, range(a, b), args.replay, args.tokens, args.seqs, dtype=args.dtype,
-                              quantization=args.quantization, moe_backend=args.moe_backend)
+                              quantization=args.quantization, moe_backend=args.moe_backend, device=args.device)
     except FileNotFoundError as e:
         raise CLIError(f"--replay: {e}") from None
 
@@ -651,12 +656,16 @@ def cmd_make_tiny_model(args) -> int:
                  if f.name != "arch" and getattr(args, f.name, None) is not None}
     if "mlp_only_layers" in overrides:
         overrides["mlp_only_layers"] = tuple(overrides["mlp_only_layers"])
+    for flag, archs in UNUSED_SIZES.items():  # (said, not refused: one command line for every --arch)
+        if SIZE_FLAGS[flag] in overrides and args.arch not in archs:
+            logging.getLogger("moemesh").warning(f"--{flag} applies to {', '.join(archs)} only: --arch {args.arch} "
+                                                 f"has none, and ignores it")
     try:
         spec = replace(base, arch=args.arch, **overrides)
     except ValueError as e:
         message = str(e)
         for flag, field in [*SIZE_FLAGS.items(), ("mlp-only-layers", "mlp_only_layers"), ("rope-theta", "rope_theta")]:
-            message = message.replace(field, f"--{flag}")
+            message = re.sub(rf"\b{field}\b", f"--{flag}", message)
         raise CLIError(message) from None
     try:
         out = write_tiny_model(spec, args.out)

@@ -365,6 +365,7 @@ class LocalMesh:
         import zmq
 
         from moemesh.mesh_security import MeshKeys
+        from moemesh.netutil import connect
         from moemesh.protocol import Codec, WorkerFailed
 
         ctx = zmq.Context()
@@ -374,7 +375,7 @@ class LocalMesh:
             sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}.{self.tokens[name]}".encode())
             if self.worker.mesh_keys:
                 MeshKeys(self.worker.mesh_keys).connect(sock, "worker")
-            sock.connect(self.worker_address)
+            connect(sock, self.worker_address)
             sock.send_multipart(Codec.encode(WorkerFailed(p, t, f"killed by signal {-proc.returncode} (its launcher "
                                                                 f"saw it)")))
             sock.close(linger=1000)

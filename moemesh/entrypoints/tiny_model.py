@@ -91,6 +91,9 @@ class TinyModelSpec:
             raise ValueError("hidden_size must be divisible by num_heads unless head_dim is given")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be divisible by num_kv_heads")
+        if (self.head_dim or self.hidden_size // self.num_heads) % 2:  # (every loader refuses it)
+            raise ValueError(f"head_dim (hidden_size / num_heads unless given) must be even for rotary embeddings, "
+                             f"got {self.head_dim or self.hidden_size // self.num_heads}")
         if self.is_moe and not 1 <= self.top_k <= self.num_experts:
             raise ValueError("need 1 <= top_k <= num_experts")
         if self.arch == "mixtral" and self.norm_topk_prob is False:

@@ -17,8 +17,13 @@ import time
 from coordinator.core import EngineCore
 from coordinator.scheduler import SchedulerConfig
 from coordinator.step_loop import StepLoop
-from moemesh.protocol import Codec, SampledToken, Schedule, SeqWork, StepResult
+from moemesh.errors import CLIError
+from moemesh.protocol import MAX_KV_BLOCKS, Codec, SampledToken, Schedule, SeqWork, StepResult
 from moemesh.sampling import SamplingParams
+
+# tokens the sequences of one measurement may hold: their prompts are lists in this process (about
+# 40 bytes a token), and the pool's blocks a list of ids
+MAX_TOKENS = 1 << 25
 
 
 def _answer(sched: Schedule) -> StepResult:
@@ -73,6 +78,11 @@ def measure(num_seqs: int, context: int, steps: int, block_size: int, in_flight:
 
 
 def run_scheduler_bench(args) -> int:
+    longest = max(args.context)
+    tokens = args.seqs * (longest + args.steps + 2)
+    if tokens > MAX_TOKENS or args.seqs * -(-(longest + args.steps + 2) // args.block_size) > MAX_KV_BLOCKS:
+        raise CLIError(f"--seqs {args.seqs} --context {longest} --steps {args.steps}: {tokens:,} tokens, more than "
+                       f"this bench holds in memory ({MAX_TOKENS:,})")
     measure(args.seqs, 16, 20, args.block_size, args.in_flight)  # warm-up
     rows = []
     for context in args.context:
