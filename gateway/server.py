@@ -566,10 +566,9 @@ class Gateway:
         except msgspec.ValidationError as e:
             raise HTTPError(400, f"invalid request: {e}") from None
         except HTTPError as e:
-            if e.param in api.FIELDS:  # (the chat field's name in the message too, where it stands alone)
+            if e.param in api.FIELDS:  # (the chat field's name in the message too, where the message opens with it)
                 named = api.FIELDS[e.param]
-                e.message = re.sub(rf"(?<![\w.]){re.escape(e.param)}(?![\w])", api.NAMES.get(e.param, named),
-                                   e.message)
+                e.message = re.sub(rf"^{re.escape(e.param)}(?![\w])", api.NAMES.get(e.param, named), e.message)
                 e.param = named
             raise
 

@@ -192,20 +192,24 @@ def template_messages(messages: list[dict]) -> list[dict]:
         if calls is not None:
             if not isinstance(calls, list) or not all(map(_is_call, calls)):
                 raise ToolError("an assistant message's tool_calls must be a list of {id, type: function, function: "
-                                "{name, arguments}} objects, arguments a JSON string", "messages")
+                                "{name, arguments}} objects, arguments a JSON string or an object", "messages")
             m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
         out.append(m)
     return out
 
 
 def _is_call(call: Any) -> bool:
+    """OpenAI's shape of an earlier call; arguments as an object too, or left out (as vLLM takes them)."""
     fn = call.get("function") if isinstance(call, dict) else None
-    return (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+    return (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments", {}), (str, dict))
             and isinstance(call.get("id", ""), str) and call.get("type", "function") == "function")
 
 
 def _with_object_arguments(call: dict) -> dict:
     fn = call["function"]
+    if not isinstance(fn.get("arguments"), str):  # (an object already, or none: vLLM's {})
+        return {**call, "function": {**fn, "arguments": fn.get("arguments", {})}}
     try:
         arguments = json.loads(fn["arguments"])
     except (ValueError, RecursionError):  # (nesting past the parser's depth: text too)

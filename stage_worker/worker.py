@@ -64,8 +64,10 @@ def advertised_host(host: str, coordinator: str) -> str:
     if host not in ("0.0.0.0", "::", "[::]", "*", ""):
         return url_host(host)
     target = coordinator.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    # (an IPv4 wildcard listens on IPv4 only, `netutil.bind`: its address is an IPv4 one; :: is dual-stack)
+    ipv4_only = ":" not in host
     try:
-        family = socket.getaddrinfo(target, None, type=socket.SOCK_DGRAM)[0][0]
+        family = socket.getaddrinfo(target, None, socket.AF_INET if ipv4_only else 0, socket.SOCK_DGRAM)[0][0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:  # (a UDP connect sends nothing: it picks a route)
             probe.connect((target, 9))
             local = probe.getsockname()[0]
@@ -172,7 +174,7 @@ class StageWorker:
             self.guard.close()
             self.ctx.destroy(linger=0)
             raise
-        host = cfg.advertise_host or advertised_host(cfg.host, cfg.coordinator)
+        host = url_host(cfg.advertise_host) if cfg.advertise_host else advertised_host(cfg.host, cfg.coordinator)
         address = f"tcp://{host}:{port}"
         # a stage's ranks share a host: their process group meets on loopback (it has no authentication
         # of its own; docs/security.md says what else to firewall)

@@ -311,6 +311,7 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
         *((http("POST", chat, {"messages": [*user, {"role": "assistant", "tool_calls": calls}]}), "messages")
           for calls in ("x", ["x"], [{"id": "a"}], [{"id": "a", "type": "function",
                                                      "function": {"name": "f", "arguments": 5}}])),
+        # (arguments as an object, or left out, are taken, as vLLM takes them: below)
         (http("POST", f"{server.url}/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}), "n"),
         (http("POST", f"{server.url}/v1/completions", {"prompt": "word " * 200_000}), "prompt"),
         (http("POST", f"{server.url}/tokenize", {"prompt": "word " * 200_000}), "prompt"),
@@ -366,6 +367,12 @@ def test_more_bad_input_is_a_400_not_a_500_or_a_retry(server):
                {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}]:
         status, body, _ = http("POST", chat, {"messages": user, "max_tokens": 2, **ok})
         assert status == 200, (ok, body)
+    # an earlier call's arguments as an object, or left out (vLLM takes both)
+    for fn in ({"name": "f", "arguments": {"a": 1}}, {"name": "f"}):
+        earlier = [*user, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": fn}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+        status, body, _ = http("POST", chat, {"messages": earlier, "max_tokens": 2})
+        assert status == 200, (fn, body)
     # what OpenAI's API and vLLM take: null for a field with a default (the default), top_k -1 (off), any
     # 64-bit seed
     completions = f"{server.url}/v1/completions"

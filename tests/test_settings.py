@@ -98,6 +98,8 @@ def test_a_worker_on_a_wildcard_host_advertises_an_address_the_other_stages_can_
     assert advertised_host("0.0.0.0", "tcp://127.0.0.1:5555") == "127.0.0.1"
     assert advertised_host("10.1.2.3", "tcp://127.0.0.1:5555") == "10.1.2.3"
     assert advertised_host("::", "tcp://[::1]:5555") == "[::1]"
+    # (an IPv4 wildcard listens on IPv4 only: never an IPv6 address, whatever the coordinator's)
+    assert advertised_host("0.0.0.0", "tcp://[::1]:5555") == advertised_host("*", "tcp://[::1]:5555") == "127.0.0.1"
     assert advertised_host("*", "tcp://nohost.invalid:5555") == "127.0.0.1"  # (no route: loopback)
     # a coordinator at one of this host's own non-loopback addresses: that address, the route's source
     own = [a for a in map(_ipv4_of, (name for _, name in socket.if_nameindex())) if a and not a.startswith("127.")]

@@ -24,6 +24,7 @@ from moemesh.sampling import SamplingParams
 # tokens the sequences of one measurement may hold: their prompts are lists in this process (about
 # 40 bytes a token), and the pool's blocks a list of ids
 MAX_TOKENS = 1 << 25
+WARM_UP = (16, 20)  # (context, steps) of the run before the measured ones
 
 
 def _answer(sched: Schedule) -> StepResult:
@@ -79,11 +80,13 @@ def measure(num_seqs: int, context: int, steps: int, block_size: int, in_flight:
 
 def run_scheduler_bench(args) -> int:
     longest = max(args.context)
-    tokens = args.seqs * (longest + args.steps + 2)
-    if tokens > MAX_TOKENS or args.seqs * -(-(longest + args.steps + 2) // args.block_size) > MAX_KV_BLOCKS:
-        raise CLIError(f"--seqs {args.seqs} --context {longest} --steps {args.steps}: {tokens:,} tokens, more than "
-                       f"this bench holds in memory ({MAX_TOKENS:,})")
-    measure(args.seqs, 16, 20, args.block_size, args.in_flight)  # warm-up
+    per_seq = max(longest + args.steps, WARM_UP[0] + WARM_UP[1]) + 2  # (the warm-up's sequences too)
+    tokens, blocks = args.seqs * per_seq, args.seqs * -(-per_seq // args.block_size)
+    if tokens > MAX_TOKENS or blocks > MAX_KV_BLOCKS:
+        raise CLIError(f"--seqs {args.seqs} --context {longest} --steps {args.steps} --block-size {args.block_size}: "
+                       f"{tokens:,} tokens in {blocks:,} blocks, more than this bench holds in memory "
+                       f"({MAX_TOKENS:,} tokens, {MAX_KV_BLOCKS:,} blocks)")
+    measure(args.seqs, *WARM_UP, args.block_size, args.in_flight)
     rows = []
     for context in args.context:
         row = measure(args.seqs, context, args.steps, args.block_size, args.in_flight)
