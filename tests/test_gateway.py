@@ -1186,14 +1186,18 @@ def test_beam_search_through_chat_and_what_it_refuses(model, server):
                        "ignore_eos": True}).encode()
     conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    deadline = time.monotonic() + 10
+    # (each wait its own deadline: /metrics shows the status as last polled, and a loaded CI machine once
+    # spent a shared 10 s before the search was seen running)
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not metric(server, "vllm:num_requests_running"):
         time.sleep(0.02)
     conn.close()
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (metric(server, "vllm:num_requests_running") or
                                            metric(server, "vllm:kv_cache_usage_perc")):
         time.sleep(0.2)
     assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and metric(server, "vllm:request_success_total", finished_reason="abort") \
             < aborted + 4:
         time.sleep(0.1)
