@@ -49,6 +49,11 @@ TIMELINE_SPANS = 4096  # the newest steps of each stage (and of the coordinator)
 WORKER_TOKEN = "MOEMESH_WORKER_TOKEN"
 
 
+def worker_identity(pp_rank: int, tp_rank: int, pid: int, token: str) -> bytes:
+    """A stage worker's identity on the coordinator's link (its own, and its launcher's death report)."""
+    return f"w{pp_rank}.{tp_rank}.{pid}.{token}".encode()
+
+
 # -- tensors ------------------------------------------------------------------------------------
 
 TENSOR_ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}  # dtype name -> bytes

@@ -36,7 +36,7 @@ from moemesh.mesh_security import MeshGuard, check_exposure
 from moemesh.netutil import BadMessages, LinkState, bind, connect, receive, set_heartbeats, url_host
 from moemesh.protocol import (PROTOCOL_VERSION, WORKER_TOKEN, Activations, Assignment, Codec, CoordinatorMessage, Heartbeat,
                               ProtocolError, Ping, Ready, Register, Repoint, Reset, Schedule, Shutdown, Start,
-                              WorkerFailed)
+                              WorkerFailed, worker_identity)
 from moemesh.settings import WorkerSettings
 from moemesh_kernels.memory import use_huge_pages
 from stage_worker.executor import StageExecutor
@@ -72,7 +72,7 @@ def advertised_host(host: str, coordinator: str) -> str:
             probe.connect((target, 9))
             local = probe.getsockname()[0]
     except OSError:
-        return "[::1]" if ":" in host else "127.0.0.1"
+        return "127.0.0.1" if ipv4_only else "[::1]"
     return f"[{local}]" if ":" in local else local
 
 
@@ -151,7 +151,7 @@ class StageWorker:
         # and one nobody else can guess (the coordinator lets a reconnection with it take over its route)
         if self.identity is None:
             token = os.environ.pop(WORKER_TOKEN, "") or secrets.token_hex(16)
-            self.identity = f"w{self.cfg.pp_rank}.{self.cfg.tp_rank}.{os.getpid()}.{token}".encode()
+            self.identity = worker_identity(self.cfg.pp_rank, self.cfg.tp_rank, os.getpid(), token)
         sock.setsockopt(zmq.IDENTITY, self.identity)
         set_heartbeats(sock)
         # more than the largest schedule or activations: cut off
@@ -566,6 +566,8 @@ class StageWorker:
                 await self.arrival.wait()
                 continue
             stream = held.pop(0)
+            if not held:
+                del self.arrived[step_id]
             if self._fit(step_id, stream, num_tokens):
                 self.arrived.pop(step_id, None)  # (any other is a duplicate)
                 return stream

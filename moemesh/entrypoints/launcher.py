@@ -366,13 +366,13 @@ class LocalMesh:
 
         from moemesh.mesh_security import MeshKeys
         from moemesh.netutil import connect
-        from moemesh.protocol import Codec, WorkerFailed
+        from moemesh.protocol import Codec, WorkerFailed, worker_identity
 
         ctx = zmq.Context()
         try:  # best effort: the heartbeat timeout and the replacement's registration tell it anyway
             p, t = (int(part.split("=")[1]) for part in name.split()[1:3])
             sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"w{p}.{t}.{proc.pid}.{self.tokens[name]}".encode())
+            sock.setsockopt(zmq.IDENTITY, worker_identity(p, t, proc.pid, self.tokens[name]))
             if self.worker.mesh_keys:
                 MeshKeys(self.worker.mesh_keys).connect(sock, "worker")
             connect(sock, self.worker_address)
